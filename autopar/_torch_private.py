@@ -1,0 +1,108 @@
+"""Every private PyTorch API that autopar uses, in one place, behind a version check.
+
+PyTorch's private modules (DTensor's sharding propagator, AOTAutograd's joint export, the fake
+process group) change between releases. autopar is verified against the releases listed in
+``SUPPORTED``; importing it on another release raises an error that says so, rather than
+failing later inside a planner with an obscure ``AttributeError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+
+__all__ = [
+    "SUPPORTED",
+    "check_torch_version",
+    "sharding_propagator",
+    "enumerate_op_strategy",
+    "redistribute_local",
+    "init_fake_process_group",
+    "export_joint",
+    "ExplicitRedistribution",
+]
+
+SUPPORTED = ("2.13",)
+
+
+def check_torch_version() -> None:
+    """Raise ``RuntimeError`` unless the running torch release is one autopar was verified on."""
+    release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    if release not in SUPPORTED:
+        raise RuntimeError(
+            f"autopar uses private PyTorch APIs verified on torch {', '.join(SUPPORTED)}; "
+            f"found torch {torch.__version__}. Install torch==2.13.0 (see README)."
+        )
+
+
+check_torch_version()
+
+from torch.distributed.tensor import DTensor  # noqa: E402
+from torch.distributed.tensor._op_schema import OpSchema, OpStrategy  # noqa: E402
+from torch.distributed.tensor._ops.single_dim_strategy import (  # noqa: E402
+    _expand_single_dim_strategy_to_mesh,
+)
+from torch.distributed.tensor._redistribute import redistribute_local_tensor  # noqa: E402
+from torch.distributed.tensor._utils import ExplicitRedistributionContext  # noqa: E402
+
+
+def sharding_propagator() -> Any:
+    """DTensor's global sharding propagator (holds the per-op strategy registries)."""
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+def has_rule(op: torch._ops.OpOverload) -> bool:
+    """Whether DTensor (or a rule autopar registered into it) knows a strategy for ``op``."""
+    prop = sharding_propagator()
+    return op in prop.op_strategy_funcs or op in prop.op_single_dim_strategy_funcs
+
+
+def enumerate_op_strategy(
+    op: torch._ops.OpOverload, schema: OpSchema, out_meta: Any, mesh: Any
+) -> OpStrategy | None:
+    """All of DTensor's candidate strategies for ``op`` on ``mesh``.
+
+    ``schema`` holds an ``OpStrategy`` for every tensor argument (the candidate placements of
+    its producer). Returns ``None`` when DTensor has no rule for the op.
+    """
+    prop = sharding_propagator()
+    single = prop.op_single_dim_strategy_funcs.get(op)
+    if single is not None:
+        fn = _expand_single_dim_strategy_to_mesh(mesh, schema, single, out_meta)
+        return fn(op, schema.args_meta, schema.kwargs_meta)
+    fn = prop.op_strategy_funcs.get(op)
+    if fn is None:
+        return None
+    return fn(schema)
+
+
+def redistribute_local(local: torch.Tensor, src_spec: Any, dst_spec: Any) -> torch.Tensor:
+    """Redistribute a local shard between specs, including ``Replicate -> Partial``.
+
+    Public ``DTensor.redistribute`` refuses ``Replicate -> Partial`` (needed, for example, by a
+    row-parallel bias); DTensor's internal routine performs it locally, with no communication.
+    """
+    return redistribute_local_tensor(local, src_spec, dst_spec)
+
+
+def init_fake_process_group(world_size: int) -> None:
+    """Initialise the single-process "fake" backend so DeviceMeshes of any size can be built."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
+def export_joint(
+    module: torch.nn.Module, args: tuple[Any, ...], stack: contextlib.ExitStack
+) -> Any:
+    """AOTAutograd joint forward+backward export with input/output descriptors."""
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+    with torch.fx.traceback.preserve_node_meta():
+        return aot_export_joint_with_descriptors(stack, module, args)
+
+
+ExplicitRedistribution: Callable[..., Any] = ExplicitRedistributionContext

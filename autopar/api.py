@@ -1,0 +1,87 @@
+"""Public entry points: :func:`plan` and :func:`parallelize` (orchestration only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autopar.capture import capture
+from autopar.config import Config
+from autopar.errors import MeshError, PlanError
+from autopar.mesh import Mesh
+from autopar.plan import Plan
+from autopar.runtime.module import ParallelModule
+from autopar.solver.planner import make_plan
+
+__all__ = ["plan", "parallelize"]
+
+
+def plan(model: nn.Module, mesh: Mesh, example_inputs: Any, *, config: Config | None = None,
+         cost_passes: Sequence[Callable[..., Any]] = (),
+         progress: Callable[[str], None] | None = None) -> Plan:
+    """Trace ``model`` on ``example_inputs`` and solve for the best plan on ``mesh``.
+
+    ``example_inputs``: a tuple of positional inputs (or a dict of keyword inputs) for one global
+    training batch; the model must return a scalar loss. Works without devices: build the model
+    under ``FakeTensorMode`` and use ``Mesh.virtual(...)`` to plan for any cluster.
+    """
+    config = config or Config()
+    traced = capture(model, example_inputs)
+    return make_plan(traced, mesh, config, cost_passes, progress)
+
+
+def _device_mesh(p: Plan, mesh: Mesh) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(mesh.device_type, p.mesh_shape, mesh_dim_names=p.axis_names)
+
+
+def _check_same_plan(p: Plan) -> None:
+    """Every rank must run the same plan: compare a hash across ranks, fail instead of hanging."""
+    digest = bytes.fromhex(p.digest())[:8]
+    mine = torch.tensor(list(digest), dtype=torch.int64)
+    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    bad = [r for r, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
+    if bad:
+        raise PlanError(
+            f"ranks {bad} computed a different plan than rank 0 (different model, inputs, config "
+            f"or library version). Make every rank build the same model and inputs, or load one "
+            f"saved plan everywhere with parallelize(..., plan='plan.json').")
+
+
+def parallelize(model: nn.Module, mesh: Mesh, example_inputs: Any = None, *,
+                plan: Plan | str | Path | None = None, config: Config | None = None,
+                cost_passes: Sequence[Callable[..., Any]] = (), compile: bool = False) -> ParallelModule:
+    """Plan (or load ``plan``), lower and return a :class:`ParallelModule` for this job.
+
+    Must run on every rank of the job, with the same model (same initial weights) and inputs.
+    ``compile=True`` compiles the per-rank program with ``torch.compile`` (inductor).
+    """
+    from autopar.passes.lower import lower_to_local
+
+    mesh.check_world()
+    config = config or Config()
+    traced = capture(model, example_inputs)
+    if plan is None:
+        the_plan = make_plan(traced, mesh, config, cost_passes)
+    else:
+        the_plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+        if the_plan.model_fingerprint != traced.fingerprint():
+            raise PlanError(
+                f"the plan was made for another model or input shapes (fingerprint "
+                f"{the_plan.model_fingerprint}, this model {traced.fingerprint()}); re-plan with "
+                f"autopar.plan(model, mesh, example_inputs).")
+    if int(torch.tensor(the_plan.mesh_shape).prod()) != mesh.size:
+        raise MeshError(
+            f"the plan is for a mesh {the_plan.mesh_shape} ({int(torch.tensor(the_plan.mesh_shape).prod())} "
+            f"devices) but the job has {mesh.size}; re-plan for this mesh.")
+    _check_same_plan(the_plan)
+    dm = _device_mesh(the_plan, mesh)
+    local = lower_to_local(traced.gm, the_plan, dm)
+    compiled = torch.compile(local, dynamic=False) if compile else None
+    return ParallelModule(model, traced, the_plan, dm, local, compiled)

@@ -1,0 +1,360 @@
+"""Capture: an unmodified ``nn.Module`` and example inputs -> :class:`TracedGraph`.
+
+``torch.export.export`` (non-strict) gives an aten-level forward graph; AOTAutograd's
+``aot_export_joint_with_descriptors`` turns it into one joint forward+backward graph whose
+placeholders and outputs carry descriptors (parameter, user input, tangent; loss, gradient).
+Models built under ``FakeTensorMode`` are traced without allocating a single weight. The meta
+device is refused: under it cross-entropy silently loses its backward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import os
+import re
+import time
+import traceback
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._pytree import tree_flatten
+
+from autopar import _torch_private as private
+from autopar.errors import CaptureError, InputMismatchError
+from autopar.graph import InputInfo, Layer, ParamInfo, TracedGraph
+
+__all__ = ["capture", "normalize_inputs", "extract_loss"]
+
+_WRAP = "model."
+
+
+def normalize_inputs(example_inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Split example inputs into ``(args, kwargs)``: a tuple/list is positional, a dict keywords."""
+    if example_inputs is None:
+        raise InputMismatchError(
+            "example_inputs is required to plan: pass a tuple of positional inputs (or a dict of "
+            "keyword inputs) shaped like one training batch."
+        )
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    raise InputMismatchError(
+        f"example_inputs of type {type(example_inputs).__name__}: give a tuple of positional "
+        f"inputs or a dict of keyword inputs."
+    )
+
+
+def extract_loss(out: Any) -> torch.Tensor:
+    """The scalar loss a model returned: a tensor, an object with ``.loss``, or a tuple's first."""
+    if isinstance(out, torch.Tensor):
+        loss = out
+    elif hasattr(out, "loss") and isinstance(getattr(out, "loss"), torch.Tensor):
+        loss = out.loss
+    elif isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        loss = out[0]
+    else:
+        raise CaptureError(
+            f"the model returned {type(out).__name__}; autopar trains on a scalar loss: return it "
+            f"as a tensor, as `.loss` (Hugging Face: pass labels), or as the first tuple element."
+        )
+    if loss.dim() != 0:
+        raise CaptureError(
+            f"the model's loss has shape {tuple(loss.shape)}; a scalar is required (reduce it "
+            f"with .mean() or .sum() inside the model)."
+        )
+    return loss
+
+
+class _LossModule(nn.Module):
+    """Wraps the user's model so the traced function returns the scalar loss."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return extract_loss(self.model(*args, **kwargs))
+
+
+def capture(model: nn.Module, example_inputs: Any) -> TracedGraph:
+    """Trace ``model`` on ``example_inputs`` into a joint forward+backward :class:`TracedGraph`.
+
+    Requires: the model returns a scalar loss (see :func:`extract_loss`) and has no data-dependent
+    control flow. If its parameters are fake tensors, inputs may be real or fake; nothing is
+    materialised. Raises :class:`CaptureError` naming the module and source line on failure.
+    """
+    start = time.perf_counter()
+    args, kwargs = normalize_inputs(example_inputs)
+    _check_signature(model, args, kwargs)
+    _refuse_meta(model)
+    fake_mode = _fake_mode_of(model)
+    if fake_mode is not None:
+        args, kwargs = _to_fake((args, kwargs), fake_mode)
+    wrapper = _LossModule(model)
+    ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
+    with ctx, contextlib.ExitStack() as stack:
+        ep = _export(wrapper, args, kwargs)
+        flat_args, in_spec = tree_flatten((args, kwargs))
+        try:
+            joint = private.export_joint(ep.module(), args, stack) if not kwargs else \
+                _export_joint_kwargs(ep.module(), args, kwargs, stack)
+        except Exception as e:
+            raise CaptureError(
+                f"tracing the backward of {type(model).__name__} failed: {_first_line(e)}"
+                f"{_user_frame(e)}"
+            ) from e
+    gm = joint.graph_module
+    _strip_input_grads(gm)
+    return _build(gm, wrapper, in_spec, fake_mode is not None, time.perf_counter() - start)
+
+
+def _export_joint_kwargs(mod: nn.Module, args: tuple, kwargs: dict, stack: Any) -> Any:
+    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+
+    with torch.fx.traceback.preserve_node_meta():
+        return aot_export_joint_with_descriptors(stack, mod, args, kwargs)
+
+
+def _check_signature(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    try:
+        inspect.signature(model.forward).bind(*args, **kwargs)
+    except TypeError as e:
+        raise InputMismatchError(
+            f"example inputs do not match {type(model).__name__}.forward"
+            f"{inspect.signature(model.forward)}: {e}. Pass example_inputs exactly as you would "
+            f"call the model (a tuple of positional inputs, or a dict of keyword inputs)."
+        ) from e
+
+
+def _refuse_meta(model: nn.Module) -> None:
+    for name, p in model.named_parameters():
+        if p.device.type == "meta":
+            raise CaptureError(
+                f"parameter {name!r} is on the meta device, under which the backward of "
+                f"cross-entropy is silently lost. Build the model under "
+                f"torch._subclasses.fake_tensor.FakeTensorMode() instead to plan without memory."
+            )
+
+
+def _fake_mode_of(model: nn.Module) -> FakeTensorMode | None:
+    modes = {id(p.fake_mode): p.fake_mode for p in model.parameters() if isinstance(p, FakeTensor)}
+    if len(modes) > 1:
+        raise CaptureError("the model's parameters come from several FakeTensorModes; use one.")
+    if modes and any(not isinstance(p, FakeTensor) for p in model.parameters()):
+        raise CaptureError("the model mixes fake and real parameters; build it wholly in one mode.")
+    return next(iter(modes.values()), None)
+
+
+def _to_fake(tree: Any, mode: FakeTensorMode) -> Any:
+    from torch.utils._pytree import tree_map_only
+
+    def conv(t: torch.Tensor) -> torch.Tensor:
+        return t if isinstance(t, FakeTensor) else mode.from_tensor(t)
+
+    return tree_map_only(torch.Tensor, conv, tree)
+
+
+def _export(wrapper: nn.Module, args: tuple, kwargs: dict) -> Any:
+    try:
+        return torch.export.export(wrapper, args, kwargs, strict=False)
+    except Exception as e:
+        msg = str(e)
+        kind = "data-dependent control flow" if (
+            "data-dependent" in msg or "data dependent" in msg or "GuardOnDataDependent" in msg
+        ) else "an untraceable construct"
+        raise CaptureError(
+            f"could not trace {type(wrapper.model).__name__}: {kind}{_user_frame(e)}. "
+            f"autopar needs one whole graph: replace Python branches on tensor values with "
+            f"torch.where / torch.cond, and keep shapes independent of data. Cause: "
+            f"{_first_line(e)}"
+        ) from e
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _user_frame(e: BaseException) -> str:
+    """`` at file:line (code)`` of the innermost frame outside torch, if any."""
+    torch_dir = os.path.dirname(torch.__file__)
+    here = os.path.dirname(__file__)
+    frames = [
+        f for f in traceback.extract_tb(e.__traceback__)
+        if not f.filename.startswith(torch_dir) and not f.filename.startswith(here)
+    ]
+    if not frames:
+        m = re.search(r'File "([^"]+)", line (\d+)', str(e))
+        return f" at {m.group(1)}:{m.group(2)}" if m else ""
+    f = frames[-1]
+    return f" at {f.filename}:{f.lineno} in {f.name} ({(f.line or '').strip()})"
+
+
+def _strip_input_grads(gm: fx.GraphModule) -> None:
+    """Replace gradients of user inputs (never wanted) by ``None`` outputs, then clean up."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    descs = out.meta.get("desc") or []
+    vals = list(out.args[0])
+    changed = False
+    for i, d in enumerate(descs):
+        if type(d).__name__ == "GradAOTOutput" and type(d.grad_of).__name__ == "PlainAOTInput":
+            if vals[i] is not None:
+                vals[i] = None
+                changed = True
+    if changed:
+        out.args = (tuple(vals),)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+
+
+def _build(
+    gm: fx.GraphModule, wrapper: nn.Module, in_spec: Any, is_fake: bool, elapsed: float
+) -> TracedGraph:
+    """Read descriptors off the joint graph into a :class:`TracedGraph`."""
+    owner: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for name, p in wrapper.named_parameters(remove_duplicate=False):
+        short = name[len(_WRAP):] if name.startswith(_WRAP) else name
+        if id(p) in owner:
+            tied[short] = owner[id(p)]
+        else:
+            owner[id(p)] = short
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    out_descs = out.meta.get("desc") or []
+    grad_index: dict[str, int] = {}
+    loss_index = None
+    for i, d in enumerate(out_descs):
+        kind = type(d).__name__
+        if kind == "GradAOTOutput" and type(d.grad_of).__name__ == "ParamAOTInput":
+            grad_index[_short(d.grad_of.target)] = i
+        elif kind == "PlainAOTOutput" and d.idx == 0:
+            loss_index = i
+    if loss_index is None:
+        raise CaptureError("the traced graph has no loss output; the model must return a loss.")
+    params, inputs, tangents, buffers = [], [], [], []
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        desc = n.meta.get("desc")
+        kind = type(desc).__name__
+        val = n.meta["val"]
+        if kind == "ParamAOTInput":
+            name = _short(desc.target)
+            params.append(ParamInfo(name, n.name, tuple(val.shape), val.dtype,
+                                    grad_index.get(name), tied.get(name)))
+        elif kind == "PlainAOTInput":
+            inputs.append(InputInfo(desc.idx, n.name, tuple(val.shape), val.dtype))
+        elif kind == "TangentAOTInput":
+            tangents.append(n.name)
+        elif kind == "BufferAOTInput":
+            buffers.append(n.name)
+        else:
+            raise CaptureError(f"unsupported graph input {n.name} ({desc}); please report it.")
+    if buffers:
+        raise CaptureError(
+            f"the model has buffers {buffers} used in the graph; buffers are not supported yet. "
+            f"Register them as non-persistent constants or parameters with requires_grad=False."
+        )
+    node_layer, layers = _layers(gm, params)
+    return TracedGraph(
+        gm=gm, params=tuple(params), inputs=tuple(inputs), tangent_nodes=tuple(tangents),
+        loss_output_index=loss_index, num_outputs=len(out_descs), layers=layers,
+        node_layer=node_layer, is_fake=is_fake, input_spec=in_spec, capture_time_s=elapsed,
+    )
+
+
+def _short(target: str) -> str:
+    return target[len(_WRAP):] if target.startswith(_WRAP) else target
+
+
+def _repeated_prefix(params: list[ParamInfo]) -> str | None:
+    """The module list holding most parameters under integer children (``blocks``, ``h``)."""
+    counts: Counter[str] = Counter()
+    indices: dict[str, set[str]] = {}
+    for p in params:
+        parts = p.name.split(".")
+        for i in range(len(parts) - 1):
+            if parts[i].isdigit():
+                prefix = ".".join(parts[:i])
+                counts[prefix] += 1
+                indices.setdefault(prefix, set()).add(parts[i])
+                break
+    candidates = [(c, pfx) for pfx, c in counts.items() if len(indices[pfx]) >= 2]
+    return max(candidates)[1] if candidates else None
+
+
+def _module_paths(n: fx.Node) -> list[str]:
+    stack = n.meta.get("nn_module_stack") or n.meta.get("fwd_nn_module_stack") or {}
+    return [_short(v[0]) if isinstance(v, tuple) else str(v) for v in stack.values()]
+
+
+def _layers(gm: fx.GraphModule, params: list[ParamInfo]) -> tuple[dict[str, str], tuple[Layer, ...]]:
+    """Assign every node to a layer (``prefix.N`` of the repeated module, or ``""``)."""
+    prefix = _repeated_prefix(params)
+    pat = re.compile(rf"^{re.escape(prefix)}\.(\d+)(\.|$)") if prefix else None
+    param_layer = {}
+    for p in params:
+        m = pat.match(p.name) if pat else None
+        param_layer[p.node] = f"{prefix}.{m.group(1)}" if m else ""
+    node_layer: dict[str, str] = {}
+    index = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            node_layer[n.name] = param_layer.get(n.name, "")
+            continue
+        if n.op != "call_function":
+            continue
+        layer = None
+        paths = _module_paths(n)
+        if pat is not None:
+            for path in paths:
+                m = pat.match(path)
+                if m:
+                    layer = f"{prefix}.{m.group(1)}"
+                    break
+        if layer is None and any(paths):
+            layer = ""
+        if layer is None:
+            # Glue nodes (e.g. gradient accumulation of the residual stream) have no module
+            # stack: they belong with the first input that has a layer.
+            # the latest-computed input (in backward: this layer's branch, not the incoming
+            # gradient from the layer above).
+            order = [a for a in n.all_input_nodes if node_layer.get(a.name)]
+            layer = node_layer[max(order, key=lambda a: index[a.name]).name] if order else ""
+
+        node_layer[n.name] = layer
+    groups: dict[str, list[str]] = {}
+    for name, layer in node_layer.items():
+        groups.setdefault(layer, []).append(name)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    layers = tuple(
+        Layer(name, tuple(members), _fingerprint(members, nodes, node_layer))
+        for name, members in groups.items()
+    )
+    return node_layer, layers
+
+
+def _fingerprint(members: list[str], nodes: dict[str, fx.Node], node_layer: dict[str, str]) -> str:
+    """Hash of a layer's ops, shapes and internal wiring (positions, not names)."""
+    pos = {name: i for i, name in enumerate(members)}
+    h = hashlib.sha256()
+    for name in members:
+        n = nodes[name]
+        val = n.meta.get("val")
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else type(val).__name__
+        refs = []
+        for a in n.all_input_nodes:
+            refs.append(f"L{pos[a.name]}" if a.name in pos else f"X{tuple(a.meta['val'].shape) if isinstance(a.meta.get('val'), torch.Tensor) else ''}")
+        consts = [a for a in tree_flatten((n.args, n.kwargs))[0] if not isinstance(a, fx.Node)]
+        target = "placeholder" if n.op == "placeholder" else n.target
+        h.update(f"{n.op}|{target}|{shape}|{refs}|{consts}".encode())
+    return h.hexdigest()[:16]

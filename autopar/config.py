@@ -1,0 +1,71 @@
+"""``autopar.Config``: the user's knobs for planning."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+__all__ = ["Config"]
+
+_UNKNOWN_OP = ("replicate", "error")
+
+
+@dataclass(frozen=True)
+class Config:
+    """What the user fixes; every ``None`` is left to the search.
+
+    Attributes:
+        dp: data-parallel degree, or ``None`` to search.
+        tp: tensor-parallel degree, or ``None`` to search.
+        pp: pipeline-parallel degree (only 1 is supported in this release), or ``None``.
+        memory_bytes: per-device memory budget; ``None`` takes the topology preset's memory.
+        solver_time_limit_s: time limit of each ILP solve.
+        unknown_op: what to do with an operator that has no sharding rule: ``"replicate"``
+            (correct, maybe slow; recorded as a warning in the plan) or ``"error"``.
+        optimizer: optimizer whose state is counted in memory (``"adam"`` or ``"sgd"``).
+    """
+
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    memory_bytes: float | None = None
+    solver_time_limit_s: float = 30.0
+    unknown_op: str = "replicate"
+    optimizer: str = "adam"
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "tp", "pp"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(
+                    f"Config.{name}={value!r}: a parallel degree must be a positive int, or None "
+                    f"to let the search choose it."
+                )
+        if self.unknown_op not in _UNKNOWN_OP:
+            raise ValueError(
+                f"Config.unknown_op={self.unknown_op!r}: use one of {_UNKNOWN_OP}."
+            )
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"Config.optimizer={self.optimizer!r}: use 'adam' or 'sgd'.")
+        if self.memory_bytes is not None and self.memory_bytes <= 0:
+            raise ValueError(
+                f"Config.memory_bytes={self.memory_bytes!r}: give a positive per-device budget "
+                f"in bytes, or None for the topology's memory."
+            )
+        if self.solver_time_limit_s <= 0:
+            raise ValueError(
+                f"Config.solver_time_limit_s={self.solver_time_limit_s!r} must be positive."
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Config":
+        """Inverse of :meth:`to_dict`; unknown keys are an error."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown Config fields {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**data)

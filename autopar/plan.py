@@ -1,0 +1,171 @@
+"""``Plan``: what the solver chose, frozen, with JSON round trip and readable tables."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tabulate import tabulate
+
+from autopar.errors import PlanError
+
+__all__ = ["Collective", "NodePlan", "Plan", "PLAN_FORMAT"]
+
+PLAN_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a training step.
+
+    ``bytes``: per rank, the unsharded-on-this-axis buffer (all-reduced tensor, all-gather output,
+    reduce-scatter input). ``layer``: module path of the layer that needs it (``blocks.3``; ``""``
+    outside repeated layers). ``node``: the graph node whose input (or the output) it feeds.
+    """
+
+    kind: str
+    axis: str
+    bytes: int
+    phase: str
+    layer: str
+    node: str
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """Chosen placements of one node: outputs and required inputs, in text form per mesh axis."""
+
+    outputs: tuple[tuple[str, ...] | None, ...]
+    inputs: tuple[tuple[str, ...], ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A complete parallelization plan for one model, mesh and config.
+
+    Attributes:
+        degrees: ``{"dp": .., "tp": .., "pp": ..}``.
+        mesh_shape / axis_names: the logical mesh the plan runs on (row-major over ranks).
+        params: parameter name -> placement per axis (e.g. ``("R", "S(0)")``).
+        inputs: placement per flattened user input.
+        output_placements: placement of each joint-graph output (loss replicated, gradients in
+            their parameter's placement; ``None`` for outputs that are not computed).
+        nodes: joint-graph node name -> :class:`NodePlan`.
+        collectives: every collective of one step, in execution order.
+        predicted: ``step_time_s``, ``compute_s``, ``comm_s``, ``peak_memory_bytes`` (per device).
+        solver: status, gap, backend, solve time, variable counts.
+        warnings: ops replicated for lack of a rule, solver time limits, ...
+        model_fingerprint: hash of the traced graph; a plan only applies to that model.
+    """
+
+    model_fingerprint: str
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    degrees: dict[str, int]
+    params: dict[str, tuple[str, ...]]
+    inputs: tuple[tuple[str, ...], ...]
+    output_placements: tuple[tuple[str, ...] | None, ...]
+    nodes: dict[str, NodePlan] = field(repr=False)
+    collectives: tuple[Collective, ...] = field(repr=False)
+    predicted: dict[str, float]
+    solver: dict[str, Any]
+    warnings: tuple[str, ...]
+    topology: str
+    config: dict[str, Any]
+    input_shapes: tuple[tuple[int, ...], ...] = ()
+    alternatives: tuple[dict[str, Any], ...] = ()
+
+    # ---- persistence -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form (``format`` versioned)."""
+        d = asdict(self)
+        d["format"] = PLAN_FORMAT
+        return d
+
+    def to_json(self) -> str:
+        """JSON text of :meth:`to_dict`."""
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    def save(self, path: str | Path) -> None:
+        """Write the plan as JSON to ``path``."""
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        """Inverse of :meth:`to_dict`; raises :class:`PlanError` on a malformed plan."""
+        try:
+            if d.get("format") != PLAN_FORMAT:
+                raise PlanError(f"plan format {d.get('format')!r}, this autopar reads {PLAN_FORMAT}")
+            t = lambda x: tuple(x) if x is not None else None  # noqa: E731
+            return cls(
+                model_fingerprint=d["model_fingerprint"], mesh_shape=tuple(d["mesh_shape"]),
+                axis_names=tuple(d["axis_names"]), degrees=dict(d["degrees"]),
+                params={k: tuple(v) for k, v in d["params"].items()},
+                inputs=tuple(tuple(x) for x in d["inputs"]),
+                output_placements=tuple(t(o) for o in d["output_placements"]),
+                nodes={k: NodePlan(tuple(t(o) for o in v["outputs"]), tuple(tuple(i) for i in v["inputs"]))
+                       for k, v in d["nodes"].items()},
+                collectives=tuple(Collective(**c) for c in d["collectives"]),
+                predicted=dict(d["predicted"]), solver=dict(d["solver"]),
+                warnings=tuple(d["warnings"]), topology=d["topology"], config=dict(d["config"]),
+                input_shapes=tuple(tuple(s) for s in d.get("input_shapes", ())),
+                alternatives=tuple(d.get("alternatives", ())),
+            )
+        except PlanError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise PlanError(f"malformed plan ({type(e).__name__}: {e}); re-create it with autopar.plan(...)") from e
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        """Read a plan saved by :meth:`save`; a corrupt file raises :class:`PlanError`."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise PlanError(f"cannot read plan file {str(path)!r}: {e}") from e
+        return cls.from_dict(data)
+
+    def digest(self) -> str:
+        """Hash of what the ranks execute (placements, collectives, degrees), not of timings."""
+        import hashlib
+
+        d = self.to_dict()
+        keep = {k: d[k] for k in ("model_fingerprint", "mesh_shape", "axis_names", "degrees",
+                                  "params", "inputs", "output_placements", "nodes", "collectives")}
+        return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
+
+    # ---- views -------------------------------------------------------------------------------
+    def collective_counts(self, phase: str | None = None, axis: str | None = None) -> Counter:
+        """Count collectives by kind, optionally for one phase and/or axis."""
+        return Counter(c.kind for c in self.collectives
+                       if (phase is None or c.phase == phase) and (axis is None or c.axis == axis))
+
+    def __str__(self) -> str:
+        head = [
+            ["mesh", " x ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.mesh_shape))
+             + f" ({self.topology})"],
+            ["degrees", ", ".join(f"{k}={v}" for k, v in self.degrees.items())],
+            ["predicted step time", f"{self.predicted.get('step_time_s', 0) * 1e3:.3f} ms"],
+            ["  compute / comm", f"{self.predicted.get('compute_s', 0) * 1e3:.3f} / "
+                                 f"{self.predicted.get('comm_s', 0) * 1e3:.3f} ms"],
+            ["peak memory / device", f"{self.predicted.get('peak_memory_bytes', 0) / 2**20:.1f} MiB"],
+            ["solver", f"{self.solver.get('status')} ({self.solver.get('backend')}, gap "
+                       f"{self.solver.get('gap', 0):.2g}, {self.solver.get('solve_time_s', 0):.2f} s)"],
+        ]
+        parts = ["autopar plan", tabulate(head, tablefmt="simple")]
+        prm = [[name, "[" + ", ".join(p) + "]"] for name, p in self.params.items()]
+        parts += ["", "parameters", tabulate(prm, headers=["name", "placement per axis"])]
+        counts: Counter = Counter((c.layer or "-", c.phase, c.kind, c.axis) for c in self.collectives)
+        nbytes: Counter = Counter()
+        for c in self.collectives:
+            nbytes[(c.layer or "-", c.phase, c.kind, c.axis)] += c.bytes
+        rows = [[*k, v, nbytes[k]] for k, v in counts.items()]
+        parts += ["", "collectives per step",
+                  tabulate(rows, headers=["layer", "phase", "kind", "axis", "count", "bytes"])
+                  if rows else "(none)"]
+        if self.warnings:
+            parts += ["", "warnings"] + [f"- {w}" for w in self.warnings]
+        return "\n".join(parts)

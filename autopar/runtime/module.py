@@ -1,0 +1,114 @@
+"""``ParallelModule``: runs a Plan's per-rank program with DTensor parameters.
+
+Parameters are ``nn.Parameter``s wrapping DTensors under the original model's names, so
+``p.full_tensor()``, ``p.grad.full_tensor()``, ``torch.optim`` and DCP work as with PyTorch's own
+tensor parallelism. :meth:`ParallelModule.step` runs forward and backward of the whole batch in
+one local program (explicit collectives) and leaves gradients in ``p.grad``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils._pytree import tree_flatten
+
+from autopar.capture import normalize_inputs
+from autopar.errors import InputMismatchError
+from autopar.graph import TracedGraph
+from autopar.plan import Plan
+from autopar.passes.lower import placements_of
+
+__all__ = ["ParallelModule"]
+
+
+def _set_param(root: nn.Module, name: str, param: nn.Parameter) -> None:
+    *path, leaf = name.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part):
+            mod.add_module(part, nn.Module())
+        mod = getattr(mod, part)
+    mod.register_parameter(leaf, param)
+
+
+class ParallelModule(nn.Module):
+    """A model parallelized by a :class:`Plan` on a DeviceMesh (see module docstring)."""
+
+    def __init__(self, model: nn.Module, traced: TracedGraph, plan: Plan, mesh: Any,
+                 local_program: fx.GraphModule, compiled: Any = None) -> None:
+        super().__init__()
+        self.plan = plan
+        self.device_mesh = mesh
+        self._traced = traced
+        self._program = local_program
+        self._run = compiled if compiled is not None else local_program
+        self._names: list[str] = []
+        originals = dict(model.named_parameters(remove_duplicate=False))
+        by_name: dict[str, nn.Parameter] = {}
+        for p in traced.params:
+            if p.tied_to is not None:
+                by_name[p.name] = by_name[p.tied_to]
+            else:
+                full = originals[p.name].detach()
+                dt = distribute_tensor(full, mesh, placements_of(plan.params[p.name]))
+                by_name[p.name] = nn.Parameter(dt, requires_grad=originals[p.name].requires_grad)
+            _set_param(self, p.name, by_name[p.name])
+            self._names.append(p.name)
+        self._by_name = by_name
+
+    def _local_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        flat, spec = tree_flatten((args, kwargs))
+        if spec != self._traced.input_spec:
+            raise InputMismatchError(
+                f"inputs are structured as {spec}, the plan was made for "
+                f"{self._traced.input_spec}: call the model as with the example inputs.")
+        out = []
+        for info, x, placements in zip(self._traced.inputs, flat, self.plan.inputs):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != info.shape or x.dtype != info.dtype:
+                got = f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
+                raise InputMismatchError(
+                    f"input {info.index} is {got}; the plan was made for {info.shape} "
+                    f"{info.dtype}. Re-plan with example inputs of this shape (the global batch).")
+            dt = distribute_tensor(x, self.device_mesh, placements_of(placements), src_data_rank=None)
+            out.append(dt.to_local())
+        return out
+
+    def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """One forward+backward on the global batch; accumulates into ``p.grad``; returns the loss.
+
+        Every rank passes the same global batch; each keeps the shard its placement says.
+        """
+        inputs = iter(self._local_inputs(args, kwargs))
+        feeds: list[torch.Tensor] = []
+        params = {p.node: p for p in self._traced.params}
+        for n in self._program.graph.nodes:
+            if n.op != "placeholder":
+                break
+        for name in self._placeholder_order():
+            if name in params:
+                feeds.append(self._by_name[params[name].name].to_local().detach())
+            elif name in self._traced.tangent_nodes:
+                feeds.append(torch.ones((), dtype=torch.float32))
+            else:
+                feeds.append(next(inputs))
+        outs = self._run(*feeds)
+        for p in self._traced.params:
+            if p.grad_output_index is None or outs[p.grad_output_index] is None:
+                continue
+            param = self._by_name[p.name]
+            g = DTensor.from_local(outs[p.grad_output_index], self.device_mesh,
+                                   param.placements, run_check=False,
+                                   shape=param.shape, stride=param.stride())
+            param.grad = g if param.grad is None else param.grad + g
+        return outs[self._traced.loss_output_index].detach()
+
+    def _placeholder_order(self) -> list[str]:
+        return [n.name for n in self._traced.gm.graph.nodes if n.op == "placeholder"]
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Same as :meth:`step` (forward and backward run together in this release)."""
+        return self.step(*args, **kwargs)

@@ -1,0 +1,209 @@
+"""The planner: search (dp, tp) over the mesh, solve the intra-op ILP for each, build the Plan."""
+
+from __future__ import annotations
+
+import operator
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from torch.distributed.tensor import Replicate, Shard
+
+from autopar.config import Config
+from autopar.cost_models.comm import axis_collective_time
+from autopar.cost_models.passes import run_cost_passes
+from autopar.cost_models.sharding import SpaceCosts, price_space
+from autopar.errors import PlanError
+from autopar.graph import TracedGraph
+from autopar.mesh import Mesh, planning_device_mesh
+from autopar.placements import to_str
+from autopar.plan import Collective, NodePlan, Plan
+from autopar.solver.ilp import InfeasibleMemoryError
+from autopar.solver.intra_op import IntraOpResult, solve_intra_op
+from autopar.strategies.reshard import reshard_steps
+from autopar.strategies.space import StrategySpace, build_space
+
+__all__ = ["make_plan", "mesh_candidates"]
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    dp_axes: tuple[int, ...]
+
+
+def mesh_candidates(world: int, config: Config) -> list[_Candidate]:
+    """Logical meshes to try: (dp, tp) factorisations of ``world`` allowed by the config."""
+    if config.pp not in (None, 1):
+        raise PlanError(
+            f"Config(pp={config.pp}): pipeline parallelism is not available in this release; "
+            f"use pp=1 or None.")
+    out = []
+    for tp in range(1, world + 1):
+        if world % tp:
+            continue
+        dp = world // tp
+        if (config.tp is not None and config.tp != tp) or (config.dp is not None and config.dp != dp):
+            continue
+        if dp > 1 and tp > 1:
+            out.append(_Candidate((dp, tp), ("dp", "tp"), (0,)))
+        elif tp > 1 or world == 1:
+            out.append(_Candidate((tp,), ("tp",), ()))
+        else:
+            out.append(_Candidate((dp,), ("dp",), (0,)))
+    if not out:
+        raise PlanError(
+            f"no (dp, tp) with dp * tp = {world} devices matches Config(dp={config.dp}, "
+            f"tp={config.tp}); choose degrees whose product is the mesh size, or leave them None.")
+    return out
+
+
+def make_plan(traced: TracedGraph, mesh: Mesh, config: Config,
+              cost_passes: Sequence[Callable[..., SpaceCosts]] = (),
+              progress: Callable[[str], None] | None = None) -> Plan:
+    """Solve every candidate logical mesh and return the plan with the lowest predicted time."""
+    budget = config.memory_bytes if config.memory_bytes is not None else mesh.topology.memory_bytes
+    results, infeasible = [], []
+    for cand in mesh_candidates(mesh.size, config):
+        with planning_device_mesh(cand.shape, cand.names) as dm:
+            space = build_space(traced, dm, cand.names, cand.dp_axes, config.unknown_op)
+        costs = run_cost_passes(price_space(traced, space, mesh.topology, config.optimizer),
+                                space, mesh.topology, cost_passes)
+        try:
+            res = solve_intra_op(traced, space, costs, budget, config.solver_time_limit_s)
+        except InfeasibleMemoryError as e:
+            infeasible.append((cand, e))
+            continue
+        plan = _build_plan(traced, mesh, config, cand, space, costs, res)
+        if progress:
+            progress(f"mesh {dict(zip(cand.names, cand.shape))}: predicted "
+                     f"{plan.predicted['step_time_s'] * 1e3:.3f} ms")
+        results.append(plan)
+    if not results:
+        need = min(e.required_bytes for _, e in infeasible)
+        raise InfeasibleMemoryError(
+            f"no plan fits the memory budget of {budget / 2**30:.3f} GiB per device on "
+            f"{mesh.size} devices; the smallest plan needs {need / 2**30:.3f} GiB. Raise "
+            f"Config.memory_bytes, use more devices, or a smaller model/batch.",
+            required_bytes=need, budget_bytes=budget)
+    results.sort(key=lambda p: p.predicted["step_time_s"])
+    best = results[0]
+    alts = tuple({"degrees": p.degrees, "mesh_shape": p.mesh_shape,
+                  "step_time_s": p.predicted["step_time_s"]} for p in results[1:])
+    return _replace(best, alternatives=alts)
+
+
+def _replace(plan: Plan, **kw: Any) -> Plan:
+    import dataclasses
+
+    return dataclasses.replace(plan, **kw)
+
+
+def _phase(node: Any) -> str:
+    return "backward" if node.meta.get("partitioner_tag") == "is_backward" else "forward"
+
+
+def _axis_roles(traced: TracedGraph, space: StrategySpace, res: IntraOpResult,
+                cand: _Candidate) -> dict[str, int]:
+    """Degrees: an axis is data parallel if every parameter is replicated on it and every
+    input is batch-sharded on it (whatever its name); otherwise it is tensor parallel."""
+    dp, tp = 1, 1
+    for axis, size in enumerate(cand.shape):
+        params_rep = all(
+            isinstance(space.nodes[p.node].strategies[res.choice[p.node]].outputs[0][axis], Replicate)
+            for p in traced.params)
+        inputs_batch = all(
+            space.nodes[i.node].strategies[res.choice[i.node]].outputs[0][axis] == Shard(0)
+            for i in traced.inputs)
+        if params_rep and inputs_batch:
+            dp *= size
+        else:
+            tp *= size
+    return {"dp": dp, "tp": tp, "pp": 1}
+
+
+def _build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidate,
+                space: StrategySpace, costs: SpaceCosts, res: IntraOpResult) -> Plan:
+    chosen = {name: space.nodes[name].strategies[i] for name, i in res.choice.items()}
+    txt = lambda pl: tuple(to_str(p) for p in pl) if pl is not None else None  # noqa: E731
+    nodes = {name: NodePlan(tuple(txt(o) for o in s.outputs), tuple(txt(i) for i in s.inputs))
+             for name, s in chosen.items()}
+    for n in traced.gm.graph.nodes:  # getitem aliases read their producer's placement
+        if n.name in space.alias:
+            src, idx = space.alias[n.name]
+            nodes[n.name] = NodePlan((nodes[src].outputs[idx],), ())
+    out_node = next(n for n in traced.gm.graph.nodes if n.op == "output")
+    rep = tuple("R" for _ in cand.shape)
+    outputs: list[tuple[str, ...] | None] = []
+    param_of_grad = {p.grad_output_index: p for p in traced.params}
+    for i, a in enumerate(out_node.args[0]):
+        if a is None:
+            outputs.append(None)
+        elif i == traced.loss_output_index:
+            outputs.append(rep)
+        else:
+            outputs.append(nodes[param_of_grad[i].node].outputs[0])
+    collectives, comm_s = _collectives(traced, cand, nodes, outputs, mesh)
+    compute_s = float(sum(costs.compute[n][i] for n, i in res.choice.items()))
+    memory = float(sum(costs.memory[n][i] for n, i in res.choice.items()))
+    sol = res.solution
+    warnings = list(space.warnings)
+    if sol.status != "optimal":
+        warnings.append(f"ILP stopped at the time limit ({config.solver_time_limit_s} s) with "
+                        f"gap {sol.gap:.3g}; raise Config.solver_time_limit_s for a better plan")
+    return Plan(
+        model_fingerprint=traced.fingerprint(), mesh_shape=cand.shape, axis_names=cand.names,
+        degrees=_axis_roles(traced, space, res, cand),
+        params={p.name: nodes[p.node].outputs[0] for p in traced.params},
+        inputs=tuple(nodes[i.node].outputs[0] for i in traced.inputs),
+        output_placements=tuple(outputs), nodes=nodes, collectives=tuple(collectives),
+        predicted={"step_time_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s,
+                   "peak_memory_bytes": memory, "ilp_objective_s": sol.objective},
+        solver={"status": sol.status, "gap": sol.gap, "backend": sol.backend,
+                "solve_time_s": sol.solve_time_s, "ilp_variables": sol.num_variables,
+                "ilp_variables_unlinked": res.variables_unlinked, "ilp_groups": res.groups,
+                "capture_time_s": traced.capture_time_s},
+        warnings=tuple(warnings), topology=mesh.topology.name, config=config.to_dict(),
+        input_shapes=tuple(i.shape for i in traced.inputs),
+    )
+
+
+def _collectives(traced: TracedGraph, cand: _Candidate, nodes: dict[str, NodePlan],
+                 outputs: list, mesh: Mesh) -> tuple[list[Collective], float]:
+    """Walk the graph as the runtime does and list every collective (deduplicated moves)."""
+    from autopar.placements import from_str
+    from autopar.strategies.space import _tensor_inputs
+
+    strides = [int(np.prod(cand.shape[a + 1:])) for a in range(len(cand.shape))]
+    done: set[tuple[str, tuple]] = set()
+    out: list[Collective] = []
+    total = 0.0
+
+    def move(arg: Any, dst: tuple[str, ...], phase: str, layer: str, consumer: str) -> None:
+        nonlocal total
+        if (arg.name, dst) in done:
+            return
+        done.add((arg.name, dst))
+        src = nodes[arg.name].outputs[0]
+        val = arg.meta["val"]
+        steps = reshard_steps(tuple(map(from_str, src)), tuple(map(from_str, dst)),
+                              tuple(val.shape), val.element_size(), cand.shape)
+        for s in steps:
+            if s.kind == "local":
+                continue
+            out.append(Collective(s.kind, cand.names[s.axis], int(s.nbytes), phase, layer, consumer))
+            total += axis_collective_time(s.kind, s.nbytes, cand.shape[s.axis], strides[s.axis],
+                                          mesh.topology)
+
+    for n in traced.gm.graph.nodes:
+        if n.op == "call_function" and n.target is not operator.getitem:
+            for a, dst in zip(_tensor_inputs(n), nodes[n.name].inputs):
+                move(a, dst, _phase(n), traced.node_layer.get(n.name, ""), n.name)
+        elif n.op == "output":
+            for i, a in enumerate(n.args[0]):
+                if a is not None:
+                    phase = "forward" if i == traced.loss_output_index else "backward"
+                    move(a, outputs[i], phase, traced.node_layer.get(a.name, ""), "output")
+    return out, total

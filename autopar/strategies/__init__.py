@@ -1,0 +1,5 @@
+"""Per-op sharding strategies: DTensor's rules, autopar's own, and the strategy space."""
+
+from autopar.strategies.rules import OpRule, register_op_rule, registered_rules
+
+__all__ = ["OpRule", "register_op_rule", "registered_rules"]

@@ -1,0 +1,107 @@
+"""Resharding: the collectives that move a tensor from one placement to another.
+
+One function, :func:`reshard_steps`, decides the sequence of single-axis moves; the cost model
+prices exactly these steps and the runtime executes exactly these steps (one
+``DTensor.redistribute`` per step), so predicted and executed collectives are the same by
+construction. Order: first undo shardings and partial sums from the last mesh axis to the first
+(so nested shards of one dim unwind in the right order), then shard locally from the first axis
+to the last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+__all__ = ["Step", "reshard_steps", "local_shape", "COMM_KINDS"]
+
+Placements = tuple[Placement, ...]
+COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One single-axis move: ``kind`` is a collective in ``COMM_KINDS`` or ``"local"``.
+
+    ``after`` is the full placement tuple once the step is done; ``nbytes`` is the size of the
+    unsharded-on-this-axis buffer per rank (the all-reduced tensor, the all-gather's output,
+    the reduce-scatter's input).
+    """
+
+    axis: int
+    kind: str
+    after: Placements
+    nbytes: int
+
+
+def local_shape(shape: Sequence[int], placements: Sequence[Placement], mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """Per-rank shape of a tensor of global ``shape`` under ``placements`` (even shards)."""
+    out = list(shape)
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            out[p.dim] //= mesh_shape[axis]
+    return tuple(out)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _shard_dim(p: Placement) -> int | None:
+    return p.dim if isinstance(p, Shard) else None
+
+
+def _axes_to_undo(cur: list[Placement], dst: Sequence[Placement]) -> set[int]:
+    ndim = len(cur)
+    undo = {a for a in range(ndim) if cur[a] != dst[a] and not isinstance(cur[a], Replicate)}
+    # a later axis sharding the same dim as one we change (before or after) must unwind first
+    changed = True
+    while changed:
+        changed = False
+        for a in range(ndim):
+            if cur[a] == dst[a] and a not in undo:
+                continue
+            dims = {_shard_dim(cur[a]), _shard_dim(dst[a])} - {None}
+            for b in range(a + 1, ndim):
+                if b not in undo and _shard_dim(cur[b]) in dims:
+                    undo.add(b)
+                    changed = True
+    return undo
+
+
+def reshard_steps(
+    src: Placements, dst: Placements, shape: Sequence[int], itemsize: int, mesh_shape: Sequence[int]
+) -> list[Step]:
+    """The single-axis moves from ``src`` to ``dst`` placements of a tensor of global ``shape``."""
+    if src == dst:
+        return []
+    cur = list(src)
+    steps: list[Step] = []
+    undo = _axes_to_undo(cur, dst)
+    for a in sorted(undo, reverse=True):
+        p, q = cur[a], dst[a]
+        size = _numel(local_shape(shape, cur, mesh_shape)) * itemsize
+        if isinstance(p, Partial):
+            later_same = any(
+                _shard_dim(cur[b]) == _shard_dim(q) for b in range(a + 1, len(cur))
+            )
+            if isinstance(q, Shard) and not later_same:
+                cur[a] = q
+                steps.append(Step(a, "reduce_scatter", tuple(cur), size))
+            else:
+                cur[a] = Replicate()
+                steps.append(Step(a, "all_reduce", tuple(cur), size))
+        else:  # Shard -> Replicate (also on the way to another Shard)
+            cur[a] = Replicate()
+            steps.append(Step(a, "all_gather", tuple(cur), size * mesh_shape[a]))
+    for a in range(len(cur)):
+        if cur[a] != dst[a]:
+            cur[a] = dst[a]
+            steps.append(Step(a, "local", tuple(cur), 0))
+    return steps

@@ -1,0 +1,122 @@
+"""Sharding rules autopar adds to DTensor's: a decorator registry keyed on the aten op.
+
+A rule lists, for one mesh axis, the valid placement combinations of an op as
+``[out_0, ..., out_{k-1}, in_0, in_1, ...]`` (``None`` for non-tensor outputs); autopar expands
+it over every mesh axis (DTensor's ``expand_to_full_mesh_op_strategy``) and registers it into
+DTensor's propagator too, so the planner and the runtime use the same rule.
+
+    @autopar.register_op_rule(torch.ops.mylib.fused_gelu.default, num_outputs=1)
+    def fused_gelu_rule(args_meta, kwargs_meta):
+        ndim = len(args_meta[0].shape)
+        return [[Shard(d), Shard(d)] for d in range(ndim)] + [[Replicate(), Replicate()]]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
+from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+
+from autopar import _torch_private as private
+
+__all__ = ["OpRule", "register_op_rule", "registered_rules", "rule_for"]
+
+RuleFn = Callable[[tuple[Any, ...], dict[str, Any]], list[list[Any]]]
+
+
+@dataclass(frozen=True)
+class OpRule:
+    """A registered rule: the op, its number of outputs and the single-axis rule function."""
+
+    op: torch._ops.OpOverload
+    num_outputs: int
+    fn: RuleFn
+    static_argnum: int
+
+
+_RULES: dict[torch._ops.OpOverload, OpRule] = {}
+
+
+def register_op_rule(
+    op: torch._ops.OpOverload, num_outputs: int = 1, static_argnum: int = 100
+) -> Callable[[RuleFn], RuleFn]:
+    """Decorator: register a single-axis sharding rule for ``op`` (overrides DTensor's).
+
+    The function receives the arguments with tensors replaced by ``TensorMeta`` (shape, stride,
+    dtype) and returns a list of placement lists ``[outputs..., tensor inputs...]``.
+    ``static_argnum``: arguments from this position on are part of the cache key (as DTensor's
+    ``RuntimeSchemaInfo``), e.g. flags that change the valid shardings.
+    """
+
+    def deco(fn: RuleFn) -> RuleFn:
+        rule = OpRule(op, num_outputs, fn, static_argnum)
+        _RULES[op] = rule
+        _install(rule)
+        return fn
+
+    return deco
+
+
+def registered_rules() -> dict[torch._ops.OpOverload, OpRule]:
+    """The rules registered so far (autopar's own and the user's)."""
+    return dict(_RULES)
+
+
+def rule_for(op: Any) -> OpRule | None:
+    """The registered rule for ``op``, if any."""
+    return _RULES.get(op)
+
+
+def _install(rule: OpRule) -> None:
+    def strategy(op_schema: OpSchema) -> OpStrategy:
+        mesh = op_schema.get_mesh_from_args(validate=False)
+        single = rule.fn(op_schema.args_meta, op_schema.kwargs_meta)
+        return expand_to_full_mesh_op_strategy(
+            mesh, op_schema, single, input_index=rule.num_outputs
+        )
+
+    prop = private.sharding_propagator()
+    prop.op_single_dim_strategy_funcs.pop(rule.op, None)
+    prop.register_op_strategy(rule.op, strategy, schema_info=RuntimeSchemaInfo(rule.static_argnum))
+
+
+def _tensor_count(args_meta: tuple[Any, ...], kwargs_meta: dict[str, Any]) -> int:
+    from torch.distributed.tensor._dtensor_spec import TensorMeta
+
+    return sum(isinstance(a, TensorMeta) for a in list(args_meta) + list(kwargs_meta.values()))
+
+
+# Scaled-dot-product attention on CPU (the flash kernel): DTensor has no rule for it.
+# q, k, v are [batch, heads, seq, head_dim]; shard batch (dim 0) or heads (dim 1).
+# An attention mask, if given, is [batch or 1, heads or 1, seq, seq]: it follows q's sharding on a
+# dim only where it is not broadcast.
+def _mask_placement(kwargs_meta: dict[str, Any], dim: int) -> list[Any]:
+    mask = kwargs_meta.get("attn_mask")
+    if mask is None:
+        return []
+    return [Shard(dim) if mask.shape[dim] != 1 else Replicate()]
+
+
+@register_op_rule(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, 2, 3)
+def _sdpa_cpu_rule(args_meta: tuple[Any, ...], kwargs_meta: dict[str, Any]) -> list[list[Any]]:
+    rules = [[Replicate()] * 5 + ([Replicate()] if kwargs_meta.get("attn_mask") is not None else [])]
+    for dim in (0, 1):
+        rules.append([Shard(dim)] * 5 + _mask_placement(kwargs_meta, dim))
+    return rules
+
+
+@register_op_rule(
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default, 3, 6
+)
+def _sdpa_cpu_backward_rule(
+    args_meta: tuple[Any, ...], kwargs_meta: dict[str, Any]
+) -> list[list[Any]]:
+    # outputs grad_q, grad_k, grad_v; inputs grad_out, q, k, v, out, logsumexp (+ mask)
+    rules = [[Replicate()] * 9 + ([Replicate()] if kwargs_meta.get("attn_mask") is not None else [])]
+    for dim in (0, 1):
+        rules.append([Shard(dim)] * 9 + _mask_placement(kwargs_meta, dim))
+    return rules

@@ -1,0 +1,325 @@
+"""The strategy space: every node's candidate placements on a mesh, from DTensor's rules.
+
+For each node of the joint graph the space lists strategies; a strategy gives the placement of
+every output and the placement every tensor input must have. Inputs are *values*
+``(producer, output index)``: ``getitem`` nodes are aliases, not nodes of their own.
+Placeholders (parameters, user inputs, the loss tangent) get all even shardings, restricted on a
+data-parallel axis to ``Replicate`` for parameters and batch ``Shard(0)`` for inputs.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+from torch.distributed.tensor.placement_types import Placement
+from torch.utils._pytree import tree_flatten, tree_map
+
+from autopar import _torch_private as private
+from autopar.errors import UnsupportedOpError
+from autopar.graph import TracedGraph
+from autopar.strategies import rules as _rules  # noqa: F401  (registers autopar's own rules)
+
+__all__ = ["Strategy", "NodeSpace", "StrategySpace", "build_space", "representatives", "Value"]
+
+Placements = tuple[Placement, ...]
+Value = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Placements of a node's outputs (``None`` for non-tensors) and required input placements."""
+
+    outputs: tuple[Placements | None, ...]
+    inputs: tuple[Placements, ...]
+
+
+@dataclass(frozen=True)
+class NodeSpace:
+    """Candidate strategies of one node; ``inputs`` are the values its tensor inputs read."""
+
+    node: str
+    strategies: tuple[Strategy, ...]
+    inputs: tuple[Value, ...]
+    source: str
+
+
+@dataclass(frozen=True)
+class StrategySpace:
+    """Strategies of every node of a :class:`TracedGraph` on one mesh shape.
+
+    ``alias`` maps each ``getitem`` node to the value it reads; ``dp_axes`` are mesh axes forced
+    to data parallelism; ``warnings`` lists ops that fell back to replication.
+    """
+
+    mesh_shape: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    nodes: dict[str, NodeSpace] = field(repr=False)
+    alias: dict[str, Value] = field(repr=False)
+    dp_axes: tuple[int, ...]
+    warnings: tuple[str, ...]
+
+    def value_of(self, node: str) -> Value:
+        """The value (producer, output index) a node name stands for."""
+        return self.alias.get(node, (node, 0))
+
+    def output_candidates(self, value: Value) -> list[Placements]:
+        """Distinct placements the producer of ``value`` may give it, in strategy order."""
+        seen: dict[Placements, None] = {}
+        for s in self.nodes[value[0]].strategies:
+            p = s.outputs[value[1]]
+            if p is not None:
+                seen.setdefault(p, None)
+        return list(seen)
+
+    @property
+    def num_strategies(self) -> int:
+        """Total strategies over all nodes (before linking identical layers)."""
+        return sum(len(ns.strategies) for ns in self.nodes.values())
+
+
+def _meta(val: torch.Tensor) -> TensorMeta:
+    return TensorMeta(tuple(val.shape), tuple(val.stride()), val.dtype)
+
+
+def _even(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> bool:
+    sizes = list(shape)
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            if p.dim >= len(sizes) or sizes[p.dim] % mesh_shape[axis]:
+                return False
+            sizes[p.dim] //= mesh_shape[axis]
+        elif type(p) not in (Replicate, Partial):
+            return False  # _StridedShard and other exotic placements: not planned over (yet)
+    return True
+
+
+def _placeholder_strategies(
+    shape: Sequence[int], mesh_shape: Sequence[int], role: str, dp_axes: Sequence[int]
+) -> list[Strategy]:
+    """All even placements of a placeholder; on dp axes params replicate, inputs shard batch."""
+    per_axis: list[list[Placement]] = []
+    for axis in range(len(mesh_shape)):
+        if role == "tangent":
+            opts: list[Placement] = [Replicate()]
+        elif axis in dp_axes:
+            opts = [Replicate()] if role == "param" else [Shard(0)]
+        else:
+            opts = [Replicate()] + [Shard(d) for d in range(len(shape))]
+        per_axis.append(opts)
+    combos: list[Placements] = [()]
+    for opts in per_axis:
+        combos = [c + (p,) for c in combos for p in opts]
+    return [Strategy((c,), ()) for c in combos if _even(shape, c, mesh_shape)]
+
+
+def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    leaves, _ = tree_flatten(node.args)
+    kw = [v for v in node.kwargs.values() if isinstance(v, fx.Node)]
+    return [a for a in leaves if isinstance(a, fx.Node)] + kw
+
+
+def _out_meta(val: Any) -> Any:
+    if isinstance(val, torch.Tensor):
+        return _meta(val)
+    if isinstance(val, (tuple, list)):
+        return tuple(_meta(v) if isinstance(v, torch.Tensor) else None for v in val)
+    return None
+
+
+def _num_outputs(val: Any) -> int:
+    return len(val) if isinstance(val, (tuple, list)) else 1
+
+
+def _replicate_strategy(node: fx.Node, ndim: int) -> Strategy:
+    val = node.meta.get("val")
+    rep = tuple(Replicate() for _ in range(ndim))
+    if isinstance(val, (tuple, list)):
+        outs = tuple(rep if isinstance(v, torch.Tensor) else None for v in val)
+    else:
+        outs = (rep if isinstance(val, torch.Tensor) else None,)
+    return Strategy(outs, tuple(rep for _ in _tensor_inputs(node)))
+
+
+class _Builder:
+    """Walks the graph once, asking DTensor (or autopar's rules) for each node's strategies."""
+
+    def __init__(self, traced: TracedGraph, mesh: Any, dp_axes: Sequence[int], unknown_op: str):
+        self.traced, self.mesh, self.dp_axes, self.unknown_op = traced, mesh, tuple(dp_axes), unknown_op
+        self.mesh_shape = tuple(mesh.shape)
+        self.nodes: dict[str, NodeSpace] = {}
+        self.alias: dict[str, Value] = {}
+        self.warnings: list[str] = []
+        self.prop = private.sharding_propagator()
+        self._cands: dict[Value, list[Placements]] = {}
+
+    def value(self, n: fx.Node) -> Value:
+        return self.alias.get(n.name, (n.name, 0))
+
+    def candidates(self, value: Value) -> list[Placements]:
+        if value not in self._cands:
+            seen: dict[Placements, None] = {}
+            for s in self.nodes[value[0]].strategies:
+                p = s.outputs[value[1]]
+                if p is not None:
+                    seen.setdefault(p, None)
+            self._cands[value] = list(seen)
+        return self._cands[value]
+
+    def placeholder(self, n: fx.Node) -> None:
+        params = {p.node for p in self.traced.params}
+        role = "param" if n.name in params else (
+            "tangent" if n.name in self.traced.tangent_nodes else "input")
+        shape = tuple(n.meta["val"].shape)
+        strategies = _placeholder_strategies(shape, self.mesh_shape, role, self.dp_axes)
+        self.nodes[n.name] = NodeSpace(n.name, tuple(strategies), (), role)
+
+    def op(self, n: fx.Node) -> None:
+        inputs = _tensor_inputs(n)
+        values = tuple(self.value(a) for a in inputs)
+        strategies, source = self._enumerate(n, inputs)
+        self.nodes[n.name] = NodeSpace(n.name, tuple(strategies), values, source)
+
+    def _enumerate(self, n: fx.Node, inputs: list[fx.Node]) -> tuple[list[Strategy], str]:
+        if not inputs:
+            return [_replicate_strategy(n, len(self.mesh_shape))], "factory"
+        op = n.target
+        if not private.has_rule(op):
+            return self._fallback(n, f"no sharding rule for {op}")
+        out_meta = _out_meta(n.meta.get("val"))
+        try:
+            result = private.enumerate_op_strategy(op, self._schema(n), out_meta, self.mesh)
+            strategies = self._convert(n, result, len(inputs))
+        except Exception as first:  # some rules assume one candidate per secondary input
+            strategies = []
+            try:
+                for lead in self.candidates(self.value(inputs[0])):
+                    result = private.enumerate_op_strategy(op, self._schema(n, lead), out_meta, self.mesh)
+                    strategies += self._convert(n, result, len(inputs))
+            except Exception as e:
+                return self._fallback(
+                    n, f"DTensor's rule for {op} failed ({type(first).__name__}: {first}; "
+                       f"{type(e).__name__}: {e})")
+            strategies = list(dict.fromkeys(strategies))
+        if not strategies:
+            return self._fallback(n, f"no even sharding of {op} fits the shapes")
+        return strategies, "dtensor"
+
+    def _schema(self, n: fx.Node, lead: Placements | None = None) -> OpSchema:
+        # Single-axis rules need one spec per input and only read which shard types occur
+        # (a plain Shard makes them expand to every Shard(dim)); full rules derive candidates
+        # from every placement the producer may give.
+        single = n.target in self.prop.op_single_dim_strategy_funcs
+        rep = tuple(Shard(0) for _ in self.mesh_shape)
+        first = _tensor_inputs(n)[0]
+        replicate = tuple(Replicate() for _ in self.mesh_shape)
+
+        def wrap(a: Any) -> Any:
+            if isinstance(a, fx.Node):
+                meta = _meta(a.meta["val"])
+                if single:
+                    cands = [rep]
+                elif lead is not None:  # one candidate each: ``lead`` for the first input
+                    cands = [lead if a is first else replicate]
+                else:
+                    cands = self.candidates(self.value(a))
+                specs = [OpSpec(DTensorSpec(self.mesh, p, meta)) for p in cands]
+                return OpStrategy(specs)
+            if isinstance(a, (list, tuple)) and a and all(isinstance(x, fx.Node) for x in a):
+                return TupleStrategy(tuple(wrap(x) for x in a))
+            return a
+
+        args = tuple(wrap(a) for a in n.args)
+        kwargs = {k: wrap(v) for k, v in n.kwargs.items()}
+        return OpSchema(n.target, args, kwargs, schema_info=self.prop.op_to_schema_info.get(n.target))
+
+    def _convert(self, n: fx.Node, result: Any, n_inputs: int) -> list[Strategy]:
+        if not isinstance(result, OpStrategy):
+            return []
+        val = n.meta.get("val")
+        out_shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else None
+                      for v in (val if isinstance(val, (tuple, list)) else [val])]
+        in_shapes = [tuple(a.meta["val"].shape) for a in _tensor_inputs(n)]
+        seen: dict[Strategy, None] = {}
+        for spec in result.strategies:
+            outs = spec.output_specs if isinstance(spec.output_specs, (tuple, list)) else (spec.output_specs,)
+            outs_p = tuple(o.placements if isinstance(o, DTensorSpec) else None for o in outs)
+            if len(outs_p) != len(out_shapes):
+                continue
+            ins = spec.input_specs if spec.input_specs is not None else [outs[0]] * n_inputs
+            if len(ins) != n_inputs or any(not isinstance(s, DTensorSpec) for s in ins):
+                continue
+            ins_p = tuple(s.placements for s in ins)
+            ok = all(p is None or s is None or _even(s, p, self.mesh_shape) for p, s in zip(outs_p, out_shapes))
+            ok = ok and all(_even(s, p, self.mesh_shape) for p, s in zip(ins_p, in_shapes))
+            if ok:
+                seen.setdefault(Strategy(outs_p, ins_p), None)
+        return list(seen)
+
+    def _fallback(self, n: fx.Node, why: str) -> tuple[list[Strategy], str]:
+        if self.unknown_op == "error":
+            raise UnsupportedOpError(
+                f"{why} (node {n.name}, from {_where(n)}). Register a rule with "
+                f"@autopar.register_op_rule({n.target}) or set Config(unknown_op='replicate')."
+            )
+        self.warnings.append(f"{n.name} ({n.target}): {why}; replicated")
+        return [_replicate_strategy(n, len(self.mesh_shape))], "fallback-replicate"
+
+
+def _where(n: fx.Node) -> str:
+    stack = n.meta.get("nn_module_stack") or n.meta.get("fwd_nn_module_stack") or {}
+    paths = [v[0] for v in stack.values() if isinstance(v, tuple)]
+    return paths[-1] if paths else "the top-level module"
+
+
+def build_space(
+    traced: TracedGraph, mesh: Any, axis_names: Sequence[str], dp_axes: Sequence[int] = (),
+    unknown_op: str = "replicate",
+) -> StrategySpace:
+    """Enumerate every node's strategies on ``mesh`` (a DeviceMesh, real or for planning only).
+
+    Identical layers (equal fingerprints) reuse the first one's strategies node for node, so the
+    cost of enumeration does not grow with depth.
+    """
+    b = _Builder(traced, mesh, dp_axes, unknown_op)
+    rep_of = representatives(traced)
+    built: dict[str, str] = {}
+    for n in traced.gm.graph.nodes:
+        if n.op == "placeholder":
+            b.placeholder(n)
+        elif n.op == "call_function" and n.target is operator.getitem:
+            src = b.value(n.args[0])
+            b.alias[n.name] = (src[0], n.args[1])
+        elif n.op == "call_function":
+            # identical layers: the first node built of each class gives the strategies
+            key = rep_of.get(n.name, n.name)
+            if key in built:
+                first = b.nodes[built[key]]
+                values = tuple(b.value(a) for a in _tensor_inputs(n))
+                b.nodes[n.name] = NodeSpace(n.name, first.strategies, values, first.source)
+            else:
+                b.op(n)
+                built[key] = n.name
+    return StrategySpace(tuple(mesh.shape), tuple(axis_names), b.nodes, b.alias,
+                         tuple(dp_axes), tuple(b.warnings))
+
+
+def representatives(traced: TracedGraph) -> dict[str, str]:
+    """Node name -> the same-position node of the first layer with the same fingerprint."""
+    first: dict[str, tuple[str, ...]] = {}
+    rep: dict[str, str] = {}
+    for layer in traced.layers:
+        if not layer.name:
+            continue
+        if layer.fingerprint not in first:
+            first[layer.fingerprint] = layer.nodes
+            continue
+        for a, b in zip(layer.nodes, first[layer.fingerprint]):
+            rep[a] = b
+    return rep

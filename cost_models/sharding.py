@@ -1,0 +1,246 @@
+"""Costs of a strategy space: compute per node strategy, resharding per edge, memory per device.
+
+Compute: roofline on the *local* (per-rank) shapes a strategy gives, so a matmul sharded on an
+axis of size n costs 1/n of the replicated one and a ``Partial`` output costs the full size.
+Communication: the collectives :func:`autopar.strategies.reshard.reshard_steps` emits, priced per
+mesh axis with the alpha-beta model (:func:`axis_collective_time`). Memory (DESIGN §5): parameter,
+gradient and optimizer state of each parameter shard, plus every forward activation saved for the
+backward, at its local size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Replicate
+
+from autopar.cost_models.comm import axis_collective_time
+from autopar.cost_models.compute import flops_of_node, op_time
+from autopar.cost_models.topology import Topology
+from autopar.graph import TracedGraph
+from autopar.strategies.reshard import local_shape, reshard_steps
+from autopar.strategies.space import Placements, Strategy, StrategySpace, _tensor_inputs
+
+__all__ = ["SpaceCosts", "price_space", "reshard_time", "state_bytes_per_element"]
+
+# Ops that only alias or re-describe memory: no compute, no traffic.
+_FREE = {"getitem", "detach", "t", "view", "_unsafe_view", "transpose", "permute", "expand",
+         "unsqueeze", "squeeze", "alias", "split", "slice", "select", "as_strided", "unbind",
+         "split_with_sizes", "reshape"}
+
+
+@dataclass(frozen=True)
+class SpaceCosts:
+    """Per node: compute seconds and memory bytes per strategy; edge cost matrices by consumer.
+
+    ``edges[(consumer, k)]`` is a matrix [producer strategy, consumer strategy] in seconds for the
+    consumer's k-th tensor input. ``outputs[i]`` prices graph output i: for the loss a vector over
+    its producer's strategies (deliver it replicated), for a parameter's gradient a matrix
+    [producer strategy, parameter strategy] (deliver it in the parameter's placement).
+    """
+
+    compute: dict[str, np.ndarray]
+    memory: dict[str, np.ndarray]
+    edges: dict[tuple[str, int], np.ndarray]
+    outputs: dict[int, tuple[tuple[str, int], str | None, np.ndarray]]
+
+
+def state_bytes_per_element(optimizer: str) -> int:
+    """Bytes per fp32 parameter element held across a step: param + grad + optimizer state.
+
+    Adam keeps two fp32 moments (Kingma & Ba 2015): 4 + 4 + 8 = 16 bytes; SGD (no momentum) 8.
+    """
+    return 16 if optimizer == "adam" else 8
+
+
+def _strides(mesh_shape: Sequence[int]) -> list[int]:
+    out, acc = [], 1
+    for s in reversed(mesh_shape):
+        out.append(acc)
+        acc *= s
+    return list(reversed(out))
+
+
+def reshard_time(src: Placements, dst: Placements, shape: tuple[int, ...], itemsize: int,
+                 mesh_shape: tuple[int, ...], topology: Topology) -> float:
+    """Seconds to move a tensor from ``src`` to ``dst`` placements (sum of its collectives)."""
+    return _reshard_time(src, dst, shape, itemsize, mesh_shape, topology)
+
+
+@lru_cache(maxsize=200_000)
+def _reshard_time(src: Placements, dst: Placements, shape: tuple[int, ...], itemsize: int,
+                  mesh_shape: tuple[int, ...], topology: Topology) -> float:
+    strides = _strides(mesh_shape)
+    total = 0.0
+    for step in reshard_steps(src, dst, shape, itemsize, mesh_shape):
+        if step.kind != "local":
+            total += axis_collective_time(step.kind, step.nbytes, mesh_shape[step.axis],
+                                          strides[step.axis], topology)
+    return total
+
+
+def _val_list(val: Any) -> list[Any]:
+    return list(val) if isinstance(val, (tuple, list)) else [val]
+
+
+def _meta_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=dtype, device="meta")
+
+
+def _compute_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: Topology) -> float:
+    name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
+    if name in _FREE:
+        return 0.0
+    inputs = _tensor_inputs(n)
+    local_in = {}
+    nbytes = 0
+    for a, p in zip(inputs, s.inputs):
+        v = a.meta["val"]
+        shp = local_shape(v.shape, p, mesh_shape)
+        local_in[a] = _meta_tensor(shp, v.dtype)
+        nbytes += _numel(shp) * v.element_size()
+    outs = []
+    for v, p in zip(_val_list(n.meta.get("val")), s.outputs):
+        if isinstance(v, torch.Tensor) and p is not None:
+            shp = local_shape(v.shape, p, mesh_shape)
+            outs.append(_meta_tensor(shp, v.dtype))
+            nbytes += _numel(shp) * v.element_size()
+    args = fx.node.map_arg(n.args, lambda a: local_in.get(a, a))
+    kwargs = fx.node.map_arg(n.kwargs, lambda a: local_in.get(a, a))
+    try:
+        flops = flops_of_node(n.target, args, kwargs, outs[0] if len(outs) == 1 else tuple(outs))
+    except Exception:  # a formula that cannot take these shapes: price by traffic alone
+        flops = 0.0
+    return op_time(flops, float(nbytes), topo, "fp32", is_matmul=flops > 0)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
+                optimizer: str = "adam") -> SpaceCosts:
+    """Price every strategy and every edge of ``space`` on ``topology``.
+
+    Nodes that share a strategy list (identical layers) and have the same shapes share priced
+    arrays, so pricing cost does not grow with depth.
+    """
+    mesh_shape = tuple(space.mesh_shape)
+    compute: dict[str, np.ndarray] = {}
+    memory: dict[str, np.ndarray] = {}
+    edges: dict[tuple[str, int], np.ndarray] = {}
+    cache: dict[Any, np.ndarray] = {}
+    saved = _saved_for_backward(traced)
+    tied = {p.node for p in traced.params if p.tied_to is not None}
+    params = {p.node for p in traced.params}
+    per_elem = state_bytes_per_element(optimizer)
+    for name, ns in space.nodes.items():
+        n = traced.node(name)
+        sig = _signature(n)
+        key = ("c", id(ns.strategies), sig)
+        if key not in cache:
+            if n.op == "placeholder":
+                cache[key] = np.zeros(len(ns.strategies))
+            else:
+                cache[key] = np.array([_compute_time(n, s, mesh_shape, topology) for s in ns.strategies])
+        compute[name] = cache[key]
+        mkey = ("m", id(ns.strategies), sig, name in params, name in tied, name in saved)
+        if mkey not in cache:
+            cache[mkey] = _memory(n, ns.strategies, mesh_shape, name in params, name in tied,
+                                  saved.get(name, ()), per_elem)
+        memory[name] = cache[mkey]
+        for k, (src, idx) in enumerate(ns.inputs):
+            val = _val_list(traced.node(src).meta["val"])[idx]
+            ekey = ("e", id(space.nodes[src].strategies), idx, id(ns.strategies), k, tuple(val.shape))
+            if ekey not in cache:
+                cache[ekey] = _edge_matrix(space.nodes[src].strategies, idx, ns.strategies, k,
+                                           val, mesh_shape, topology)
+            edges[(name, k)] = cache[ekey]
+    outputs = _output_costs(traced, space, mesh_shape, topology)
+    return SpaceCosts(compute, memory, edges, outputs)
+
+
+def _signature(n: fx.Node) -> tuple:
+    vals = _val_list(n.meta.get("val"))
+    return (str(n.target), tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in vals))
+
+
+def _edge_matrix(src: Sequence[Strategy], idx: int, dst: Sequence[Strategy], k: int,
+                 val: torch.Tensor, mesh_shape: tuple[int, ...], topo: Topology) -> np.ndarray:
+    shape, item = tuple(val.shape), val.element_size()
+    m = np.zeros((len(src), len(dst)))
+    for i, s in enumerate(src):
+        for j, t in enumerate(dst):
+            m[i, j] = reshard_time(s.outputs[idx], t.inputs[k], shape, item, mesh_shape, topo)
+    return m
+
+
+def _saved_for_backward(traced: TracedGraph) -> dict[str, tuple[int, ...]]:
+    """Forward nodes (by value index) whose outputs a backward node reads."""
+    saved: dict[str, set[int]] = {}
+    for n in traced.gm.graph.nodes:
+        if n.op != "call_function" or n.meta.get("partitioner_tag") != "is_backward":
+            continue
+        for a in n.all_input_nodes:
+            src, idx = a, 0
+            if a.op == "call_function" and a.target.__name__ == "getitem":
+                src, idx = a.args[0], a.args[1]
+            if src.op == "call_function" and src.meta.get("partitioner_tag") != "is_backward":
+                name = getattr(src.target, "__name__", "").split(".")[0]
+                if name not in _FREE:
+                    saved.setdefault(src.name, set()).add(idx)
+    return {k: tuple(sorted(v)) for k, v in saved.items()}
+
+
+def _memory(n: fx.Node, strategies: Sequence[Strategy], mesh_shape: tuple[int, ...],
+            is_param: bool, is_tied: bool, saved_outputs: Sequence[int], per_elem: int) -> np.ndarray:
+    out = np.zeros(len(strategies))
+    vals = _val_list(n.meta.get("val"))
+    for j, s in enumerate(strategies):
+        if n.op == "placeholder":
+            v = vals[0]
+            local = _numel(local_shape(v.shape, s.outputs[0], mesh_shape))
+            if is_param:
+                out[j] = 0.0 if is_tied else local * per_elem * v.element_size() / 4
+            else:
+                out[j] = local * v.element_size()
+            continue
+        for i in saved_outputs:
+            v, p = vals[i], s.outputs[i]
+            if isinstance(v, torch.Tensor) and p is not None:
+                out[j] += _numel(local_shape(v.shape, p, mesh_shape)) * v.element_size()
+    return out
+
+
+def _output_costs(traced: TracedGraph, space: StrategySpace, mesh_shape: tuple[int, ...],
+                  topo: Topology) -> dict[int, tuple[tuple[str, int], str | None, np.ndarray]]:
+    out_node = next(n for n in traced.gm.graph.nodes if n.op == "output")
+    outs = out_node.args[0]
+    res: dict[int, tuple[tuple[str, int], str | None, np.ndarray]] = {}
+    rep = tuple(Replicate() for _ in mesh_shape)
+    loss = outs[traced.loss_output_index]
+    value = space.value_of(loss.name)
+    strategies = space.nodes[value[0]].strategies
+    v = loss.meta["val"]
+    res[traced.loss_output_index] = (value, None, np.array([
+        reshard_time(s.outputs[value[1]], rep, tuple(v.shape), v.element_size(), mesh_shape, topo)
+        for s in strategies]))
+    for p in traced.params:
+        if p.grad_output_index is None or outs[p.grad_output_index] is None:
+            continue
+        g = outs[p.grad_output_index]
+        value = space.value_of(g.name)
+        gv = g.meta["val"]
+        target = [(s.outputs[0],) for s in space.nodes[p.node].strategies]
+        m = _edge_matrix(space.nodes[value[0]].strategies, value[1],
+                         [Strategy((), t) for t in target], 0, gv, mesh_shape, topo)
+        res[p.grad_output_index] = (value, p.node, m)
+    return res

@@ -1,0 +1,386 @@
+"""Device topologies: per-device compute and memory figures plus intra- and inter-node links.
+
+A :class:`Topology` describes one kind of device and the two link classes a mesh axis can use:
+``intra_node`` (NVLink/NVSwitch inside a node) and ``inter_node`` (InfiniBand across nodes, one
+NIC rail per GPU). Bandwidths are *bus* bandwidths in the nccl-tests sense (per device, already
+effective, not line rate), so the ring formulas in :mod:`autopar.cost_models.comm` reproduce the
+nccl-tests ideal times (NVIDIA/nccl-tests doc/PERFORMANCE.md).
+
+Every preset constant cites where it comes from; ``docs/cost_model.md`` has the same table.
+Efficiencies are plain published or assumed constants, not fitted to any training table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+__all__ = [
+    "AxisLink",
+    "Topology",
+    "PRESETS",
+    "get_preset",
+    "custom",
+]
+
+_GiB = 1024**3
+
+# Accepted spellings of the dtypes whose peaks a topology lists.
+_DTYPE_ALIASES: dict[str, str] = {
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    # fp16 tensor-core peaks equal bf16 peaks on A100/H100/H200 (NVIDIA datasheets); a topology
+    # may still list "fp16" itself, which then wins.
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+}
+
+
+def _check_positive(owner: str, name: str, value: float, allow_zero: bool = False) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or math.isnan(value):
+        raise ValueError(f"{owner}.{name} must be a number, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero) or math.isinf(value):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{owner}.{name} must be finite and {bound}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class AxisLink:
+    """One link class of a mesh axis, in the alpha-beta model.
+
+    Attributes:
+        bandwidth_Bps: bus bandwidth per device in bytes/s (nccl-tests "busbw"), already effective.
+        latency_s: per ring step latency (alpha), seconds.
+        launch_s: fixed per-collective overhead (kernel launch, protocol setup), seconds.
+    """
+
+    bandwidth_Bps: float
+    latency_s: float
+    launch_s: float
+
+    def __post_init__(self) -> None:
+        _check_positive("AxisLink", "bandwidth_Bps", self.bandwidth_Bps)
+        _check_positive("AxisLink", "latency_s", self.latency_s, allow_zero=True)
+        _check_positive("AxisLink", "launch_s", self.launch_s, allow_zero=True)
+
+    def to_dict(self) -> dict[str, float]:
+        """Plain-JSON form of this link."""
+        return {
+            "bandwidth_Bps": float(self.bandwidth_Bps),
+            "latency_s": float(self.latency_s),
+            "launch_s": float(self.launch_s),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "AxisLink":
+        """Inverse of :meth:`to_dict`; raises ``ValueError`` on missing or unknown keys."""
+        _check_keys("AxisLink", data, {f.name for f in dataclasses.fields(cls)})
+        return cls(
+            bandwidth_Bps=float(data["bandwidth_Bps"]),
+            latency_s=float(data["latency_s"]),
+            launch_s=float(data["launch_s"]),
+        )
+
+
+def _check_keys(owner: str, data: Mapping[str, Any], expected: set[str]) -> None:
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{owner}.from_dict expects a mapping, got {type(data).__name__}")
+    missing = sorted(expected - set(data))
+    unknown = sorted(set(data) - expected)
+    if missing or unknown:
+        raise ValueError(
+            f"{owner}.from_dict: missing keys {missing}, unknown keys {unknown}; "
+            f"expected exactly {sorted(expected)}"
+        )
+
+
+def _as_link(owner: str, value: AxisLink | Mapping[str, Any]) -> AxisLink:
+    if isinstance(value, AxisLink):
+        return value
+    if isinstance(value, Mapping):
+        return AxisLink.from_dict(value)
+    raise ValueError(f"{owner} must be an AxisLink or a dict, got {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Per-device hardware figures and the links between devices.
+
+    Attributes:
+        name: preset or user name, e.g. ``"h100-dgx"``.
+        peak_flops: per-device peak FLOP/s by dtype; must hold ``"fp32"`` and ``"bf16"``
+            (``"fp16"`` optional; defaults to the bf16 peak). fp32 is the non-tensor-core rate.
+        mem_bandwidth_Bps: per-device memory bandwidth (HBM or DRAM), bytes/s, nominal.
+        memory_bytes: per-device memory capacity in bytes.
+        intra_node: link used by an axis whose ranks all lie in one node.
+        inter_node: link (per-GPU NIC rail) used by an axis that spans nodes.
+        gpus_per_node: devices per node.
+        matmul_efficiency: fraction of ``peak_flops`` a large GEMM reaches.
+        pointwise_efficiency: fraction of ``mem_bandwidth_Bps`` a streaming kernel reaches.
+    """
+
+    name: str
+    peak_flops: dict[str, float]
+    mem_bandwidth_Bps: float
+    memory_bytes: float
+    intra_node: AxisLink
+    inter_node: AxisLink
+    gpus_per_node: int
+    matmul_efficiency: float
+    pointwise_efficiency: float
+    notes: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"Topology.name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.peak_flops, Mapping):
+            raise ValueError(
+                f"Topology.peak_flops must be a dict like {{'fp32': ..., 'bf16': ...}}, "
+                f"got {type(self.peak_flops).__name__}"
+            )
+        peaks = {str(k): float(v) for k, v in self.peak_flops.items()}
+        missing = sorted({"fp32", "bf16"} - set(peaks))
+        if missing:
+            raise ValueError(f"Topology.peak_flops is missing {missing} (has {sorted(peaks)})")
+        for key, value in peaks.items():
+            _check_positive("Topology", f"peak_flops[{key!r}]", value)
+        object.__setattr__(self, "peak_flops", peaks)
+        _check_positive("Topology", "mem_bandwidth_Bps", self.mem_bandwidth_Bps)
+        _check_positive("Topology", "memory_bytes", self.memory_bytes)
+        object.__setattr__(self, "intra_node", _as_link("Topology.intra_node", self.intra_node))
+        object.__setattr__(self, "inter_node", _as_link("Topology.inter_node", self.inter_node))
+        if (
+            not isinstance(self.gpus_per_node, int)
+            or isinstance(self.gpus_per_node, bool)
+            or self.gpus_per_node < 1
+        ):
+            raise ValueError(
+                f"Topology.gpus_per_node must be an int >= 1, got {self.gpus_per_node!r}"
+            )
+        for name in ("matmul_efficiency", "pointwise_efficiency"):
+            value = getattr(self, name)
+            _check_positive("Topology", name, value)
+            if value > 1.0:
+                raise ValueError(f"Topology.{name} must be in (0, 1], got {value!r}")
+
+    def __hash__(self) -> int:
+        return hash(
+            (
+                self.name,
+                tuple(sorted(self.peak_flops.items())),
+                self.mem_bandwidth_Bps,
+                self.memory_bytes,
+                self.intra_node,
+                self.inter_node,
+                self.gpus_per_node,
+                self.matmul_efficiency,
+                self.pointwise_efficiency,
+            )
+        )
+
+    def peak_flops_for(self, dtype: str) -> float:
+        """Peak FLOP/s for ``dtype``: "fp32", "bf16", "fp16" or torch names ("torch.float32")."""
+        key = str(dtype).removeprefix("torch.").lower()
+        if key not in _DTYPE_ALIASES:
+            raise ValueError(
+                f"unknown dtype {dtype!r} for peak FLOP/s; use one of {sorted(_DTYPE_ALIASES)}"
+            )
+        canon = _DTYPE_ALIASES[key]
+        if canon == "fp16" and "fp16" not in self.peak_flops:
+            canon = "bf16"
+        return self.peak_flops[canon]
+
+    def link_for_axis(self, axis_size: int, stride: int) -> AxisLink:
+        """The link an axis of ``axis_size`` ranks uses, given its ``stride``.
+
+        ``stride`` is the product of the sizes of the inner (later) mesh axes, i.e. the rank
+        distance between neighbours on this axis with row-major rank numbering, nodes outermost.
+        The axis stays inside one node iff ``stride * axis_size <= gpus_per_node``.
+        """
+        for label, value in (("axis_size", axis_size), ("stride", stride)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"link_for_axis: {label} must be an int >= 1, got {value!r}")
+        if stride * axis_size <= self.gpus_per_node:
+            return self.intra_node
+        return self.inter_node
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form (``json.dumps`` works on it); inverse of :meth:`from_dict`."""
+        return {
+            "name": self.name,
+            "peak_flops": dict(self.peak_flops),
+            "mem_bandwidth_Bps": float(self.mem_bandwidth_Bps),
+            "memory_bytes": float(self.memory_bytes),
+            "intra_node": self.intra_node.to_dict(),
+            "inter_node": self.inter_node.to_dict(),
+            "gpus_per_node": int(self.gpus_per_node),
+            "matmul_efficiency": float(self.matmul_efficiency),
+            "pointwise_efficiency": float(self.pointwise_efficiency),
+            "notes": self.notes,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Topology":
+        """Build a topology from :meth:`to_dict` output; ``notes`` is optional."""
+        expected = {f.name for f in dataclasses.fields(cls)}
+        _check_keys("Topology", {"notes": "", **data}, expected)
+        return cls(
+            name=str(data["name"]),
+            peak_flops=dict(data["peak_flops"]),
+            mem_bandwidth_Bps=float(data["mem_bandwidth_Bps"]),
+            memory_bytes=float(data["memory_bytes"]),
+            intra_node=AxisLink.from_dict(data["intra_node"]),
+            inter_node=AxisLink.from_dict(data["inter_node"]),
+            gpus_per_node=int(data["gpus_per_node"]),
+            matmul_efficiency=float(data["matmul_efficiency"]),
+            pointwise_efficiency=float(data["pointwise_efficiency"]),
+            notes=str(data.get("notes", "")),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets. Sources (also in docs/cost_model.md):
+#  [MEG]   Narayanan et al., SC'21, arXiv:2104.04473 (Selene DGX A100: NVSwitch, 8x200 Gb/s HDR).
+#  [A100W] NVIDIA A100 Tensor Core GPU datasheet/whitepaper: 312 TFLOP/s bf16 dense, 19.5 TFLOP/s
+#          fp32, 80 GB HBM2e at 2.0 TB/s, NVLink3 600 GB/s bidirectional (300 per direction).
+#  [H100D] NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16 dense, 67 TFLOP/s fp32, 80 GB HBM3 at
+#          3.35 TB/s, NVLink4 900 GB/s bidirectional (450 per direction).
+#  [H200D] NVIDIA H200 SXM datasheet: same compute as H100 SXM, 141 GB HBM3e at 4.8 TB/s.
+#  [NT]    measured nccl-tests bus bandwidths collected in reference/calibration.json
+#          ("measured_collective_bandwidths"): A100 8-GPU all_reduce 232.5 GB/s
+#          (NVIDIA/nccl-tests#175), ~200 (#149); 2 A100 nodes with 4 HDR NICs 86 GB/s, i.e. 21.5
+#          per NIC (#175; #119: 84.8 avg); H100 ring 365-370 GB/s for any collective
+#          (NVIDIA/nccl-tests#212, NVIDIA/nccl#1442, #1455); NDR 400 Gb/s 46-48 GB/s per NIC
+#          (NVIDIA/nccl-tests#290); H200 8-GPU all_reduce 475 (NVLS, #272).
+#  [NCCL]  NVIDIA/nccl src/graph/tuning.cc latency tables: ring LL per-hop hwLat 0.6 us (NVLink),
+#          2.7 us (network); ring LL baseLat 6.6 us. With 8 GPUs this predicts 6.6 + 14 * 0.6 =
+#          15 us for a small all_reduce, matching the 13-17 us of the 8x H100 nccl-tests sample
+#          (NVIDIA/dgxc-benchmarking nccl/README.md, quoted in calibration.json).
+#  [MAMF]  Bekman, "Machine Learning Engineering", compute/accelerator/README.md, "Maximum
+#          Achievable Matmul FLOPS comparison table" (bf16 matmul, best shape): A100 SXM 267.9 of
+#          312 (85.9%), H100 SXM 792.1 of 989 (80.1%), GH200 821.0 of 989 (83.0%).
+#  [STREAM] Streaming-kernel efficiency. STREAM-style copy/triad kernels (McCalpin 1995) do not
+#          reach nominal HBM bandwidth; 0.85 is an ASSUMED round value, not a measurement, and the
+#          per-preset calibration pass is expected to replace it.
+#  [LOCAL] cpu-gloo: measured once on this 2-core CPU machine with 4 gloo ranks under torchrun
+#          (OMP_NUM_THREADS=1): fp32 1024^3 matmul 29-31 GFLOP/s per rank, bf16 matmul 0.4-0.9
+#          GFLOP/s (no native bf16 GEMM on this CPU), out-of-place add 8 GB/s per rank with 4 ranks
+#          streaming at once; all_reduce of 16 B: 1-5 ms, of 16 MiB: 50-62 ms (earlier runs on
+#          this kind of machine: ~1 ms and ~50 ms). Noisy: the machine is shared.
+# ---------------------------------------------------------------------------------------------
+
+# Ring latencies from [NCCL] (LL protocol, used for the small messages where latency matters).
+_NCCL_LAUNCH_S = 6.6e-6
+_NVLINK_HOP_S = 0.6e-6
+_NET_HOP_S = 2.7e-6
+
+_A100_DGX = Topology(
+    name="a100-dgx",
+    peak_flops={"fp32": 19.5e12, "bf16": 312e12},  # [A100W], [MEG]
+    mem_bandwidth_Bps=2.0e12,  # [A100W] (80 GB SXM: 2.039 TB/s; DESIGN rounds to 2.0)
+    memory_bytes=80 * _GiB,  # [A100W] 80 GB part reports 81920 MiB
+    # NVSwitch gen2: 300 GB/s per direction line rate; measured ring busbw ~232.5 GB/s [NT].
+    intra_node=AxisLink(bandwidth_Bps=230e9, latency_s=_NVLINK_HOP_S, launch_s=_NCCL_LAUNCH_S),
+    # 8x 200 Gb/s HDR, one rail per GPU = 25 GB/s line rate; measured ~21.5 GB/s per NIC [NT].
+    inter_node=AxisLink(bandwidth_Bps=21.5e9, latency_s=_NET_HOP_S, launch_s=_NCCL_LAUNCH_S),
+    gpus_per_node=8,
+    matmul_efficiency=0.859,  # [MAMF] A100 SXM 267.9 / 312
+    pointwise_efficiency=0.85,  # [STREAM] assumed
+    notes="DGX A100 80GB (Selene): NVSwitch gen2, 8x HDR 200 Gb/s per node",
+)
+
+_H100_DGX = Topology(
+    name="h100-dgx",
+    peak_flops={"fp32": 67e12, "bf16": 989e12},  # [H100D]
+    mem_bandwidth_Bps=3.35e12,  # [H100D]
+    memory_bytes=80 * _GiB,  # [H100D]
+    # NVLink4: 450 GB/s per direction line rate; ring busbw ~370 GB/s for any collective [NT]
+    # (NVLS all_reduce reaches ~480 but is not modelled: conservative for all_reduce).
+    intra_node=AxisLink(bandwidth_Bps=370e9, latency_s=_NVLINK_HOP_S, launch_s=_NCCL_LAUNCH_S),
+    # 8x 400 Gb/s NDR, one rail per GPU = 50 GB/s line rate; measured 46-48 GB/s per NIC [NT].
+    inter_node=AxisLink(bandwidth_Bps=47e9, latency_s=_NET_HOP_S, launch_s=_NCCL_LAUNCH_S),
+    gpus_per_node=8,
+    matmul_efficiency=0.801,  # [MAMF] H100 SXM 792.1 / 989
+    pointwise_efficiency=0.85,  # [STREAM] assumed
+    notes="DGX H100: NVLink4/NVSwitch gen3, 8x NDR 400 Gb/s per node",
+)
+
+_H200_DGX = Topology(
+    name="h200-dgx",
+    peak_flops={"fp32": 67e12, "bf16": 989e12},  # [H200D] same GH100 compute as H100 SXM
+    mem_bandwidth_Bps=4.8e12,  # [H200D]
+    memory_bytes=141e9,  # [H200D] "141 GB"
+    # Same NVLink4 fabric as DGX H100: ring busbw ~370 GB/s [NT] (#272's 475 GB/s is NVLS).
+    intra_node=AxisLink(bandwidth_Bps=370e9, latency_s=_NVLINK_HOP_S, launch_s=_NCCL_LAUNCH_S),
+    # DGX H200 ships the same 8x NDR 400 Gb/s rails as DGX H100 [NT].
+    inter_node=AxisLink(bandwidth_Bps=47e9, latency_s=_NET_HOP_S, launch_s=_NCCL_LAUNCH_S),
+    gpus_per_node=8,
+    # [MAMF] lists no H200; use the H100 SXM figure (same die and power envelope; GH200: 83.0%).
+    matmul_efficiency=0.801,
+    pointwise_efficiency=0.85,  # [STREAM] assumed
+    notes="DGX H200: H100 compute with 141 GB HBM3e at 4.8 TB/s, NVLink4, 8x NDR 400 Gb/s",
+)
+
+_CPU_GLOO = Topology(
+    name="cpu-gloo",
+    # [LOCAL]: measured achieved rates, so the efficiencies below are 1.0 (already folded in).
+    peak_flops={"fp32": 30e9, "bf16": 0.5e9},
+    mem_bandwidth_Bps=8e9,  # [LOCAL] per rank, 4 ranks streaming together
+    memory_bytes=6 * _GiB,  # 24 GiB machine shared by 4 ranks
+    # [LOCAL] gloo over loopback, alpha-beta fit: 4-rank all_reduce(16 B) = 1e-3 + 6 * 2.5e-4 =
+    # 2.5 ms; all_reduce(16 MiB) = 2.5 ms + 1.5 * 16 MiB / 4e8 B/s = 65 ms.
+    intra_node=AxisLink(bandwidth_Bps=4e8, latency_s=2.5e-4, launch_s=1e-3),
+    inter_node=AxisLink(bandwidth_Bps=4e8, latency_s=2.5e-4, launch_s=1e-3),
+    gpus_per_node=4,
+    matmul_efficiency=1.0,
+    pointwise_efficiency=1.0,
+    notes="4 gloo ranks on one 2-core CPU machine (measured once; rough)",
+)
+
+PRESETS: dict[str, Topology] = {
+    t.name: t for t in (_A100_DGX, _H100_DGX, _H200_DGX, _CPU_GLOO)
+}
+
+
+def get_preset(name: str) -> Topology:
+    """Return the preset topology ``name``; ``ValueError`` listing the valid names otherwise."""
+    if isinstance(name, str) and name in PRESETS:
+        return PRESETS[name]
+    raise ValueError(
+        f"unknown topology preset {name!r}; valid presets: {', '.join(sorted(PRESETS))}"
+    )
+
+
+def custom(name: str, *, base: str | Topology | None = None, **fields: Any) -> Topology:
+    """Build a user topology.
+
+    With ``base`` (a preset name or a Topology) the given ``fields`` override that topology's
+    values; without it every field of :class:`Topology` except ``notes`` must be given. Links may
+    be passed as :class:`AxisLink` or as dicts with the same keys.
+
+    Example: ``custom("my-a100", base="a100-dgx", gpus_per_node=4)``.
+    """
+    allowed = {f.name for f in dataclasses.fields(Topology)} - {"name"}
+    unknown = sorted(set(fields) - allowed)
+    if unknown:
+        raise ValueError(f"custom({name!r}): unknown fields {unknown}; valid: {sorted(allowed)}")
+    if base is not None:
+        start = get_preset(base) if isinstance(base, str) else base
+        if not isinstance(start, Topology):
+            raise ValueError(f"custom({name!r}): base must be a preset name or a Topology")
+        values = {f.name: getattr(start, f.name) for f in dataclasses.fields(Topology)}
+        values.update(fields)
+        values["name"] = name
+        return Topology(**values)
+    missing = sorted(allowed - {"notes"} - set(fields))
+    if missing:
+        raise ValueError(
+            f"custom({name!r}): missing fields {missing}; give them or pass base=<preset name>"
+        )
+    return Topology(name=name, **fields)

@@ -1,0 +1,155 @@
+"""Lowering pass: the joint graph + a Plan -> one local joint program per rank.
+
+``lower_to_local(gm, plan, mesh)`` interprets the joint graph over DTensors whose placements are
+the Plan's, moving every value to the placement its consumer's chosen strategy needs with the
+exact single-axis steps of :func:`autopar.strategies.reshard.reshard_steps`, and retraces the
+whole interpretation with ``make_fx`` under ``FakeTensorMode``. The result is a plain FX graph on
+local shards in which every collective is an explicit ``_c10d_functional`` node.
+
+Requires: ``gm`` is the TracedGraph's joint graph and ``plan`` was made for it; ``mesh`` is a
+DeviceMesh of ``plan.mesh_shape`` in the running job. Guarantees: the local program's inputs are
+the local shards of the placeholders (same order), its outputs the local loss (replicated) and the
+local gradient shards in their parameter's placement; it issues exactly ``plan.collectives``.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from autopar import _torch_private as private
+from autopar.placements import from_str
+from autopar.plan import Plan
+from autopar.strategies.reshard import local_shape, reshard_steps
+
+__all__ = ["lower_to_local", "placements_of", "reshard"]
+
+
+def placements_of(text: Sequence[str]) -> tuple:
+    """Placement tuple from the plan's text form."""
+    return tuple(from_str(t) for t in text)
+
+
+def reshard(x: DTensor, dst: tuple, mesh: Any) -> DTensor:
+    """Move ``x`` to ``dst`` placements with the planned single-axis steps."""
+    shape = tuple(x.shape)
+    for step in reshard_steps(tuple(x.placements), dst, shape, x.element_size(), tuple(mesh.shape)):
+        if step.kind == "local" and any(isinstance(p, Partial) for p in step.after) and \
+                not any(isinstance(p, Partial) for p in x.placements):
+            # Replicate -> Partial is refused by DTensor.redistribute: do it locally
+            local = private.redistribute_local(x.to_local(), x._spec, _spec_like(x, step.after))
+            x = DTensor.from_local(local, mesh, step.after, run_check=False, shape=x.shape, stride=x.stride())
+        else:
+            x = x.redistribute(mesh, step.after)
+    return x
+
+
+def _spec_like(x: DTensor, placements: tuple) -> Any:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    return DTensorSpec(x.device_mesh, placements, tensor_meta=x._spec.tensor_meta)
+
+
+class _Interpreter:
+    """Runs the joint graph over DTensors with the Plan's placements."""
+
+    def __init__(self, gm: fx.GraphModule, plan: Plan, mesh: Any) -> None:
+        self.gm, self.plan, self.mesh = gm, plan, mesh
+        self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+    def run(self, *locals_: torch.Tensor) -> list[torch.Tensor | None]:
+        env: dict[str, Any] = {}
+        moved: dict[tuple[str, tuple], DTensor] = {}
+        for n, t in zip(self.placeholders, locals_):
+            p = placements_of(self.plan.nodes[n.name].outputs[0])
+            val = n.meta["val"]
+            env[n.name] = DTensor.from_local(t, self.mesh, p, run_check=False,
+                                             shape=val.shape, stride=val.stride())
+        for n in self.gm.graph.nodes:
+            if n.op == "call_function" and n.target is operator.getitem:
+                env[n.name] = env[n.args[0].name][n.args[1]]
+            elif n.op == "call_function":
+                env[n.name] = self._call(n, env, moved)
+            elif n.op == "output":
+                return self._outputs(n, env, moved)
+        raise AssertionError("graph without output")
+
+    def _get(self, a: fx.Node, dst: tuple, env: dict, moved: dict) -> DTensor:
+        key = (a.name, dst)
+        if key not in moved:
+            moved[key] = reshard(env[a.name], dst, self.mesh)
+        return moved[key]
+
+    def _call(self, n: fx.Node, env: dict, moved: dict) -> Any:
+        choice = self.plan.nodes[n.name]
+        tensor_inputs = [a for a in _tensor_leaves(n)]
+        targets = {id_: placements_of(p) for id_, p in zip(range(len(tensor_inputs)), choice.inputs)}
+        counter = iter(range(len(tensor_inputs)))
+
+        def fetch(a: Any) -> Any:
+            if isinstance(a, fx.Node):
+                return self._get(a, targets[next(counter)], env, moved)
+            return a
+
+        args = _map_tensor_args(n.args, fetch)
+        kwargs = {k: fetch(v) if isinstance(v, fx.Node) else v for k, v in n.kwargs.items()}
+        if not tensor_inputs:  # factory op: compute replicated
+            out = n.target(*args, **kwargs)
+            return DTensor.from_local(out, self.mesh, tuple(Replicate() for _ in self.mesh.shape),
+                                      run_check=False)
+        out = n.target(*args, **kwargs)
+        return self._check(n, out, choice.outputs)
+
+    def _check(self, n: fx.Node, out: Any, planned: tuple) -> Any:
+        outs = out if isinstance(out, (tuple, list)) else [out]
+        fixed = list(outs)
+        for i, (o, p) in enumerate(zip(outs, planned)):
+            if isinstance(o, DTensor) and p is not None and tuple(o.placements) != placements_of(p):
+                raise RuntimeError(
+                    f"internal: DTensor placed {n.name} ({n.target}) output {i} as "
+                    f"{tuple(o.placements)}, the plan says {p}. Please report this with the model.")
+        return out if isinstance(out, (tuple, list)) else fixed[0]
+
+    def _outputs(self, n: fx.Node, env: dict, moved: dict) -> list[torch.Tensor | None]:
+        res: list[torch.Tensor | None] = []
+        for i, a in enumerate(n.args[0]):
+            if a is None:
+                res.append(None)
+                continue
+            target = placements_of(self.plan.output_placements[i])
+            res.append(self._get(a, target, env, moved).to_local())
+        return res
+
+
+def _tensor_leaves(n: fx.Node) -> list[fx.Node]:
+    from torch.utils._pytree import tree_flatten
+
+    leaves, _ = tree_flatten(n.args)
+    return [a for a in leaves if isinstance(a, fx.Node)] + [v for v in n.kwargs.values() if isinstance(v, fx.Node)]
+
+
+def _map_tensor_args(args: Any, fn: Any) -> Any:
+    if isinstance(args, (list, tuple)):
+        return type(args)(_map_tensor_args(a, fn) for a in args)
+    return fn(args)
+
+
+def lower_to_local(gm: fx.GraphModule, plan: Plan, mesh: Any) -> fx.GraphModule:
+    """Trace the plan's per-rank program (see module docstring)."""
+    interp = _Interpreter(gm, plan, mesh)
+    mesh_shape = tuple(mesh.shape)
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fakes = []
+        for n in interp.placeholders:
+            val = n.meta["val"]
+            p = placements_of(plan.nodes[n.name].outputs[0])
+            fakes.append(torch.empty(local_shape(val.shape, p, mesh_shape), dtype=val.dtype))
+        with torch.fx.traceback.preserve_node_meta():
+            local = make_fx(interp.run)(*fakes)
+    return local
