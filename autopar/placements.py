@@ -1,4 +1,7 @@
-"""Text form of DTensor placements for plans and tables: ``R``, ``S(0)``, ``P(sum)``."""
+"""Text form of DTensor placements for plans and tables: ``R``, ``S(0)``, ``P(sum)``, ``SS(0,3)``.
+
+``SS(dim,k)`` is a strided shard: the dim is k equal parts, each sharded (fused projections).
+"""
 
 from __future__ import annotations
 
@@ -6,12 +9,13 @@ import re
 from typing import Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 __all__ = ["to_str", "from_str", "fmt"]
 
 _SHARD = re.compile(r"^S\((\d+)\)$")
 _PARTIAL = re.compile(r"^P\((\w+)\)$")
+_STRIDED = re.compile(r"^SS\((\d+),(\d+)\)$")
 
 
 def to_str(p: Placement) -> str:
@@ -22,6 +26,8 @@ def to_str(p: Placement) -> str:
         return f"S({p.dim})"
     if isinstance(p, Partial):
         return f"P({p.reduce_op})"
+    if isinstance(p, _StridedShard):
+        return f"SS({p.dim},{p.split_factor})"
     raise ValueError(f"placement {p!r} has no text form in plans")
 
 
@@ -32,6 +38,9 @@ def from_str(text: str) -> Placement:
     m = _SHARD.match(text)
     if m:
         return Shard(int(m.group(1)))
+    m = _STRIDED.match(text)
+    if m:
+        return _StridedShard(int(m.group(1)), split_factor=int(m.group(2)))
     m = _PARTIAL.match(text)
     if m:
         return Partial(m.group(1))

@@ -26,6 +26,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from autopar import _torch_private as private
 from autopar.placements import from_str
 from autopar.plan import Plan
+from autopar.strategies import fused
 from autopar.strategies.reshard import local_shape, reshard_steps
 
 __all__ = ["lower_to_local", "placements_of", "reshard"]
@@ -99,6 +100,10 @@ class _Interpreter:
 
         args = _map_tensor_args(n.args, fetch)
         kwargs = {k: fetch(v) if isinstance(v, fx.Node) else v for k, v in n.kwargs.items()}
+        if fused.needs_local(n.target, [placements_of(p) for p in choice.inputs],
+                             [placements_of(o) if o is not None else None for o in choice.outputs]):
+            outs = [placements_of(o) for o in choice.outputs]
+            return fused.run_local(n.target, args, outs, self.mesh, n.meta["val"])
         if not tensor_inputs:  # factory op: compute replicated
             out = n.target(*args, **kwargs)
             return DTensor.from_local(out, self.mesh, tuple(Replicate() for _ in self.mesh.shape),

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 __all__ = ["Step", "reshard_steps", "local_shape", "COMM_KINDS"]
 
@@ -41,7 +41,7 @@ def local_shape(shape: Sequence[int], placements: Sequence[Placement], mesh_shap
     """Per-rank shape of a tensor of global ``shape`` under ``placements`` (even shards)."""
     out = list(shape)
     for axis, p in enumerate(placements):
-        if isinstance(p, Shard):
+        if isinstance(p, (Shard, _StridedShard)):
             out[p.dim] //= mesh_shape[axis]
     return tuple(out)
 
@@ -54,7 +54,7 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def _shard_dim(p: Placement) -> int | None:
-    return p.dim if isinstance(p, Shard) else None
+    return p.dim if isinstance(p, (Shard, _StridedShard)) else None
 
 
 def _axes_to_undo(cur: list[Placement], dst: Sequence[Placement]) -> set[int]:
@@ -91,7 +91,7 @@ def reshard_steps(
             later_same = any(
                 _shard_dim(cur[b]) == _shard_dim(q) for b in range(a + 1, len(cur))
             )
-            if isinstance(q, Shard) and not later_same:
+            if type(q) is Shard and not later_same:
                 cur[a] = q
                 steps.append(Step(a, "reduce_scatter", tuple(cur), size))
             else:

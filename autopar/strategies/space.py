@@ -18,12 +18,13 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autopar import _torch_private as private
 from autopar.errors import UnsupportedOpError
 from autopar.graph import TracedGraph
+from autopar.strategies import fused
 from autopar.strategies import rules as _rules  # noqa: F401  (registers autopar's own rules)
 
 __all__ = ["Strategy", "NodeSpace", "StrategySpace", "build_space", "representatives", "Value"]
@@ -91,19 +92,27 @@ def _meta(val: torch.Tensor) -> TensorMeta:
 def _even(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> bool:
     sizes = list(shape)
     for axis, p in enumerate(placements):
-        if isinstance(p, Shard):
+        if isinstance(p, _StridedShard):
+            if p.dim >= len(sizes) or sizes[p.dim] % (mesh_shape[axis] * p.split_factor):
+                return False
+            sizes[p.dim] //= mesh_shape[axis]
+        elif isinstance(p, Shard):
             if p.dim >= len(sizes) or sizes[p.dim] % mesh_shape[axis]:
                 return False
             sizes[p.dim] //= mesh_shape[axis]
         elif type(p) not in (Replicate, Partial):
-            return False  # _StridedShard and other exotic placements: not planned over (yet)
+            return False  # other exotic placements are not planned over
     return True
 
 
 def _placeholder_strategies(
-    shape: Sequence[int], mesh_shape: Sequence[int], role: str, dp_axes: Sequence[int]
+    shape: Sequence[int], mesh_shape: Sequence[int], role: str, dp_axes: Sequence[int],
+    fused: tuple[int, int] | None = None,
 ) -> list[Strategy]:
-    """All even placements of a placeholder; on dp axes params replicate, inputs shard batch."""
+    """All even placements of a placeholder; on dp axes params replicate, inputs shard batch.
+
+    A fused projection parameter (``fused = (dim, k)``) may also be strided-sharded on ``dim``.
+    """
     per_axis: list[list[Placement]] = []
     for axis in range(len(mesh_shape)):
         if role == "tangent":
@@ -112,6 +121,8 @@ def _placeholder_strategies(
             opts = [Replicate()] if role == "param" else [Shard(0)]
         else:
             opts = [Replicate()] + [Shard(d) for d in range(len(shape))]
+            if fused is not None:
+                opts.append(_StridedShard(fused[0], split_factor=fused[1]))
         per_axis.append(opts)
     combos: list[Placements] = [()]
     for opts in per_axis:
@@ -158,6 +169,7 @@ class _Builder:
         self.warnings: list[str] = []
         self.prop = private.sharding_propagator()
         self._cands: dict[Value, list[Placements]] = {}
+        self.fused = fused.fused_params(traced.gm, {p.node for p in traced.params})
 
     def value(self, n: fx.Node) -> Value:
         return self.alias.get(n.name, (n.name, 0))
@@ -177,7 +189,8 @@ class _Builder:
         role = "param" if n.name in params else (
             "tangent" if n.name in self.traced.tangent_nodes else "input")
         shape = tuple(n.meta["val"].shape)
-        strategies = _placeholder_strategies(shape, self.mesh_shape, role, self.dp_axes)
+        strategies = _placeholder_strategies(shape, self.mesh_shape, role, self.dp_axes,
+                                             self.fused.get(n.name))
         self.nodes[n.name] = NodeSpace(n.name, tuple(strategies), (), role)
 
     def op(self, n: fx.Node) -> None:
@@ -190,33 +203,56 @@ class _Builder:
         if not inputs:
             return [_replicate_strategy(n, len(self.mesh_shape))], "factory"
         op = n.target
+        if op in fused.FUSED_OPS:
+            try:
+                return self._convert(n, fused.fused_strategy(op, self._schema(n)), len(inputs)), "dtensor+fused"
+            except Exception as e:
+                return self._fallback(n, f"split/cat rule failed ({type(e).__name__}: {e})")
         if not private.has_rule(op):
             return self._fallback(n, f"no sharding rule for {op}")
         out_meta = _out_meta(n.meta.get("val"))
         try:
             result = private.enumerate_op_strategy(op, self._schema(n), out_meta, self.mesh)
             strategies = self._convert(n, result, len(inputs))
+            strided = self._strided_rep(inputs)
+            if strided is not None and op in self.prop.op_single_dim_strategy_funcs:
+                # single-axis rules expand shard placeholders only to the shard types they see
+                result = private.enumerate_op_strategy(op, self._schema(n, single_rep=strided), out_meta, self.mesh)
+                strategies = list(dict.fromkeys(strategies + self._convert(n, result, len(inputs))))
         except Exception as first:  # some rules assume one candidate per secondary input
-            strategies = []
-            try:
-                for lead in self.candidates(self.value(inputs[0])):
+            # ... or fail on one candidate placement: ask per candidate, keep those that work
+            strategies, errors = [], []
+            for lead in self.candidates(self.value(inputs[0])):
+                try:
                     result = private.enumerate_op_strategy(op, self._schema(n, lead), out_meta, self.mesh)
-                    strategies += self._convert(n, result, len(inputs))
-            except Exception as e:
+                except Exception as e:
+                    errors.append(f"{type(e).__name__}: {e}")
+                    continue
+                strategies += self._convert(n, result, len(inputs))
+            if not strategies:
                 return self._fallback(
                     n, f"DTensor's rule for {op} failed ({type(first).__name__}: {first}; "
-                       f"{type(e).__name__}: {e})")
+                       f"{'; '.join(errors[:2])})")
             strategies = list(dict.fromkeys(strategies))
         if not strategies:
             return self._fallback(n, f"no even sharding of {op} fits the shapes")
         return strategies, "dtensor"
 
-    def _schema(self, n: fx.Node, lead: Placements | None = None) -> OpSchema:
+    def _strided_rep(self, inputs: list[fx.Node]) -> Placements | None:
+        for a in inputs:
+            for c in self.candidates(self.value(a)):
+                for p in c:
+                    if isinstance(p, _StridedShard):
+                        return tuple(p for _ in self.mesh_shape)
+        return None
+
+    def _schema(self, n: fx.Node, lead: Placements | None = None,
+                single_rep: Placements | None = None) -> OpSchema:
         # Single-axis rules need one spec per input and only read which shard types occur
         # (a plain Shard makes them expand to every Shard(dim)); full rules derive candidates
         # from every placement the producer may give.
         single = n.target in self.prop.op_single_dim_strategy_funcs
-        rep = tuple(Shard(0) for _ in self.mesh_shape)
+        rep = single_rep or tuple(Shard(0) for _ in self.mesh_shape)
         first = _tensor_inputs(n)[0]
         replicate = tuple(Replicate() for _ in self.mesh_shape)
 
