@@ -114,6 +114,7 @@ def capture(model: nn.Module, example_inputs: Any) -> TracedGraph:
             ) from e
     gm = joint.graph_module
     _strip_input_grads(gm)
+    _strip_assertions(gm)
     return _build(gm, wrapper, in_spec, fake_mode is not None, time.perf_counter() - start)
 
 
@@ -199,6 +200,19 @@ def _user_frame(e: BaseException) -> str:
     return f" at {f.filename}:{f.lineno} in {f.name} ({(f.line or '').strip()})"
 
 
+_ASSERTIONS = ("_assert_tensor_metadata", "_assert_scalar", "_assert_async", "sym_constrain_range",
+               "sym_constrain_range_for_size", "_functional_assert_async")
+
+
+def _strip_assertions(gm: fx.GraphModule) -> None:
+    """Drop export's metadata assertions (no outputs, no effect on numbers, no sharding rule)."""
+    for n in list(gm.graph.nodes):
+        name = getattr(n.target, "__name__", "").split(".")[0]
+        if n.op == "call_function" and name in _ASSERTIONS and not n.users:
+            gm.graph.erase_node(n)
+    gm.recompile()
+
+
 def _strip_input_grads(gm: fx.GraphModule) -> None:
     """Replace gradients of user inputs (never wanted) by ``None`` outputs, then clean up."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
@@ -256,17 +270,13 @@ def _build(
         elif kind == "TangentAOTInput":
             tangents.append(n.name)
         elif kind == "BufferAOTInput":
-            buffers.append(n.name)
+            buffers.append(InputInfo(-1, n.name, tuple(val.shape), val.dtype, _short(desc.target)))
         else:
             raise CaptureError(f"unsupported graph input {n.name} ({desc}); please report it.")
-    if buffers:
-        raise CaptureError(
-            f"the model has buffers {buffers} used in the graph; buffers are not supported yet. "
-            f"Register them as non-persistent constants or parameters with requires_grad=False."
-        )
     node_layer, layers = _layers(gm, params)
     return TracedGraph(
-        gm=gm, params=tuple(params), inputs=tuple(inputs), tangent_nodes=tuple(tangents),
+        gm=gm, params=tuple(params), inputs=tuple(inputs), buffers=tuple(buffers),
+        tangent_nodes=tuple(tangents),
         loss_output_index=loss_index, num_outputs=len(out_descs), layers=layers,
         node_layer=node_layer, is_fake=is_fake, input_spec=in_spec, capture_time_s=elapsed,
     )

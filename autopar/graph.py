@@ -42,12 +42,13 @@ class ParamInfo:
 
 @dataclass(frozen=True)
 class InputInfo:
-    """A user input placeholder (flattened position ``index``)."""
+    """A user input placeholder (flattened position ``index``), or a buffer (``name`` set)."""
 
     index: int
     node: str
     shape: tuple[int, ...]
     dtype: torch.dtype
+    name: str = ""
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class TracedGraph:
     Attributes:
         gm: joint graph; placeholders are parameters, user inputs and the loss tangent; outputs are
             ``(loss, *grads, ...)`` as described by ``loss_output_index`` and ``ParamInfo``.
-        params / inputs: placeholders in graph order.
+        params / inputs / buffers: placeholders in graph order (buffers are replicated).
         tangent_nodes: names of tangent placeholders (the loss's, a scalar).
         loss_output_index: position of the loss in the graph's outputs.
         layers: repeated-module clusters with fingerprints; identical fingerprints are identical
@@ -79,6 +80,7 @@ class TracedGraph:
     gm: fx.GraphModule
     params: tuple[ParamInfo, ...]
     inputs: tuple[InputInfo, ...]
+    buffers: tuple[InputInfo, ...]
     tangent_nodes: tuple[str, ...]
     loss_output_index: int
     num_outputs: int

@@ -147,7 +147,7 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
         sig = _signature(n)
         key = ("c", id(ns.strategies), sig)
         if key not in cache:
-            if n.op == "placeholder":
+            if n.op in ("placeholder", "get_attr"):
                 cache[key] = np.zeros(len(ns.strategies))
             else:
                 cache[key] = np.array([_compute_time(n, s, mesh_shape, topology) for s in ns.strategies])

@@ -73,7 +73,11 @@ class _Interpreter:
             env[n.name] = DTensor.from_local(t, self.mesh, p, run_check=False,
                                              shape=val.shape, stride=val.stride())
         for n in self.gm.graph.nodes:
-            if n.op == "call_function" and n.target is operator.getitem:
+            if n.op == "get_attr":
+                env[n.name] = DTensor.from_local(getattr(self.gm, n.target), self.mesh,
+                                                 tuple(Replicate() for _ in self.mesh.shape),
+                                                 run_check=False)
+            elif n.op == "call_function" and n.target is operator.getitem:
                 env[n.name] = env[n.args[0].name][n.args[1]]
             elif n.op == "call_function":
                 env[n.name] = self._call(n, env, moved)
@@ -104,10 +108,9 @@ class _Interpreter:
                              [placements_of(o) if o is not None else None for o in choice.outputs]):
             outs = [placements_of(o) for o in choice.outputs]
             return fused.run_local(n.target, args, outs, self.mesh, n.meta["val"])
-        if not tensor_inputs:  # factory op: compute replicated
-            out = n.target(*args, **kwargs)
-            return DTensor.from_local(out, self.mesh, tuple(Replicate() for _ in self.mesh.shape),
-                                      run_check=False)
+        if not tensor_inputs or not private.has_rule(n.target):
+            # factory ops and ops without a rule: the plan replicates them; run on full tensors
+            return _run_replicated(n, args, kwargs, self.mesh)
         out = n.target(*args, **kwargs)
         return self._check(n, out, choice.outputs)
 
@@ -130,6 +133,16 @@ class _Interpreter:
             target = placements_of(self.plan.output_placements[i])
             res.append(self._get(a, target, env, moved).to_local())
         return res
+
+
+def _run_replicated(n: fx.Node, args: Any, kwargs: dict, mesh: Any) -> Any:
+    from torch.utils._pytree import tree_map
+
+    rep = tuple(Replicate() for _ in mesh.shape)
+    unwrap = lambda x: x.to_local() if isinstance(x, DTensor) else x  # noqa: E731
+    out = n.target(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+    wrap = lambda t: DTensor.from_local(t, mesh, rep, run_check=False) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    return tree_map(wrap, out)
 
 
 def _tensor_leaves(n: fx.Node) -> list[fx.Node]:

@@ -59,6 +59,8 @@ class ParallelModule(nn.Module):
             _set_param(self, p.name, by_name[p.name])
             self._names.append(p.name)
         self._by_name = by_name
+        owned = dict(model.named_buffers(remove_duplicate=False))
+        self._buffers_local = {b.node: owned[b.name].detach() for b in traced.buffers}
 
     def _local_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         flat, spec = tree_flatten((args, kwargs))
@@ -91,6 +93,8 @@ class ParallelModule(nn.Module):
         for name in self._placeholder_order():
             if name in params:
                 feeds.append(self._by_name[params[name].name].to_local().detach())
+            elif name in self._buffers_local:
+                feeds.append(self._buffers_local[name])
             elif name in self._traced.tangent_nodes:
                 feeds.append(torch.ones((), dtype=torch.float32))
             else:

@@ -75,6 +75,9 @@ _MIP_RELATIVE_GAP = 1e-4
 _MIP_BACKENDS = ("HIGHS", "CBC", "SCIP")
 _BACKEND_NAMES = {"CBC": "CBC", "SCIP": "SCIP", "HIGHS": "HiGHS"}
 _BRUTE_FORCE_MAX = 10_000_000
+_UNKNOWN_STATUS = 99  # what OR-Tools' HiGHS interface returns at its time limit (no incumbent exposed)
+_FIRST_BACKEND_SHARE = 2 / 3  # of the remaining time, when a second backend can still take over
+_LAST_BACKEND_SHARE = 0.9  # CBC overshoots its limit by up to a few seconds
 
 
 @dataclass(frozen=True)
@@ -409,50 +412,67 @@ def _solve_lp(red: _Reduced, slack: float | None, n: int, time_left_s: float) ->
     return model, choice if integral else None
 
 
-def _mip_solver() -> tuple[pywraplp.Solver, str]:
+def _mip_solvers() -> list[tuple[pywraplp.Solver, str]]:
+    """Up to two MIP backends in preference order (the second only runs if the first finds nothing)."""
+    found = []
     for name in _MIP_BACKENDS:
         solver = pywraplp.Solver.CreateSolver(name)
         if solver is not None:
             if name == "HIGHS":
                 solver.SetSolverSpecificParametersAsString("output_flag=false")  # no banner on stdout
-            return solver, _BACKEND_NAMES[name]
-    raise SolverError(
-        f"none of the MIP backends {', '.join(_BACKEND_NAMES.values())} is available in this OR-Tools build; "
-        "install an OR-Tools wheel that bundles HiGHS, CBC or SCIP (pip install -U ortools)."
-    )
+            found.append((solver, _BACKEND_NAMES[name]))
+    if not found:
+        raise SolverError(
+            f"none of the MIP backends {', '.join(_BACKEND_NAMES.values())} is available in this OR-Tools "
+            "build (required: at least one); install an OR-Tools wheel that bundles HiGHS, CBC or SCIP "
+            "(pip install -U ortools)."
+        )
+    return found[:2]
 
 
-def _interpret_status(code: int, backend: str, limit_s: float) -> None:
-    """Raise for MIP statuses without a usable solution (OPTIMAL and FEASIBLE pass)."""
-    if code in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-        return
-    if code == pywraplp.Solver.NOT_SOLVED:
-        raise SolverTimeoutError(
-            f"{backend} found no feasible sharding within the time limit of {limit_s:.1f} s "
+def _no_solution_error(code: int, tried: list[str], limit_s: float) -> SolverError:
+    """Error for a MIP that ended without any feasible solution."""
+    if code in (pywraplp.Solver.NOT_SOLVED, _UNKNOWN_STATUS):
+        return SolverTimeoutError(
+            f"{' and '.join(tried)} found no feasible sharding within the time limit of {limit_s:.1f} s "
             "(required: at least one feasible solution). Fix: raise Config.solver_time_limit_s, "
             "or shrink the problem (fewer strategies per op, more layer merging)."
         )
-    raise SolverError(f"{backend} ended with status code {code} (required: OPTIMAL or FEASIBLE); "
-                      "this is a solver failure, please report the problem instance.")
+    return SolverError(
+        f"{' and '.join(tried)} ended with status code {code} (required: OPTIMAL or FEASIBLE); "
+        "this is a solver failure, please report the problem instance."
+    )
 
 
 def _solve_mip(problem: ILPProblem, red: _Reduced, slack: float | None, t0: float) -> ILPSolution:
-    solver, backend = _mip_solver()
-    model = _build(solver, red, slack, integer=True)
-    left = max(problem.time_limit_s - (time.perf_counter() - t0), 0.05 * problem.time_limit_s)
-    solver.SetTimeLimit(max(1, int(left * 1000)))
-    params = pywraplp.MPSolverParameters()
-    params.SetDoubleParam(params.RELATIVE_MIP_GAP, _MIP_RELATIVE_GAP)
-    code = solver.Solve(params)
-    if code == pywraplp.Solver.INFEASIBLE:
-        raise _infeasible_error(problem)
-    _interpret_status(code, backend, problem.time_limit_s)
-    value, bound = solver.Objective().Value(), solver.Objective().BestBound()
+    """Run the MIP; HiGHS reports no incumbent at its time limit, so CBC then gets the remaining time."""
+    attempts = _mip_solvers()
+    tried: list[str] = []
+    code = pywraplp.Solver.NOT_SOLVED
+    for i, (solver, backend) in enumerate(attempts):
+        model = _build(solver, red, slack, integer=True)
+        left = problem.time_limit_s - (time.perf_counter() - t0)
+        share = _FIRST_BACKEND_SHARE if i + 1 < len(attempts) else _LAST_BACKEND_SHARE
+        solver.SetTimeLimit(max(1, int(max(left * share, 0.02 * problem.time_limit_s) * 1000)))
+        params = pywraplp.MPSolverParameters()
+        params.SetDoubleParam(params.RELATIVE_MIP_GAP, _MIP_RELATIVE_GAP)
+        code = solver.Solve(params)
+        tried.append(backend)
+        if code == pywraplp.Solver.INFEASIBLE:
+            raise _infeasible_error(problem)
+        if code in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+            return _mip_solution(problem, red, model, code, backend, t0)
+    raise _no_solution_error(code, tried, problem.time_limit_s)
+
+
+def _mip_solution(problem: ILPProblem, red: _Reduced, model: _Model, code: int, backend: str, t0: float) -> ILPSolution:
+    objective = model.solver.Objective()
+    value, bound = objective.Value(), objective.BestBound()
     gap = abs(value - bound) / max(abs(value), 1e-12) if math.isfinite(bound) else math.inf
     gap = 0.0 if gap < 1e-12 else gap
     status = "optimal" if code == pywraplp.Solver.OPTIMAL or gap <= _MIP_RELATIVE_GAP else "feasible"
     choice, _ = _read_choice(model, red, len(problem.node_costs))
-    return _solution(problem, choice, status, gap, t0, backend, solver)
+    return _solution(problem, choice, status, gap, t0, backend, model.solver)
 
 
 def solve_ilp(problem: ILPProblem) -> ILPSolution:

@@ -186,8 +186,9 @@ class _Builder:
 
     def placeholder(self, n: fx.Node) -> None:
         params = {p.node for p in self.traced.params}
+        buffers = {b.node for b in self.traced.buffers}
         role = "param" if n.name in params else (
-            "tangent" if n.name in self.traced.tangent_nodes else "input")
+            "tangent" if n.name in self.traced.tangent_nodes or n.name in buffers else "input")
         shape = tuple(n.meta["val"].shape)
         strategies = _placeholder_strategies(shape, self.mesh_shape, role, self.dp_axes,
                                              self.fused.get(n.name))
@@ -329,6 +330,9 @@ def build_space(
     for n in traced.gm.graph.nodes:
         if n.op == "placeholder":
             b.placeholder(n)
+        elif n.op == "get_attr":  # a constant captured in the graph: replicated
+            rep = tuple(Replicate() for _ in b.mesh_shape)
+            b.nodes[n.name] = NodeSpace(n.name, (Strategy((rep,), ()),), (), "constant")
         elif n.op == "call_function" and n.target is operator.getitem:
             src = b.value(n.args[0])
             b.alias[n.name] = (src[0], n.args[1])
