@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar import _torch_private as private
@@ -46,15 +47,40 @@ def reshard(x: DTensor, dst: tuple, mesh: Any) -> DTensor:
             # Replicate -> Partial is refused by DTensor.redistribute: do it locally
             local = private.redistribute_local(x.to_local(), x._spec, _spec_like(x, step.after))
             x = DTensor.from_local(local, mesh, step.after, run_check=False, shape=x.shape, stride=x.stride())
+        elif step.kind == "all_gather" and isinstance(x.placements[step.axis], _StridedShard):
+            x = _gather_strided(x, step.axis, step.after, mesh)
         else:
             x = x.redistribute(mesh, step.after)
     return x
+
+
+def _gather_strided(x: DTensor, axis: int, after: tuple, mesh: Any) -> DTensor:
+    """All-gather a ``_StridedShard(dim, k)`` axis: gather, then put the k parts back in order.
+
+    DTensor's own path computes shard offsets with ``.tolist()``, which cannot be traced with
+    fake tensors. Rank r holds parts ``[p_0^r, ..., p_{k-1}^r]``; gathering gives them rank-major
+    and a reshape/transpose makes them part-major, the global order.
+    """
+    import torch.distributed._functional_collectives as funcol
+
+    p = x.placements[axis]
+    dim, k, n = p.dim, p.split_factor, mesh.shape[axis]
+    local = x.to_local()
+    full = funcol.all_gather_tensor(local.contiguous(), dim, (mesh, axis))
+    shape = list(full.shape)
+    c = shape[dim] // (n * k)
+    full = full.reshape(shape[:dim] + [n, k, c] + shape[dim + 1:]).transpose(dim, dim + 1)
+    full = full.reshape(shape)
+    return DTensor.from_local(full, mesh, after, run_check=False, shape=x.shape, stride=x.stride())
 
 
 def _spec_like(x: DTensor, placements: tuple) -> Any:
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
     return DTensorSpec(x.device_mesh, placements, tensor_meta=x._spec.tensor_meta)
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 
 class _Interpreter:
@@ -80,7 +106,13 @@ class _Interpreter:
             elif n.op == "call_function" and n.target is operator.getitem:
                 env[n.name] = env[n.args[0].name][n.args[1]]
             elif n.op == "call_function":
-                env[n.name] = self._call(n, env, moved)
+                try:
+                    env[n.name] = self._call(n, env, moved)
+                except Exception as e:
+                    choice = self.plan.nodes[n.name]
+                    raise RuntimeError(
+                        f"lowering node {n.name} ({n.target}) with inputs {choice.inputs} and "
+                        f"outputs {choice.outputs} failed: {type(e).__name__}: {e}") from e
             elif n.op == "output":
                 return self._outputs(n, env, moved)
         raise AssertionError("graph without output")
@@ -111,6 +143,10 @@ class _Interpreter:
         if not tensor_inputs or not private.has_rule(n.target):
             # factory ops and ops without a rule: the plan replicates them; run on full tensors
             return _run_replicated(n, args, kwargs, self.mesh)
+        if n.target in _VIEWS and isinstance(args[0], DTensor) and not args[0]._local_tensor.is_contiguous():
+            # the global tensor was contiguous (the view was valid), its local shard may not be
+            # (a kernel or a reshard gave it another layout): same numbers, contiguous layout
+            args = (torch.ops.aten.clone.default(args[0], memory_format=torch.contiguous_format), *args[1:])
         out = n.target(*args, **kwargs)
         return self._check(n, out, choice.outputs)
 

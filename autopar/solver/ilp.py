@@ -58,16 +58,8 @@ from ortools.linear_solver import pywraplp
 from autopar.errors import AutoparError, PlanError
 
 __all__ = [
-    "ILPEdge",
-    "ILPProblem",
-    "ILPSolution",
-    "InfeasibleMemoryError",
-    "SolverError",
-    "SolverTimeoutError",
-    "solve_ilp",
-    "brute_force",
-    "evaluate_choice",
-    "min_memory_bytes",
+    "ILPEdge", "ILPProblem", "ILPSolution", "InfeasibleMemoryError", "SolverError", "SolverTimeoutError",
+    "solve_ilp", "brute_force", "evaluate_choice", "min_memory_bytes",
 ]
 
 _INTEGRALITY_TOL = 1e-6
@@ -155,49 +147,47 @@ def _group_name(problem: ILPProblem, g: int) -> str:
 
 
 def _validate(problem: ILPProblem) -> None:
+    """Raise ValueError (what was given, what is required) for a malformed problem."""
     n = len(problem.node_costs)
-    if len(problem.node_memory) != n:
-        raise ValueError(
-            f"ILPProblem has {n} node_costs but {len(problem.node_memory)} node_memory entries; "
-            "give one cost vector and one memory vector per variable group."
-        )
-    if problem.names is not None and len(problem.names) != n:
-        raise ValueError(f"ILPProblem.names has {len(problem.names)} entries for {n} groups; give one name per group or None.")
+    if len(problem.node_memory) != n or (problem.names is not None and len(problem.names) != n):
+        names = "None" if problem.names is None else len(problem.names)
+        raise ValueError(f"ILPProblem has {n} node_costs, {len(problem.node_memory)} node_memory and {names} "
+                         "names; required: one cost vector, one memory vector (and one name, or names=None) per group.")
     for g, (c, m) in enumerate(zip(problem.node_costs, problem.node_memory)):
         c, m = np.asarray(c), np.asarray(m)
         if c.ndim != 1 or c.size == 0 or c.shape != m.shape:
-            raise ValueError(
-                f"{_group_name(problem, g)}: node cost shape {c.shape} and memory shape {m.shape}; "
-                "both must be the same non-empty 1-D shape (one entry per strategy)."
-            )
+            raise ValueError(f"{_group_name(problem, g)}: node cost shape {c.shape}, memory shape {m.shape}; "
+                             "required: the same non-empty 1-D shape (one entry per strategy).")
         if not (np.all(np.isfinite(c)) and np.all(c >= 0) and np.all(np.isfinite(m)) and np.all(m >= 0)):
-            raise ValueError(f"{_group_name(problem, g)}: node costs and memory must be finite and >= 0; got costs {c}, memory {m}.")
+            raise ValueError(f"{_group_name(problem, g)}: costs {c}, memory {m}; required: finite and >= 0.")
     for i, e in enumerate(problem.edges):
         if not (0 <= e.src < n and 0 <= e.dst < n):
-            raise ValueError(f"edge {i} ({e.src} -> {e.dst}) references a group outside 0..{n - 1}; fix the group indices.")
-        want = (len(problem.node_costs[e.src]), len(problem.node_costs[e.dst]))
-        r = np.asarray(e.cost)
+            raise ValueError(f"edge {i} is {e.src} -> {e.dst}; required: group indices in 0..{n - 1}.")
+        want, r = (len(problem.node_costs[e.src]), len(problem.node_costs[e.dst])), np.asarray(e.cost)
         if r.shape != want:
-            raise ValueError(
-                f"edge {i} ({_group_name(problem, e.src)} -> {_group_name(problem, e.dst)}) has cost shape "
-                f"{r.shape}; required (n_strategies[src], n_strategies[dst]) = {want}."
-            )
+            raise ValueError(f"edge {i} ({_group_name(problem, e.src)} -> {_group_name(problem, e.dst)}) has cost "
+                             f"shape {r.shape}; required (n_strategies[src], n_strategies[dst]) = {want}.")
         if not (np.all(np.isfinite(r)) and np.all(r >= 0)):
-            raise ValueError(f"edge {i} ({e.src} -> {e.dst}): resharding costs must be finite and >= 0.")
-    if problem.memory_budget is not None and not (math.isfinite(problem.memory_budget) and problem.memory_budget >= 0):
-        raise ValueError(f"memory_budget={problem.memory_budget!r}; give a finite number of bytes >= 0, or None.")
-    if not (math.isfinite(problem.memory_constant) and problem.memory_constant >= 0):
-        raise ValueError(f"memory_constant={problem.memory_constant!r}; give a finite number of bytes >= 0.")
+            raise ValueError(f"edge {i} ({e.src} -> {e.dst}) has costs {r}; required: finite and >= 0.")
+    budget, const = problem.memory_budget, problem.memory_constant
+    bad_budget = budget is not None and not (math.isfinite(budget) and budget >= 0)
+    if bad_budget or not (math.isfinite(const) and const >= 0):
+        raise ValueError(f"memory_budget={budget!r}, memory_constant={const!r}; required: finite bytes >= 0 "
+                         "(memory_budget may be None for no limit).")
     if not problem.time_limit_s > 0:
-        raise ValueError(f"time_limit_s={problem.time_limit_s!r}; give a positive number of seconds (solver_time_limit_s).")
+        raise ValueError(f"time_limit_s={problem.time_limit_s!r}; required: a positive number of seconds "
+                         "(raise Config.solver_time_limit_s).")
 
 
 def evaluate_choice(problem: ILPProblem, choice: tuple[int, ...]) -> tuple[float, float]:
     """Return ``(cost_seconds, memory_bytes)`` of one strategy per group (memory includes the constant)."""
+    if len(choice) != len(problem.node_costs):
+        raise ValueError(f"choice has {len(choice)} entries; required one per group ({len(problem.node_costs)}).")
     cost = math.fsum(float(np.asarray(c)[s]) for c, s in zip(problem.node_costs, choice))
     cost += math.fsum(float(np.asarray(e.cost)[choice[e.src], choice[e.dst]]) for e in problem.edges)
-    mem = problem.memory_constant + math.fsum(float(np.asarray(m)[s]) for m, s in zip(problem.node_memory, choice))
-    return cost, mem
+    mem = math.fsum(float(np.asarray(m)[s]) for m, s in zip(problem.node_memory, choice))
+    return cost, problem.memory_constant + mem
+
 
 
 def min_memory_bytes(problem: ILPProblem) -> float:
@@ -268,11 +258,8 @@ def _keep_mask(red: _Reduced, g: int, slack: float | None) -> np.ndarray:
     feats = np.column_stack([red.cost[g], red.mem[g], *_rows(red, g)])
     le = np.all(feats[:, None, :] <= feats[None, :, :], axis=2)  # le[t, s]: t no worse than s
     k = len(keep)
-    for s in range(k):
-        for t in range(k):
-            if t != s and keep[t] and le[t, s] and (t < s or not le[s, t]):
-                keep[s] = False
-                break
+    for s in range(k):  # t removes s if t is kept, no worse, and strictly better or equal with a lower index
+        keep[s] &= not any(keep[t] and le[t, s] and (t < s or not le[s, t]) for t in range(k) if t != s)
     return keep
 
 
@@ -322,8 +309,9 @@ def _presolve(problem: ILPProblem) -> tuple[_Reduced, float | None]:
 @dataclass(frozen=True)
 class _Model:
     solver: pywraplp.Solver
-    groups: tuple[int, ...]  # original index of each active group
+    groups: tuple[int, ...]  # groups the presolve left open
     x: tuple[tuple[pywraplp.Variable, ...], ...]
+    scale: float  # objective coefficients are costs / scale
 
 
 def _build(solver: pywraplp.Solver, red: _Reduced, slack: float | None, integer: bool) -> _Model:
@@ -346,16 +334,14 @@ def _build(solver: pywraplp.Solver, red: _Reduced, slack: float | None, integer:
     if slack is not None:
         _add_memory(solver, red, groups, xs, slack)
     obj.SetMinimization()
-    return _Model(solver, groups, tuple(xs))
+    return _Model(solver, groups, tuple(xs), scale)
 
 
 def _add_edge(solver: pywraplp.Solver, obj: pywraplp.Objective, xu: tuple, xv: tuple, mat: np.ndarray) -> None:
-    rows = [solver.Constraint(0.0, 0.0) for _ in xu]
-    cols = [solver.Constraint(0.0, 0.0) for _ in xv]
-    for s, ct in enumerate(rows):
-        ct.SetCoefficient(xu[s], -1.0)
-    for t, ct in enumerate(cols):
-        ct.SetCoefficient(xv[t], -1.0)
+    """y[s, t] with sum_t y = x_u[s], sum_s y = x_v[t] and cost mat[s, t] (already scaled)."""
+    rows, cols = [solver.Constraint(0.0, 0.0) for _ in xu], [solver.Constraint(0.0, 0.0) for _ in xv]
+    for ct, var in [*zip(rows, xu), *zip(cols, xv)]:
+        ct.SetCoefficient(var, -1.0)
     for s in range(len(xu)):
         for t in range(len(xv)):
             y = solver.NumVar(0.0, 1.0, "")
@@ -368,8 +354,7 @@ def _add_edge(solver: pywraplp.Solver, obj: pywraplp.Objective, xu: tuple, xv: t
 def _add_memory(solver: pywraplp.Solver, red: _Reduced, groups: tuple[int, ...], xs: list, slack: float) -> None:
     """sum_g sum_s (m[g,s] - min_s m[g,s]) x[g,s] <= slack, scaled to O(1); skipped when it cannot bind."""
     extra = [red.mem[g] - red.mem[g].min() for g in groups]
-    total_max = math.fsum(float(e.max()) for e in extra)
-    if total_max <= slack:
+    if math.fsum(float(e.max()) for e in extra) <= slack:
         return
     mscale = max(float(e.max()) for e in extra)
     ct = solver.Constraint(-solver.infinity(), slack / mscale)
@@ -379,18 +364,73 @@ def _add_memory(solver: pywraplp.Solver, red: _Reduced, groups: tuple[int, ...],
                 ct.SetCoefficient(var, float(val) / mscale)
 
 
-def _read_choice(model: _Model, red: _Reduced, n: int) -> tuple[tuple[int, ...], bool]:
-    """Map the solver's x back to original strategy indices; also report whether x is integral."""
-    choice = [int(red.opts[g][0]) if red.fixed[g] else -1 for g in range(n)]
-    integral = True
+def _positions(model: _Model) -> tuple[dict[int, int], bool]:
+    """Largest x per open group (index into ``red.opts[g]``) and whether every x is integral."""
+    pos, integral = {}, True
     for g, row in zip(model.groups, model.x):
         vals = np.array([var.solution_value() for var in row])
         integral &= bool(np.all(np.minimum(np.abs(vals), np.abs(vals - 1.0)) <= _INTEGRALITY_TOL))
-        choice[g] = int(red.opts[g][int(np.argmax(vals))])
-    return tuple(choice), integral
+        pos[g] = int(np.argmax(vals))
+    return pos, integral
+
+
+def _full_choice(red: _Reduced, pos: dict[int, int]) -> tuple[int, ...]:
+    return tuple(int(red.opts[g][pos.get(g, 0)]) for g in range(len(red.opts)))
+
+
+def _local_costs(red: _Reduced, g: int, pos: dict[int, int]) -> np.ndarray:
+    """Cost of every option of g with the neighbours' current options held fixed."""
+    out = red.cost[g].copy()
+    for u, v in red.incident[g]:
+        out += red.edges[(u, v)][:, pos[v]] if u == g else red.edges[(u, v)][pos[u], :]
+    return out
+
+
+def _best_move(red: _Reduced, g: int, pos: dict[int, int], extra: dict[int, np.ndarray]) -> tuple[float, int]:
+    """Cheapest memory-saving switch of g: (extra seconds per byte saved, option)."""
+    save = extra[g][pos[g]] - extra[g]
+    if not np.any(save > 0):
+        return math.inf, -1
+    local = _local_costs(red, g, pos)
+    ratio = np.where(save > 0, (local - local[pos[g]]) / np.where(save > 0, save, 1.0), np.inf)
+    s = int(np.argmin(ratio))
+    return float(ratio[s]), s
+
+
+def _repair(red: _Reduced, pos: dict[int, int], slack: float | None) -> dict[int, int]:
+    """Greedy memory repair of a rounded LP choice (always terminates: memory strictly falls)."""
+    if slack is None:
+        return pos
+    extra = {g: red.mem[g] - red.mem[g].min() for g in pos}
+    used = math.fsum(float(extra[g][pos[g]]) for g in pos)
+    moves = {g: _best_move(red, g, pos, extra) for g in pos}
+    while used > slack:
+        g = min(moves, key=lambda h: (moves[h][0], h))
+        if moves[g][1] < 0:
+            break
+        s = moves[g][1]
+        used -= float(extra[g][pos[g]] - extra[g][s])
+        pos[g] = s
+        for h in {g, *(u if v == g else v for u, v in red.incident[g])}:
+            moves[h] = _best_move(red, h, pos, extra)
+    return pos
+
+
+def _reduced_value(red: _Reduced, pos: dict[int, int]) -> float:
+    """Objective of ``pos`` in the presolved problem (no constants of fixed groups)."""
+    nodes = math.fsum(float(red.cost[g][s]) for g, s in pos.items())
+    return nodes + math.fsum(float(m[pos[u], pos[v]]) for (u, v), m in red.edges.items())
 
 
 # ----------------------------------------------------------------------------- solve
+
+
+@dataclass(frozen=True)
+class _LPResult:
+    model: _Model
+    pos: dict[int, int] | None  # rounded positions; None when the LP did not finish
+    integral: bool
+    bound: float  # lower bound in presolved units (seconds)
 
 
 def _solution(problem: ILPProblem, choice: tuple[int, ...], status: str, gap: float, t0: float,
@@ -401,15 +441,29 @@ def _solution(problem: ILPProblem, choice: tuple[int, ...], status: str, gap: fl
     return ILPSolution(choice, cost, status, gap, time.perf_counter() - t0, backend, nv, nc, mem)
 
 
-def _solve_lp(red: _Reduced, slack: float | None, n: int, time_left_s: float) -> tuple[_Model, tuple[int, ...] | None]:
-    """Solve the LP relaxation; return the model and the choice when the optimum is integral."""
+def _solve_lp(red: _Reduced, slack: float | None, time_limit_s: float) -> _LPResult:
+    """Solve the LP relaxation with GLOP."""
     solver = pywraplp.Solver.CreateSolver("GLOP")
     model = _build(solver, red, slack, integer=False)
-    solver.SetTimeLimit(max(1, int(time_left_s * 1000)))
+    solver.SetTimeLimit(max(1, int(time_limit_s * 1000)))
     if solver.Solve() != pywraplp.Solver.OPTIMAL:
-        return model, None
-    choice, integral = _read_choice(model, red, n)
-    return model, choice if integral else None
+        return _LPResult(model, None, False, -math.inf)
+    pos, integral = _positions(model)
+    return _LPResult(model, pos, integral, solver.Objective().Value() * model.scale)
+
+
+def _rounding_solution(
+    problem: ILPProblem, red: _Reduced, lp: _LPResult, slack: float | None, t0: float
+) -> ILPSolution:
+    """Rounded + memory-repaired LP solution, with its gap to the LP bound."""
+    assert lp.pos is not None
+    pos = _repair(red, dict(lp.pos), slack)
+    choice = _full_choice(red, pos)
+    value = evaluate_choice(problem, choice)[0]
+    bound = lp.bound + (value - _reduced_value(red, pos))  # add back the fixed groups' constant
+    gap = max(value - bound, 0.0) / max(abs(value), 1e-300)
+    status = "optimal" if gap <= _MIP_RELATIVE_GAP else "feasible"
+    return _solution(problem, choice, status, gap, t0, "lp-rounding", lp.model.solver)
 
 
 def _mip_solvers() -> list[tuple[pywraplp.Solver, str]]:
@@ -431,7 +485,7 @@ def _mip_solvers() -> list[tuple[pywraplp.Solver, str]]:
 
 
 def _no_solution_error(code: int, tried: list[str], limit_s: float) -> SolverError:
-    """Error for a MIP that ended without any feasible solution."""
+    """Error for a solve that ended without any feasible solution."""
     if code in (pywraplp.Solver.NOT_SOLVED, _UNKNOWN_STATUS):
         return SolverTimeoutError(
             f"{' and '.join(tried)} found no feasible sharding within the time limit of {limit_s:.1f} s "
@@ -444,8 +498,13 @@ def _no_solution_error(code: int, tried: list[str], limit_s: float) -> SolverErr
     )
 
 
-def _solve_mip(problem: ILPProblem, red: _Reduced, slack: float | None, t0: float) -> ILPSolution:
-    """Run the MIP; HiGHS reports no incumbent at its time limit, so CBC then gets the remaining time."""
+def _solve_mip(
+    problem: ILPProblem, red: _Reduced, slack: float | None, t0: float
+) -> tuple[ILPSolution | None, int, list[str]]:
+    """Run the MIP; HiGHS exposes no incumbent at its time limit, so CBC then gets the remaining time.
+
+    Returns the solution (None when no backend found one), the last status code and the backends tried.
+    """
     attempts = _mip_solvers()
     tried: list[str] = []
     code = pywraplp.Solver.NOT_SOLVED
@@ -461,42 +520,57 @@ def _solve_mip(problem: ILPProblem, red: _Reduced, slack: float | None, t0: floa
         if code == pywraplp.Solver.INFEASIBLE:
             raise _infeasible_error(problem)
         if code in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-            return _mip_solution(problem, red, model, code, backend, t0)
-    raise _no_solution_error(code, tried, problem.time_limit_s)
+            return _mip_solution(problem, red, model, code, backend, t0), code, tried
+    return None, code, tried
 
 
-def _mip_solution(problem: ILPProblem, red: _Reduced, model: _Model, code: int, backend: str, t0: float) -> ILPSolution:
+def _mip_solution(
+    problem: ILPProblem, red: _Reduced, model: _Model, code: int, backend: str, t0: float
+) -> ILPSolution:
     objective = model.solver.Objective()
     value, bound = objective.Value(), objective.BestBound()
     gap = abs(value - bound) / max(abs(value), 1e-12) if math.isfinite(bound) else math.inf
     gap = 0.0 if gap < 1e-12 else gap
     status = "optimal" if code == pywraplp.Solver.OPTIMAL or gap <= _MIP_RELATIVE_GAP else "feasible"
-    choice, _ = _read_choice(model, red, len(problem.node_costs))
-    return _solution(problem, choice, status, gap, t0, backend, model.solver)
+    pos, _ = _positions(model)
+    return _solution(problem, _full_choice(red, pos), status, gap, t0, backend, model.solver)
 
 
 def solve_ilp(problem: ILPProblem) -> ILPSolution:
-    """Solve the intra-operator sharding ILP exactly (within a 1e-4 relative gap).
+    """Solve the intra-operator sharding ILP (exactly, within a 1e-4 relative gap, unless time runs out).
 
     Presolves, tries the LP relaxation (returned as ``"lp-relaxation"`` when
-    integral) and otherwise runs the MIP.  Raises :class:`InfeasibleMemoryError`
-    when no choice fits ``memory_budget``, :class:`SolverTimeoutError` when no
-    feasible solution is found within ``time_limit_s`` and ``ValueError`` for a
-    malformed problem.
+    integral) and otherwise runs the MIP.  When the MIP ends at the time limit,
+    the better of its incumbent and the rounded, memory-repaired LP solution
+    (backend ``"lp-rounding"``) is returned with status ``"feasible"``.
+    Raises :class:`InfeasibleMemoryError` when no choice fits ``memory_budget``,
+    :class:`SolverTimeoutError` when nothing feasible is known at the time limit
+    and ``ValueError`` for a malformed problem.
     """
     t0 = time.perf_counter()
     _validate(problem)
-    n = len(problem.node_costs)
     if problem.memory_budget is not None and min_memory_bytes(problem) > problem.memory_budget * (1 + 1e-12):
         raise _infeasible_error(problem)
     red, slack = _presolve(problem)
     if all(red.fixed):
-        choice = tuple(int(o[0]) for o in red.opts)
-        return _solution(problem, choice, "optimal", 0.0, t0, "presolve", None)
-    model, choice = _solve_lp(red, slack, n, problem.time_limit_s)
-    if choice is not None:
-        return _solution(problem, choice, "optimal", 0.0, t0, "lp-relaxation", model.solver)
-    return _solve_mip(problem, red, slack, t0)
+        return _solution(problem, _full_choice(red, {}), "optimal", 0.0, t0, "presolve", None)
+    lp = _solve_lp(red, slack, problem.time_limit_s)
+    if lp.pos is not None and lp.integral:
+        return _solution(problem, _full_choice(red, lp.pos), "optimal", 0.0, t0, "lp-relaxation", lp.model.solver)
+    mip, code, tried = _solve_mip(problem, red, slack, t0)
+    if mip is not None and mip.status == "optimal":
+        return mip
+    if lp.pos is None:
+        if mip is None:
+            raise _no_solution_error(code, ["GLOP", *tried], problem.time_limit_s)
+        return mip
+    rounded = _rounding_solution(problem, red, lp, slack, t0)
+    return mip if mip is not None and mip.objective <= rounded.objective else rounded
+
+
+def _spread(a: np.ndarray, axes: tuple[int, ...], n: int) -> np.ndarray:
+    """View of ``a`` (its axes are ``axes``, ascending) that broadcasts over ``n`` axes."""
+    return np.expand_dims(a, tuple(i for i in range(n) if i not in axes))
 
 
 def brute_force(problem: ILPProblem) -> ILPSolution:
@@ -505,29 +579,23 @@ def brute_force(problem: ILPProblem) -> ILPSolution:
     _validate(problem)
     shape = tuple(len(c) for c in problem.node_costs)
     if math.prod(shape) > _BRUTE_FORCE_MAX:
-        raise ValueError(f"brute_force over {math.prod(shape)} choices; at most {_BRUTE_FORCE_MAX} are allowed. Use solve_ilp.")
-    n = len(shape)
-    cost = np.zeros(shape)
-    mem = np.full(shape, float(problem.memory_constant))
-    for g in range(n):
-        view = [1] * n
-        view[g] = shape[g]
-        cost = cost + np.asarray(problem.node_costs[g], dtype=np.float64).reshape(view)
-        mem = mem + np.asarray(problem.node_memory[g], dtype=np.float64).reshape(view)
+        raise ValueError(f"brute_force over {math.prod(shape)} choices; at most {_BRUTE_FORCE_MAX} are allowed. "
+                         "Use solve_ilp.")
+    n, f64 = len(shape), np.float64
+    cost = sum((_spread(np.asarray(c, f64), (g,), n) for g, c in enumerate(problem.node_costs)), np.zeros(shape))
+    mem = sum((_spread(np.asarray(m, f64), (g,), n) for g, m in enumerate(problem.node_memory)), np.zeros(shape))
+    mem = mem + problem.memory_constant
     for e in problem.edges:
-        r = np.asarray(e.cost, dtype=np.float64)
-        view = [1] * n
+        r = np.asarray(e.cost, dtype=f64)
         if e.src == e.dst:
-            view[e.src] = shape[e.src]
-            cost = cost + np.diag(r).reshape(view)
-            continue
-        view[e.src], view[e.dst] = shape[e.src], shape[e.dst]
-        cost = cost + (r if e.src < e.dst else r.T).reshape(view)
+            cost = cost + _spread(np.diag(r), (e.src,), n)
+        else:
+            cost = cost + _spread(r if e.src < e.dst else r.T, (min(e.src, e.dst), max(e.src, e.dst)), n)
     if problem.memory_budget is not None:
         cost = np.where(mem <= problem.memory_budget * (1 + 1e-12), cost, np.inf)
     flat = int(np.argmin(cost))
     if not math.isfinite(float(cost.flat[flat])):
         raise _infeasible_error(problem)
-    choice = tuple(int(i) for i in np.unravel_index(flat, shape)) if n else ()
+    choice = tuple(int(i) for i in np.unravel_index(flat, shape))
     return _solution(problem, choice, "optimal", 0.0, t0, "brute-force", None)
 

@@ -89,10 +89,14 @@ def _meta(val: torch.Tensor) -> TensorMeta:
     return TensorMeta(tuple(val.shape), tuple(val.stride()), val.dtype)
 
 
-def _even(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int]) -> bool:
+def _even(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int],
+          strided_ok: frozenset[int] = frozenset()) -> bool:
+    """Whether ``placements`` shard ``shape`` evenly; strided shards only with a fused factor."""
     sizes = list(shape)
     for axis, p in enumerate(placements):
         if isinstance(p, _StridedShard):
+            if p.split_factor not in strided_ok:
+                return False  # strided layouts from views (e.g. flattening a sharded seq dim)
             if p.dim >= len(sizes) or sizes[p.dim] % (mesh_shape[axis] * p.split_factor):
                 return False
             sizes[p.dim] //= mesh_shape[axis]
@@ -127,7 +131,8 @@ def _placeholder_strategies(
     combos: list[Placements] = [()]
     for opts in per_axis:
         combos = [c + (p,) for c in combos for p in opts]
-    return [Strategy((c,), ()) for c in combos if _even(shape, c, mesh_shape)]
+    ks = frozenset([fused[1]]) if fused else frozenset()
+    return [Strategy((c,), ()) for c in combos if _even(shape, c, mesh_shape, ks)]
 
 
 def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
@@ -170,6 +175,7 @@ class _Builder:
         self.prop = private.sharding_propagator()
         self._cands: dict[Value, list[Placements]] = {}
         self.fused = fused.fused_params(traced.gm, {p.node for p in traced.params})
+        self.strided_ok = frozenset(k for _, k in self.fused.values())
 
     def value(self, n: fx.Node) -> Value:
         return self.alias.get(n.name, (n.name, 0))
@@ -293,8 +299,9 @@ class _Builder:
             if len(ins) != n_inputs or any(not isinstance(s, DTensorSpec) for s in ins):
                 continue
             ins_p = tuple(s.placements for s in ins)
-            ok = all(p is None or s is None or _even(s, p, self.mesh_shape) for p, s in zip(outs_p, out_shapes))
-            ok = ok and all(_even(s, p, self.mesh_shape) for p, s in zip(ins_p, in_shapes))
+            ok = all(p is None or s is None or _even(s, p, self.mesh_shape, self.strided_ok)
+                     for p, s in zip(outs_p, out_shapes))
+            ok = ok and all(_even(s, p, self.mesh_shape, self.strided_ok) for p, s in zip(ins_p, in_shapes))
             if ok:
                 seen.setdefault(Strategy(outs_p, ins_p), None)
         return list(seen)

@@ -1,0 +1,112 @@
+"""Runs many parallel-vs-single-process checks in one torchrun job (one process group for all).
+
+Usage: torchrun --nproc_per_node=N worker.py OUT.json CHECK [CHECK ...]
+A CHECK is ``kind:key=value,key=value`` (kind in mlp, gpt, gpt2, llama; keys: dp, tp for the
+Config, dim/batch/seq/layers/heads for the model, topo for the topology preset). Rank 0 writes
+one JSON record per check; an exception in a check is recorded, not raised, so one failure does
+not hide the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
+
+import autopar  # noqa: E402
+from autopar.capture import extract_loss  # noqa: E402
+from models import build  # noqa: E402
+
+_MODEL_KEYS = {"dim", "batch", "seq", "layers", "heads", "d_in", "d_hidden", "d_out"}
+
+
+def _parse(check: str) -> tuple[str, dict, dict, str]:
+    kind, _, rest = check.partition(":")
+    cfg, mk, topo = {}, {}, "slow-compute"
+    for item in filter(None, rest.split(",")):
+        k, v = item.split("=")
+        if k == "topo":
+            topo = v
+        elif k in _MODEL_KEYS:
+            mk[k] = int(v)
+        else:
+            cfg[k] = int(v)
+    return kind, cfg, mk, topo
+
+
+def topology(name: str):
+    """A preset, or ``slow-compute``: compute 1e4x slower than an A100 and links 10x faster, so
+    the solver shards every op it can (used to exercise sharding on small models)."""
+    from autopar.cost_models.topology import AxisLink, custom
+
+    if name != "slow-compute":
+        return name
+    fast = AxisLink(bandwidth_Bps=2e12, latency_s=1e-9, launch_s=1e-9)
+    return custom("slow-compute", base="a100-dgx", peak_flops={"fp32": 2e9, "bf16": 3e10},
+                  mem_bandwidth_Bps=2e8, intra_node=fast, inter_node=fast)
+
+
+def _call(model, inputs):
+    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
+
+
+def run_check(check: str) -> dict:
+    kind, cfg, mk, topo = _parse(check)
+    model, inputs = build(kind, **dict(mk))
+    ref, _ = build(kind, **dict(mk))
+    ref_loss = extract_loss(_call(ref, inputs))
+    ref_loss.backward()
+    mesh = autopar.Mesh.from_torchrun(topology=topology(topo))
+    t0 = time.perf_counter()
+    pm = autopar.parallelize(model, mesh, inputs, config=autopar.Config(**cfg))
+    setup_s = time.perf_counter() - t0
+    with CommDebugMode() as cdm:
+        loss = _call(pm.step, inputs) if not isinstance(inputs, dict) else pm.step(**inputs)
+    ref_grads = dict(ref.named_parameters())
+    abs_err, scale = 0.0, 0.0
+    for name, p in pm.named_parameters():
+        g = p.grad.full_tensor()
+        abs_err = max(abs_err, (g - ref_grads[name].grad).abs().max().item())
+        scale = max(scale, ref_grads[name].grad.abs().max().item())
+    runtime = {str(k).split(".")[-1]: v for k, v in cdm.get_comm_counts().items()}
+    plan = pm.plan
+    per_layer: dict[str, dict[str, int]] = {}
+    for c in plan.collectives:
+        key = f"{c.layer}|{c.phase}|{c.axis}|{c.kind}"
+        per_layer[key] = per_layer.get(key, 0) + 1
+    return {
+        "loss": loss.item(), "ref_loss": ref_loss.item(), "grad_abs_err": abs_err,
+        "grad_scale": scale, "degrees": plan.degrees, "mesh_shape": list(plan.mesh_shape),
+        "params": {k: list(v) for k, v in plan.params.items()},
+        "runtime_counts": runtime, "plan_counts": dict(plan.collective_counts()),
+        "per_layer": per_layer, "warnings": list(plan.warnings), "setup_s": setup_s,
+        "n_params": len(list(pm.named_parameters())), "ref_n_params": len(ref_grads),
+    }
+
+
+def main() -> None:
+    out, checks = sys.argv[1], sys.argv[2:]
+    dist.init_process_group("gloo")
+    results = {}
+    for check in checks:
+        try:
+            results[check] = run_check(check)
+        except Exception as e:  # recorded for the test to report; the job goes on
+            results[check] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+        dist.barrier()
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

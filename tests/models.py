@@ -1,0 +1,112 @@
+"""Models used across the tests: plain-torch MLP and GPT, and Hugging Face GPT-2 / Llama built
+from small configs (never downloaded). Every model returns its scalar training loss."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+class MLP(nn.Module):
+    """Two-layer MLP regression model with a mean-squared-error loss."""
+
+    def __init__(self, d_in: int = 64, d_hidden: int = 256, d_out: int = 32) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.fc2 = nn.Linear(d_hidden, d_out)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.fc2(F.gelu(self.fc1(x))), y)
+
+
+class Block(nn.Module):
+    """GPT-2 block: LayerNorm, fused QKV projection, SDPA (causal), GELU MLP."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        shape = (b, t, self.heads, c // self.heads)
+        q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """A GPT-2-style language model in plain torch with tied embedding and LM head."""
+
+    def __init__(self, vocab: int = 128, dim: int = 64, heads: int = 4, layers: int = 2,
+                 seq: int = 16) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def hf_gpt2(vocab: int = 128, dim: int = 64, heads: int = 4, layers: int = 2, seq: int = 32) -> nn.Module:
+    """Hugging Face GPT2LMHeadModel from a small config, dropouts off."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=dim, n_layer=layers, n_head=heads,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(cfg)
+    model.loss_type = "ForCausalLM"
+    return model
+
+
+def hf_llama(vocab: int = 128, dim: int = 64, heads: int = 4, layers: int = 2, seq: int = 32) -> nn.Module:
+    """Hugging Face LlamaForCausalLM (RoPE, RMSNorm, SwiGLU) from a small config."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=2 * dim,
+                      num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=heads, max_position_embeddings=seq)
+    model = LlamaForCausalLM(cfg)
+    model.loss_type = "ForCausalLM"
+    return model
+
+
+def build(kind: str, seed: int = 0, **kw: int) -> tuple[nn.Module, object]:
+    """A model of ``kind`` with deterministic weights and a matching example batch."""
+    torch.manual_seed(seed)
+    if kind == "mlp":
+        model = MLP(**kw)
+        g = torch.Generator().manual_seed(seed + 1)
+        inputs = (torch.randn(8, model.fc1.in_features, generator=g),
+                  torch.randn(8, model.fc2.out_features, generator=g))
+        return model, inputs
+    batch = kw.pop("batch", 4)
+    seq = kw.pop("seq", 16)
+    model = {"gpt": GPT, "gpt2": hf_gpt2, "llama": hf_llama}[kind](seq=seq, **kw)
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, 128, (batch, seq), generator=g)
+    if kind == "gpt":
+        tgt = torch.randint(0, 128, (batch, seq), generator=g)
+        return model, (ids, tgt)
+    return model, {"input_ids": ids, "labels": ids}

@@ -1,0 +1,294 @@
+"""Tests of the intra-operator sharding ILP against exhaustive enumeration."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+
+import numpy as np
+import pytest
+from ortools.linear_solver import pywraplp
+
+import autopar.solver.ilp as ilp
+from autopar.errors import PlanError
+from autopar.solver.ilp import (
+    ILPEdge,
+    ILPProblem,
+    InfeasibleMemoryError,
+    SolverTimeoutError,
+    brute_force,
+    solve_ilp,
+)
+
+MIP_BACKENDS = {"HiGHS", "CBC", "SCIP"}
+
+
+def _values(rs: np.random.RandomState, shape: tuple[int, ...], discrete: bool) -> np.ndarray:
+    """Continuous values, or a few discrete levels so that ties (and dominance) are common."""
+    return rs.randint(0, 4, size=shape) / 4.0 if discrete else rs.rand(*shape)
+
+
+def random_problem(seed: int, budget_frac: float | None = None) -> ILPProblem:
+    """2-6 groups, 1-4 strategies, random edges plus a self edge, a duplicate and a reversed duplicate."""
+    rs = np.random.RandomState(seed)
+    discrete = seed % 2 == 1
+    n = rs.randint(2, 7)
+    ks = [int(k) for k in rs.randint(1, 5, size=n)]
+    costs = tuple(_values(rs, (k,), discrete) for k in ks)
+    mem = tuple(rs.randint(0, 100, size=k).astype(float) * 1e6 for k in ks)
+    edges = []
+    for _ in range(rs.randint(1, 2 * n)):
+        u, v = (int(i) for i in rs.randint(n, size=2))
+        edges.append(ILPEdge(u, v, _values(rs, (ks[u], ks[v]), discrete)))
+    g = int(rs.randint(n))
+    edges.append(ILPEdge(g, g, _values(rs, (ks[g], ks[g]), discrete)))
+    u, v = edges[0].src, edges[0].dst
+    edges.append(ILPEdge(u, v, _values(rs, (ks[u], ks[v]), discrete)))
+    edges.append(ILPEdge(v, u, _values(rs, (ks[v], ks[u]), discrete)))
+    constant = 5e6
+    budget = None
+    if budget_frac is not None:
+        lo, hi = sum(m.min() for m in mem), sum(m.max() for m in mem)
+        budget = constant + lo + budget_frac * (hi - lo)
+    return ILPProblem(costs, mem, tuple(edges), budget, memory_constant=constant)
+
+
+def enumerate_all(problem: ILPProblem) -> list[tuple[tuple[int, ...], float, float]]:
+    """(choice, cost, memory) of every choice, computed directly from the definition."""
+    out = []
+    for choice in itertools.product(*(range(len(c)) for c in problem.node_costs)):
+        cost = sum(float(c[s]) for c, s in zip(problem.node_costs, choice))
+        cost += sum(float(e.cost[choice[e.src], choice[e.dst]]) for e in problem.edges)
+        mem = problem.memory_constant + sum(float(m[s]) for m, s in zip(problem.node_memory, choice))
+        out.append((choice, cost, mem))
+    return out
+
+
+def frustrated_triangle() -> ILPProblem:
+    """Odd cycle that wants neighbours to differ: LP optimum 0 at x = 1/2, integer optimum 1."""
+    diff = np.array([[1.0, 0.0], [0.0, 1.0]])
+    costs = tuple(np.zeros(2) for _ in range(3))
+    mem = tuple(np.zeros(2) for _ in range(3))
+    edges = (ILPEdge(0, 1, diff), ILPEdge(1, 2, diff), ILPEdge(2, 0, diff))
+    return ILPProblem(costs, mem, edges, None, names=("a", "b", "c"))
+
+
+def knapsack_problem() -> ILPProblem:
+    """No edges; a binding budget lets only one group keep its cheap, memory-hungry strategy."""
+    costs = tuple(np.array([0.0, 1.0 + 0.1 * g]) for g in range(4))
+    mem = tuple(np.array([10.0, 0.0]) for _ in range(4))
+    return ILPProblem(costs, mem, (), memory_budget=15.0)
+
+
+def large_problem(seed: int, budget_frac: float | None, time_limit_s: float = 30.0) -> ILPProblem:
+    """300 groups x 8 strategies: a chain plus random long-range edges (~400 edges in all)."""
+    rs = np.random.RandomState(seed)
+    n, k = 300, 8
+    costs = tuple(rs.rand(k) * 1e-3 for _ in range(n))
+    mem = tuple(rs.randint(1, 1000, size=k).astype(float) * 1e6 for _ in range(n))
+    pairs = [(i, i + 1) for i in range(n - 1)]
+    pairs += [tuple(int(i) for i in sorted(rs.choice(n, 2, replace=False))) for _ in range(400 - (n - 1))]
+    edges = tuple(ILPEdge(u, v, rs.rand(k, k) * 1e-3) for u, v in pairs)
+    budget = None
+    if budget_frac is not None:
+        lo, hi = sum(m.min() for m in mem), sum(m.max() for m in mem)
+        budget = lo + budget_frac * (hi - lo)
+    return ILPProblem(costs, mem, edges, budget, time_limit_s=time_limit_s)
+
+
+# ----------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_brute_force_matches_definition(seed: int) -> None:
+    problem = random_problem(seed, budget_frac=0.5)
+    feasible = [(c, cost, m) for c, cost, m in enumerate_all(problem) if m <= problem.memory_budget]
+    best = min(cost for _, cost, _ in feasible)
+    sol = brute_force(problem)
+    assert sol.objective == pytest.approx(best, rel=1e-9, abs=1e-12)
+    assert sol.memory_bytes <= problem.memory_budget
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_unconstrained_matches_brute_force(seed: int) -> None:
+    problem = random_problem(seed)
+    sol, ref = solve_ilp(problem), brute_force(problem)
+    assert sol.status == "optimal"
+    assert sol.objective == pytest.approx(ref.objective, rel=1e-6, abs=1e-12)
+    assert ilp.evaluate_choice(problem, sol.choice) == pytest.approx((sol.objective, sol.memory_bytes))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_memory_budget_matches_brute_force(seed: int) -> None:
+    frac = float(np.random.RandomState(1000 + seed).rand())
+    problem = random_problem(seed, budget_frac=frac)
+    sol, ref = solve_ilp(problem), brute_force(problem)
+    assert sol.status == "optimal"
+    assert sol.objective == pytest.approx(ref.objective, rel=1e-6, abs=1e-12)
+    assert sol.memory_bytes <= problem.memory_budget * (1 + 1e-9)
+
+
+def test_budget_exactly_at_minimum_memory_is_feasible() -> None:
+    problem = random_problem(3)
+    required = min(m for _, _, m in enumerate_all(problem))
+    tight = ILPProblem(problem.node_costs, problem.node_memory, problem.edges, required, problem.memory_constant)
+    sol, ref = solve_ilp(tight), brute_force(tight)
+    assert sol.memory_bytes == pytest.approx(required)
+    assert sol.objective == pytest.approx(ref.objective, rel=1e-6, abs=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_infeasible_memory_reports_minimum(seed: int) -> None:
+    problem = random_problem(seed)
+    required = min(m for _, _, m in enumerate_all(problem))
+    bad = ILPProblem(problem.node_costs, problem.node_memory, problem.edges, required * 0.99, problem.memory_constant)
+    with pytest.raises(InfeasibleMemoryError) as info:
+        solve_ilp(bad)
+    assert info.value.required_bytes == pytest.approx(required, rel=1e-12)
+    assert info.value.budget_bytes == pytest.approx(required * 0.99)
+    assert isinstance(info.value, PlanError) and isinstance(info.value, ValueError)
+    assert "memory_bytes" in str(info.value) and "more devices" in str(info.value)
+    with pytest.raises(InfeasibleMemoryError):
+        brute_force(bad)
+
+
+# ----------------------------------------------------------------------------- solver paths
+
+
+def test_chain_lp_relaxation_is_integral() -> None:
+    rs = np.random.RandomState(7)
+    n, k = 8, 4
+    costs = tuple(rs.rand(k) for _ in range(n))
+    mem = tuple(rs.rand(k) * 1e6 for _ in range(n))
+    edges = tuple(ILPEdge(i, i + 1, rs.rand(k, k)) for i in range(n - 1))
+    problem = ILPProblem(costs, mem, edges, None)
+    sol = solve_ilp(problem)
+    assert sol.backend == "lp-relaxation"
+    assert sol.status == "optimal" and sol.gap == 0.0
+    assert sol.num_variables == n * k + (n - 1) * k * k
+    assert sol.objective == pytest.approx(brute_force(problem).objective, rel=1e-6)
+
+
+def test_fractional_lp_cycle_goes_to_mip() -> None:
+    problem = frustrated_triangle()
+    solver = pywraplp.Solver.CreateSolver("GLOP")
+    red, slack = ilp._presolve(problem)
+    model = ilp._build(solver, red, slack, integer=False)
+    assert solver.Solve() == pywraplp.Solver.OPTIMAL
+    assert not ilp._positions(model)[1], "the LP relaxation of this instance must be fractional"
+    sol = solve_ilp(problem)
+    assert sol.backend in MIP_BACKENDS
+    assert sol.status == "optimal"
+    assert sol.objective == pytest.approx(1.0) == brute_force(problem).objective
+
+
+def test_fractional_lp_knapsack_goes_to_mip() -> None:
+    problem = knapsack_problem()
+    sol = solve_ilp(problem)
+    assert sol.backend in MIP_BACKENDS
+    assert sol.objective == pytest.approx(brute_force(problem).objective) == pytest.approx(3.3)
+    assert sol.memory_bytes <= 15.0
+
+
+def test_single_strategy_and_dominated_groups_are_presolved() -> None:
+    costs = (np.array([2.0]), np.array([1.0, 1.0, 3.0]), np.array([0.5, 0.5]))
+    mem = (np.array([4.0]), np.array([1.0, 1.0, 1.0]), np.array([2.0, 2.0]))
+    edges = (ILPEdge(0, 1, np.array([[0.0, 0.0, 1.0]])), ILPEdge(1, 2, np.ones((3, 2))))
+    sol = solve_ilp(ILPProblem(costs, mem, edges, None))
+    assert sol.backend == "presolve" and sol.num_variables == 0
+    assert sol.choice == (0, 0, 0)  # ties keep the lowest index
+    assert sol.objective == pytest.approx(2.0 + 1.0 + 0.5 + 1.0)
+
+
+def test_timeout_falls_back_to_lp_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
+    problem = knapsack_problem()
+    monkeypatch.setattr(ilp, "_solve_mip", lambda *a: (None, pywraplp.Solver.NOT_SOLVED, ["HiGHS", "CBC"]))
+    sol = solve_ilp(problem)
+    ref = brute_force(problem)
+    assert sol.backend == "lp-rounding"
+    assert sol.memory_bytes <= problem.memory_budget
+    assert sol.objective == pytest.approx(ref.objective) == pytest.approx(3.3)  # greedy repair is exact here
+    # LP bound: groups 0 and 1 pay 1.0 + 1.1, group 2 pays half of 1.2 (budget holds 1.5 big strategies)
+    assert sol.gap == pytest.approx((3.3 - 2.7) / 3.3)
+    assert sol.status == "feasible"
+
+
+def test_no_solution_at_all_raises_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    problem = frustrated_triangle()
+    real_lp = ilp._solve_lp
+
+    def no_lp(*args: object) -> ilp._LPResult:
+        lp = real_lp(*args)
+        return ilp._LPResult(lp.model, None, False, -math.inf)
+
+    monkeypatch.setattr(ilp, "_solve_lp", no_lp)
+    monkeypatch.setattr(ilp, "_solve_mip", lambda *a: (None, pywraplp.Solver.NOT_SOLVED, ["HiGHS", "CBC"]))
+    with pytest.raises(SolverTimeoutError, match="solver_time_limit_s") as info:
+        solve_ilp(problem)
+    assert isinstance(info.value, RuntimeError)
+
+
+# ----------------------------------------------------------------------------- determinism and validation
+
+
+@pytest.mark.parametrize("make", [frustrated_triangle, knapsack_problem, lambda: random_problem(5, 0.4)])
+def test_deterministic(make: object) -> None:
+    problem = make()  # type: ignore[operator]
+    first, second = solve_ilp(problem), solve_ilp(problem)
+    assert first.choice == second.choice
+    assert first.objective == second.objective and first.backend == second.backend
+
+
+def test_all_ties_pick_lowest_indices() -> None:
+    costs = tuple(np.ones(3) for _ in range(4))
+    mem = tuple(np.ones(3) for _ in range(4))
+    edges = (ILPEdge(0, 1, np.ones((3, 3))), ILPEdge(1, 2, np.ones((3, 3))), ILPEdge(2, 0, np.ones((3, 3))))
+    assert solve_ilp(ILPProblem(costs, mem, edges, 10.0)).choice == (0, 0, 0, 0)
+
+
+def test_empty_problem() -> None:
+    sol = solve_ilp(ILPProblem((), (), (), None, memory_constant=3.0))
+    assert sol.choice == () and sol.objective == 0.0 and sol.memory_bytes == 3.0
+
+
+@pytest.mark.parametrize(
+    "problem, needle",
+    [
+        (ILPProblem((np.ones(2),), (np.ones(3),), (), None), "same non-empty 1-D shape"),
+        (ILPProblem((np.ones(2),), (np.ones(2),), (ILPEdge(0, 1, np.ones((2, 2))),), None), "0..0"),
+        (ILPProblem((np.ones(2),), (np.ones(2),), (ILPEdge(0, 0, np.ones((2, 3))),), None), "(2, 2)"),
+        (ILPProblem((-np.ones(2),), (np.ones(2),), (), None), "finite and >= 0"),
+        (ILPProblem((np.ones(2),), (np.ones(2),), (), None, time_limit_s=0.0), "solver_time_limit_s"),
+        (ILPProblem((np.ones(2),), (np.ones(2),), (), None, names=("a", "b")), "one name"),
+    ],
+)
+def test_malformed_problem_is_rejected(problem: ILPProblem, needle: str) -> None:
+    with pytest.raises(ValueError, match="required") as info:
+        solve_ilp(problem)
+    assert needle in str(info.value)
+
+
+# ----------------------------------------------------------------------------- scale
+
+
+def test_large_problem_unconstrained() -> None:
+    problem = large_problem(seed=0, budget_frac=None)
+    t0 = time.perf_counter()
+    sol = solve_ilp(problem)
+    assert time.perf_counter() - t0 < 30.0
+    assert sol.status in ("optimal", "feasible")
+    greedy = tuple(int(np.argmin(c)) for c in problem.node_costs)
+    assert sol.objective <= ilp.evaluate_choice(problem, greedy)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("time_limit_s", [5.0, 20.0])
+def test_large_problem_with_binding_budget(time_limit_s: float) -> None:
+    problem = large_problem(seed=2, budget_frac=0.3, time_limit_s=time_limit_s)
+    t0 = time.perf_counter()
+    sol = solve_ilp(problem)
+    assert time.perf_counter() - t0 < time_limit_s + 10.0
+    assert sol.status in ("optimal", "feasible")
+    assert sol.memory_bytes <= problem.memory_budget * (1 + 1e-9)
+    assert 0.0 <= sol.gap < 0.1
