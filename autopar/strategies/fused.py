@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
 from torch.distributed.tensor._ops.utils import generate_redistribute_costs
@@ -73,6 +73,24 @@ def _split_wrapper(orig: Callable[[OpSchema], OpStrategy]) -> Callable[[OpSchema
     return strategy
 
 
+def _add_empty_cat(result: OpStrategy, children: list) -> None:
+    """``cat([empty, x])`` (Hugging Face's KV cache starts empty) is ``x``: follow ``x``."""
+    empty = [c.shape == torch.Size([0]) or tuple(c.shape) == (0,) for c in children]
+    if sum(not e for e in empty) != 1:
+        return
+    x = children[empty.index(False)]
+    for cand in x.strategies:
+        spec = cand.output_spec
+        ins = []
+        for c, e in zip(children, empty):
+            meta = c.strategies[0].output_spec.tensor_meta
+            pl = tuple(Replicate() for _ in spec.placements) if e else spec.placements
+            ins.append(DTensorSpec(spec.mesh, pl, tensor_meta=meta))
+        out = DTensorSpec(spec.mesh, spec.placements, tensor_meta=spec.tensor_meta)
+        costs = [generate_redistribute_costs(c, i) for c, i in zip(children, ins)]
+        result.strategies.append(OpSpec(out, ins, costs))
+
+
 def _cat_wrapper(orig: Callable[[OpSchema], Any]) -> Callable[[OpSchema], Any]:
     def strategy(op_schema: OpSchema) -> Any:
         result = orig(op_schema)
@@ -80,6 +98,7 @@ def _cat_wrapper(orig: Callable[[OpSchema], Any]) -> Callable[[OpSchema], Any]:
         if not isinstance(tup, TupleStrategy) or not isinstance(result, OpStrategy):
             return result
         children = tup.children
+        _add_empty_cat(result, children)
         k = len(children)
         first = children[0]
         dim = (op_schema.args_schema[1] if len(op_schema.args_schema) > 1 else 0) % first.ndim
@@ -129,7 +148,9 @@ def needs_local(op: Any, in_placements: list[tuple], out_placements: list[tuple]
         return False
     strided = lambda pl: any(isinstance(p, _StridedShard) for p in pl)  # noqa: E731
     if op is aten.cat.default:
-        return any(o is not None and strided(o) for o in out_placements)
+        # autopar's own cat strategies (fused backward: Shard parts -> strided output; empty
+        # first input replicated) are the ones whose inputs are not all placed as the output
+        return any(i != out_placements[0] for i in in_placements)
     return any(strided(i) for i in in_placements)
 
 
@@ -140,7 +161,7 @@ def run_local(op: Any, args: tuple, out_placements: list[tuple], mesh: Any, out_
     vals = out_vals if isinstance(out_vals, (list, tuple)) else [out_vals]
     if op is aten.cat.default:
         tensors, dim = args[0], (args[1] if len(args) > 1 else 0)
-        local = torch.cat([t.to_local() for t in tensors], dim)
+        local = torch.cat([t.to_local() for t in tensors], dim)  # legacy empty inputs are skipped
         v = vals[0]
         return DTensor.from_local(local, mesh, out_placements[0], run_check=False,
                                   shape=v.shape, stride=v.stride())
