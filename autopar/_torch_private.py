@@ -22,6 +22,7 @@ __all__ = [
     "init_fake_process_group",
     "export_joint",
     "ExplicitRedistribution",
+    "no_redistribute_costs",
 ]
 
 SUPPORTED = ("2.13",)
@@ -76,6 +77,24 @@ def enumerate_op_strategy(
     if fn is None:
         return None
     return fn(schema)
+
+
+@contextlib.contextmanager
+def no_redistribute_costs() -> Any:
+    """While enumerating strategies, skip DTensor's own redistribution pricing.
+
+    DTensor's rules price every candidate against every input placement with its own cost model
+    (``redistribute_cost``); autopar prices edges itself, so this work (most of enumeration's
+    time) is wasted. Only for planning: runtime dispatch needs DTensor's costs to choose.
+    """
+    import torch.distributed.tensor._ops.utils as op_utils
+
+    original = op_utils.redistribute_cost
+    op_utils.redistribute_cost = lambda *args, **kwargs: 0.0
+    try:
+        yield
+    finally:
+        op_utils.redistribute_cost = original
 
 
 def redistribute_local(local: torch.Tensor, src_spec: Any, dst_spec: Any) -> torch.Tensor:

@@ -84,6 +84,27 @@ def _reshard_time(src: Placements, dst: Placements, shape: tuple[int, ...], item
     return total
 
 
+_PRICERS: dict[tuple[tuple[int, ...], int], Any] = {}
+
+
+def _pricer(mesh_shape: tuple[int, ...], topo: Topology) -> Any:
+    """A memoised ``(src, dst, shape, itemsize) -> seconds`` for one mesh and topology."""
+    key = (mesh_shape, id(topo))
+    hit = _PRICERS.get(key)
+    if hit is None or hit[0] is not topo:
+        cache: dict[tuple, float] = {}
+
+        def price(src: Placements, dst: Placements, shape: tuple[int, ...], item: int) -> float:
+            k = (src, dst, shape, item)
+            v = cache.get(k)
+            if v is None:
+                v = cache[k] = _reshard_time.__wrapped__(src, dst, shape, item, mesh_shape, topo)
+            return v
+
+        hit = _PRICERS[key] = (topo, price)
+    return hit[1]
+
+
 def _val_list(val: Any) -> list[Any]:
     return list(val) if isinstance(val, (tuple, list)) else [val]
 
@@ -175,12 +196,19 @@ def _signature(n: fx.Node) -> tuple:
 
 def _edge_matrix(src: Sequence[Strategy], idx: int, dst: Sequence[Strategy], k: int,
                  val: torch.Tensor, mesh_shape: tuple[int, ...], topo: Topology) -> np.ndarray:
+    """[producer strategy, consumer strategy] resharding seconds; priced once per distinct pair
+    of placements (many strategies share an output or input placement)."""
     shape, item = tuple(val.shape), val.element_size()
-    m = np.zeros((len(src), len(dst)))
-    for i, s in enumerate(src):
-        for j, t in enumerate(dst):
-            m[i, j] = reshard_time(s.outputs[idx], t.inputs[k], shape, item, mesh_shape, topo)
-    return m
+    src_p = [s.outputs[idx] for s in src]
+    dst_p = [t.inputs[k] for t in dst]
+    su, si = np.unique(np.array([hash(p) for p in src_p]), return_inverse=True)
+    du, di = np.unique(np.array([hash(p) for p in dst_p]), return_inverse=True)
+    first_src = {h: p for h, p in zip((hash(p) for p in src_p), src_p)}
+    first_dst = {h: p for h, p in zip((hash(p) for p in dst_p), dst_p)}
+    price = _pricer(mesh_shape, topo)
+    small = np.array([[price(first_src[a], first_dst[b], shape, item)
+                       for b in du] for a in su]).reshape(len(su), len(du))
+    return small[np.ix_(si.ravel(), di.ravel())]
 
 
 def _saved_for_backward(traced: TracedGraph) -> dict[str, tuple[int, ...]]:

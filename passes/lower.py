@@ -42,8 +42,8 @@ def reshard(x: DTensor, dst: tuple, mesh: Any) -> DTensor:
     """Move ``x`` to ``dst`` placements with the planned single-axis steps."""
     shape = tuple(x.shape)
     for step in reshard_steps(tuple(x.placements), dst, shape, x.element_size(), tuple(mesh.shape)):
-        if step.kind == "local" and any(isinstance(p, Partial) for p in step.after) and \
-                not any(isinstance(p, Partial) for p in x.placements):
+        if step.kind == "local" and isinstance(step.after[step.axis], Partial) and \
+                not isinstance(x.placements[step.axis], Partial):
             # Replicate -> Partial is refused by DTensor.redistribute: do it locally
             local = private.redistribute_local(x.to_local(), x._spec, _spec_like(x, step.after))
             x = DTensor.from_local(local, mesh, step.after, run_check=False, shape=x.shape, stride=x.stride())

@@ -106,22 +106,26 @@ def _phase(node: Any) -> str:
 
 
 def _axis_roles(traced: TracedGraph, space: StrategySpace, res: IntraOpResult,
-                cand: _Candidate) -> dict[str, int]:
-    """Degrees: an axis is data parallel if every parameter is replicated on it and every
-    input is batch-sharded on it (whatever its name); otherwise it is tensor parallel."""
-    dp, tp = 1, 1
+                cand: _Candidate) -> tuple[dict[str, int], list[str]]:
+    """Degrees from what the solver chose, whatever the axis is called: an axis on which every
+    parameter is replicated is data parallel (the batch is split, or nothing is); any other axis
+    is tensor parallel. Also warns about axes on which nothing at all is split."""
+    dp, tp, notes = 1, 1, []
     for axis, size in enumerate(cand.shape):
         params_rep = all(
             isinstance(space.nodes[p.node].strategies[res.choice[p.node]].outputs[0][axis], Replicate)
             for p in traced.params)
-        inputs_batch = all(
-            space.nodes[i.node].strategies[res.choice[i.node]].outputs[0][axis] == Shard(0)
-            for i in traced.inputs)
-        if params_rep and inputs_batch:
+        used = any(
+            out is not None and not isinstance(out[axis], Replicate)
+            for name, i in res.choice.items() for out in space.nodes[name].strategies[i].outputs)
+        if params_rep:
             dp *= size
         else:
             tp *= size
-    return {"dp": dp, "tp": tp, "pp": 1}
+        if not used:
+            notes.append(f"mesh axis {cand.names[axis]!r} ({size} devices) splits nothing: every "
+                         f"device on it repeats the same work (the model is too small to gain)")
+    return {"dp": dp, "tp": tp, "pp": 1}, notes
 
 
 def _build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidate,
@@ -149,13 +153,14 @@ def _build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
     compute_s = float(sum(costs.compute[n][i] for n, i in res.choice.items()))
     memory = float(sum(costs.memory[n][i] for n, i in res.choice.items()))
     sol = res.solution
-    warnings = list(space.warnings)
+    degrees, notes = _axis_roles(traced, space, res, cand)
+    warnings = list(space.warnings) + notes
     if sol.status != "optimal":
         warnings.append(f"ILP stopped at the time limit ({config.solver_time_limit_s} s) with "
                         f"gap {sol.gap:.3g}; raise Config.solver_time_limit_s for a better plan")
     return Plan(
         model_fingerprint=traced.fingerprint(), mesh_shape=cand.shape, axis_names=cand.names,
-        degrees=_axis_roles(traced, space, res, cand),
+        degrees=degrees,
         params={p.name: nodes[p.node].outputs[0] for p in traced.params},
         inputs=tuple(nodes[i.node].outputs[0] for i in traced.inputs),
         output_placements=tuple(outputs), nodes=nodes, collectives=tuple(collectives),

@@ -331,6 +331,12 @@ def build_space(
     Identical layers (equal fingerprints) reuse the first one's strategies node for node, so the
     cost of enumeration does not grow with depth.
     """
+    with private.no_redistribute_costs():
+        return _build(traced, mesh, axis_names, dp_axes, unknown_op)
+
+
+def _build(traced: TracedGraph, mesh: Any, axis_names: Sequence[str], dp_axes: Sequence[int],
+           unknown_op: str) -> StrategySpace:
     b = _Builder(traced, mesh, dp_axes, unknown_op)
     rep_of = representatives(traced)
     built: dict[str, str] = {}
