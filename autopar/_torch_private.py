@@ -23,6 +23,7 @@ __all__ = [
     "export_joint",
     "ExplicitRedistribution",
     "no_redistribute_costs",
+    "partition_joint",
 ]
 
 SUPPORTED = ("2.13",)
@@ -125,3 +126,11 @@ def export_joint(
 
 
 ExplicitRedistribution: Callable[..., Any] = ExplicitRedistributionContext
+
+
+def partition_joint(gm: Any, num_fwd_outputs: int) -> tuple[Any, Any]:
+    """Split a joint graph (placeholders named ``primals_*``/``tangents_*``) into forward and
+    backward graphs with AOTAutograd's default partitioner."""
+    from torch._functorch.partitioners import default_partition
+
+    return default_partition(gm, None, num_fwd_outputs=num_fwd_outputs)

@@ -46,6 +46,7 @@ class ParallelModule(nn.Module):
         self._traced = traced
         self._program = local_program
         self._run = compiled if compiled is not None else local_program
+        self._split: tuple[fx.GraphModule, fx.GraphModule] | None = None
         self._names: list[str] = []
         originals = dict(model.named_parameters(remove_duplicate=False))
         by_name: dict[str, nn.Parameter] = {}
@@ -114,5 +115,31 @@ class ParallelModule(nn.Module):
         return [n.name for n in self._traced.gm.graph.nodes if n.op == "placeholder"]
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Same as :meth:`step` (forward and backward run together in this release)."""
-        return self.step(*args, **kwargs)
+        """Forward with autograd: returns the loss; ``loss.backward()`` fills ``p.grad``.
+
+        Uses the same lowered program as :meth:`step`, split into forward and backward graphs
+        (the tensors saved for backward stay alive in between). :meth:`step` is faster when
+        nothing runs between forward and backward.
+        """
+        from autopar.runtime.autograd import JointFunction, split_forward_backward
+
+        if self._split is None:
+            self._split = split_forward_backward(self._program, self._placeholder_order())
+        fwd, bwd = self._split
+        inputs = iter(self._local_inputs(args, kwargs))
+        params = {p.node: p for p in self._traced.params}
+        primals, slots = [], []
+        for name in self._placeholder_order():
+            if name in self._traced.tangent_nodes:
+                continue
+            if name in params:
+                info = params[name]
+                primals.append(self._by_name[info.name].to_local())
+                slots.append(info.grad_output_index - 1 if info.grad_output_index is not None else None)
+            elif name in self._buffers_local:
+                primals.append(self._buffers_local[name])
+                slots.append(None)
+            else:
+                primals.append(next(inputs))
+                slots.append(None)
+        return JointFunction.apply(fwd, bwd, tuple(slots), *primals)

@@ -72,11 +72,20 @@ def run_check(check: str) -> dict:
         loss = _call(pm.step, inputs) if not isinstance(inputs, dict) else pm.step(**inputs)
     ref_grads = dict(ref.named_parameters())
     abs_err, scale = 0.0, 0.0
+    missing = [n for n, p in pm.named_parameters() if p.grad is None]
+    assert not missing, f"parameters without gradient: {missing}"
     for name, p in pm.named_parameters():
         g = p.grad.full_tensor()
         abs_err = max(abs_err, (g - ref_grads[name].grad).abs().max().item())
         scale = max(scale, ref_grads[name].grad.abs().max().item())
     runtime = {str(k).split(".")[-1]: v for k, v in cdm.get_comm_counts().items()}
+    # the same plan through forward with autograd, then loss.backward()
+    for p in pm.parameters():
+        p.grad = None
+    loss2 = pm(**inputs) if isinstance(inputs, dict) else pm(*inputs)
+    loss2.backward()
+    autograd_err = max((p.grad.full_tensor() - ref_grads[name].grad).abs().max().item()
+                       for name, p in pm.named_parameters())
     plan = pm.plan
     per_layer: dict[str, dict[str, int]] = {}
     for c in plan.collectives:
@@ -84,6 +93,7 @@ def run_check(check: str) -> dict:
         per_layer[key] = per_layer.get(key, 0) + 1
     return {
         "loss": loss.item(), "ref_loss": ref_loss.item(), "grad_abs_err": abs_err,
+        "autograd_loss": loss2.item(), "autograd_grad_abs_err": autograd_err,
         "grad_scale": scale, "degrees": plan.degrees, "mesh_shape": list(plan.mesh_shape),
         "params": {k: list(v) for k, v in plan.params.items()},
         "runtime_counts": runtime, "plan_counts": dict(plan.collective_counts()),

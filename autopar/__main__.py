@@ -1,0 +1,24 @@
+"""``python -m autopar``: command line (``demo`` in this release)."""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch ``python -m autopar COMMAND ...``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m autopar demo [--nproc N] [--steps S] [--topology NAME] [--compile]")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "demo":
+        from autopar.demo import main as demo_main
+
+        return demo_main(rest)
+    print(f"unknown command {command!r}; available: demo", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Forward with autograd for a lowered plan: the local joint program split in two.
+
+The per-rank joint program (forward and backward with explicit collectives) is partitioned into
+a forward graph, which returns the loss and the tensors saved for backward, and a backward graph,
+which turns the saved tensors and the loss's gradient into parameter gradients. Both run inside
+one ``torch.autograd.Function``, so ``loss = pmodel(...); loss.backward()`` works as in eager
+PyTorch and gradients reach the DTensor parameters through ``DTensor.to_local``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from autopar import _torch_private as private
+
+__all__ = ["split_forward_backward", "JointFunction"]
+
+
+def split_forward_backward(local: fx.GraphModule, placeholder_names: Sequence[str]) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Partition ``local`` (the lowered joint program) into forward and backward graphs.
+
+    ``placeholder_names`` are the joint graph's placeholder names (``primals_i``/``tangents_i``)
+    in order; the partitioner tells forward inputs from tangents by these names.
+    """
+    gm = copy.deepcopy(local)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for n, name in zip(placeholders, placeholder_names):
+        n.target = name
+        n.name = name
+    gm.recompile()
+    return private.partition_joint(gm, num_fwd_outputs=1)
+
+
+class JointFunction(torch.autograd.Function):
+    """Runs the forward graph; its backward runs the backward graph."""
+
+    @staticmethod
+    def forward(ctx: Any, fwd: fx.GraphModule, bwd: fx.GraphModule, grad_slots: tuple,
+                *primals: torch.Tensor) -> torch.Tensor:
+        outs = fwd(*primals)
+        loss, saved = outs[0], outs[1:]
+        tensors = [s for s in saved if isinstance(s, torch.Tensor)]
+        ctx.save_for_backward(*tensors)
+        ctx.saved_layout = [isinstance(s, torch.Tensor) for s in saved]
+        ctx.others = [s for s in saved if not isinstance(s, torch.Tensor)]
+        ctx.bwd, ctx.grad_slots = bwd, grad_slots
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> Any:
+        tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
+        saved = [next(tensors) if is_t else next(others) for is_t in ctx.saved_layout]
+        grads = ctx.bwd(*saved, grad_loss)
+        # grad_slots[j]: position of primal j's gradient among the backward outputs, or None
+        return (None, None, None, *(grads[k] if k is not None else None for k in ctx.grad_slots))
