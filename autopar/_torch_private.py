@@ -24,6 +24,7 @@ __all__ = [
     "ExplicitRedistribution",
     "no_redistribute_costs",
     "partition_joint",
+    "inductor_compile",
 ]
 
 SUPPORTED = ("2.13",)
@@ -126,6 +127,17 @@ def export_joint(
 
 
 ExplicitRedistribution: Callable[..., Any] = ExplicitRedistributionContext
+
+
+def inductor_compile(gm: Any, example_inputs: list[Any]) -> Callable[..., Any]:
+    """Compile an aten-level FX graph (with functional collectives) with inductor, no dynamo.
+
+    The lowered program is already a flat aten graph, so dynamo has nothing to do; inductor's
+    entry point for FX graphs takes it as is.
+    """
+    import torch._inductor
+
+    return torch._inductor.compile(gm, example_inputs)
 
 
 def partition_joint(gm: Any, num_fwd_outputs: int) -> tuple[Any, Any]:

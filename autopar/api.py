@@ -60,7 +60,7 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: Any = None, *,
     """Plan (or load ``plan``), lower and return a :class:`ParallelModule` for this job.
 
     Must run on every rank of the job, with the same model (same initial weights) and inputs.
-    ``compile=True`` compiles the per-rank program with ``torch.compile`` (inductor).
+    ``compile=True`` compiles the per-rank program with inductor on the first ``step``.
     """
     from autopar.passes.lower import lower_to_local
 
@@ -83,5 +83,4 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: Any = None, *,
     _check_same_plan(the_plan)
     dm = _device_mesh(the_plan, mesh)
     local = lower_to_local(traced.gm, the_plan, dm)
-    compiled = torch.compile(local, dynamic=False) if compile else None
-    return ParallelModule(model, traced, the_plan, dm, local, compiled)
+    return ParallelModule(model, traced, the_plan, dm, local, compile=compile)

@@ -39,13 +39,14 @@ class ParallelModule(nn.Module):
     """A model parallelized by a :class:`Plan` on a DeviceMesh (see module docstring)."""
 
     def __init__(self, model: nn.Module, traced: TracedGraph, plan: Plan, mesh: Any,
-                 local_program: fx.GraphModule, compiled: Any = None) -> None:
+                 local_program: fx.GraphModule, compile: bool = False) -> None:
         super().__init__()
         self.plan = plan
         self.device_mesh = mesh
         self._traced = traced
         self._program = local_program
-        self._run = compiled if compiled is not None else local_program
+        self._compile = compile
+        self._compiled: Any = None
         self._split: tuple[fx.GraphModule, fx.GraphModule] | None = None
         self._names: list[str] = []
         originals = dict(model.named_parameters(remove_duplicate=False))
@@ -88,9 +89,6 @@ class ParallelModule(nn.Module):
         inputs = iter(self._local_inputs(args, kwargs))
         feeds: list[torch.Tensor] = []
         params = {p.node: p for p in self._traced.params}
-        for n in self._program.graph.nodes:
-            if n.op != "placeholder":
-                break
         for name in self._placeholder_order():
             if name in params:
                 feeds.append(self._by_name[params[name].name].to_local().detach())
@@ -100,7 +98,7 @@ class ParallelModule(nn.Module):
                 feeds.append(torch.ones((), dtype=torch.float32))
             else:
                 feeds.append(next(inputs))
-        outs = self._run(*feeds)
+        outs = self._execute(feeds)
         for p in self._traced.params:
             if p.grad_output_index is None or outs[p.grad_output_index] is None:
                 continue
@@ -110,6 +108,15 @@ class ParallelModule(nn.Module):
                                    shape=param.shape, stride=param.stride())
             param.grad = g if param.grad is None else param.grad + g
         return outs[self._traced.loss_output_index].detach()
+
+    def _execute(self, feeds: list[torch.Tensor]) -> Any:
+        if not self._compile:
+            return self._program(*feeds)
+        if self._compiled is None:  # compiled on first use, for these (static) shapes
+            from autopar import _torch_private as private
+
+            self._compiled = private.inductor_compile(self._program, feeds)
+        return self._compiled(*feeds)
 
     def _placeholder_order(self) -> list[str]:
         return [n.name for n in self._traced.gm.graph.nodes if n.op == "placeholder"]

@@ -23,7 +23,8 @@ DATA_PARALLEL = {n: f"gpt:dim=64,batch={128 * n},seq=128,topo=a100-dgx" for n in
 
 
 def _checks(n: int) -> list[str]:
-    return [f"{m}:{mesh}" for m in MODELS for mesh in MESHES[n]] + MEGATRON[n] + [DATA_PARALLEL[n]]
+    checks = [f"{m}:{mesh}" for m in MODELS for mesh in MESHES[n]] + MEGATRON[n] + [DATA_PARALLEL[n]]
+    return checks + (["errors"] if n == 4 else ["gpt:tp=2,compile=1"])
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2proc", "4proc"])
@@ -102,3 +103,24 @@ def test_large_batch_small_hidden_is_data_parallel(world):
     assert r["degrees"] == {"dp": n, "tp": 1, "pp": 1}
     assert all(pl == ["R"] * len(pl) for pl in r["params"].values())
     assert set(r["plan_counts"]) == {"all_reduce"}  # gradient all-reduce only
+
+
+def test_bad_input_in_a_job_gets_clear_errors(world):
+    n, results = world
+    if n != 4:
+        pytest.skip("checked once, in the 4-process job")
+    r = _ok(results["errors"])
+    assert "5 devices" in r["mesh"] and "4 ranks" in r["mesh"] and "torchrun" in r["mesh"], r["mesh"]
+    assert "(4, 16)" in r["shape"] and "Re-plan" in r["shape"], r["shape"]
+    assert "torch.int32" in r["dtype"] and "torch.int64" in r["dtype"], r["dtype"]
+    assert "structured" in r["arity"], r["arity"]
+
+
+def test_compiled_program_matches_single_process(world):
+    n, results = world
+    if n != 2:
+        pytest.skip("checked once, in the 2-process job")
+    r = _ok(results["gpt:tp=2,compile=1"])
+    # inductor may fuse and reorder fp32 arithmetic: same bound as the eager program
+    assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * max(1.0, abs(r["ref_loss"]))
+    assert r["grad_abs_err"] <= 1e-5 * max(1.0, r["grad_scale"])

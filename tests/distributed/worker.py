@@ -26,6 +26,7 @@ from autopar.capture import extract_loss  # noqa: E402
 from models import build  # noqa: E402
 
 _MODEL_KEYS = {"dim", "batch", "seq", "layers", "heads", "d_in", "d_hidden", "d_out"}
+_RUN_KEYS = {"compile"}
 
 
 def _parse(check: str) -> tuple[str, dict, dict, str]:
@@ -35,6 +36,8 @@ def _parse(check: str) -> tuple[str, dict, dict, str]:
         k, v = item.split("=")
         if k == "topo":
             topo = v
+        elif k in _RUN_KEYS:
+            mk["_" + k] = bool(int(v))
         elif k in _MODEL_KEYS:
             mk[k] = int(v)
         else:
@@ -60,13 +63,18 @@ def _call(model, inputs):
 
 def run_check(check: str) -> dict:
     kind, cfg, mk, topo = _parse(check)
+    compile = mk.pop("_compile", False)
     model, inputs = build(kind, **dict(mk))
     ref, _ = build(kind, **dict(mk))
     ref_loss = extract_loss(_call(ref, inputs))
     ref_loss.backward()
     mesh = autopar.Mesh.from_torchrun(topology=topology(topo))
     t0 = time.perf_counter()
-    pm = autopar.parallelize(model, mesh, inputs, config=autopar.Config(**cfg))
+    pm = autopar.parallelize(model, mesh, inputs, config=autopar.Config(**cfg), compile=compile)
+    if compile:  # compile outside the counting mode (its tracing would be counted too)
+        pm.step(**inputs) if isinstance(inputs, dict) else pm.step(*inputs)
+        for p in pm.parameters():
+            p.grad = None
     setup_s = time.perf_counter() - t0
     with CommDebugMode() as cdm:
         loss = _call(pm.step, inputs) if not isinstance(inputs, dict) else pm.step(**inputs)
@@ -102,13 +110,36 @@ def run_check(check: str) -> dict:
     }
 
 
+def run_errors() -> dict:
+    """Bad input in a real job: a mesh of another size, and call-time inputs unlike the plan's."""
+    model, inputs = build("gpt")
+    world = dist.get_world_size()
+    out = {}
+    try:
+        autopar.parallelize(model, autopar.Mesh.virtual("cpu-gloo", nodes=1, gpus_per_node=world + 1),
+                            inputs)
+        out["mesh"] = "no error"
+    except autopar.MeshError as e:
+        out["mesh"] = str(e)
+    pm = autopar.parallelize(model, autopar.Mesh.from_torchrun(), inputs)
+    ids, tgt = inputs
+    for name, bad in (("shape", (ids[:, :8], tgt[:, :8])), ("dtype", (ids.int(), tgt)),
+                      ("arity", (ids,))):
+        try:
+            pm.step(*bad)
+            out[name] = "no error"
+        except autopar.InputMismatchError as e:
+            out[name] = str(e)
+    return out
+
+
 def main() -> None:
     out, checks = sys.argv[1], sys.argv[2:]
     dist.init_process_group("gloo")
     results = {}
     for check in checks:
         try:
-            results[check] = run_check(check)
+            results[check] = run_errors() if check == "errors" else run_check(check)
         except Exception as e:  # recorded for the test to report; the job goes on
             results[check] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
         dist.barrier()
