@@ -65,10 +65,14 @@ def make_plan(traced: TracedGraph, mesh: Mesh, config: Config,
               progress: Callable[[str], None] | None = None) -> Plan:
     """Solve every candidate logical mesh and return the plan with the lowest predicted time."""
     budget = config.memory_bytes if config.memory_bytes is not None else mesh.topology.memory_bytes
-    results, infeasible = [], []
+    results, infeasible, unplaceable = [], [], []
     for cand in mesh_candidates(mesh.size, config):
-        with planning_device_mesh(cand.shape, cand.names) as dm:
-            space = build_space(traced, dm, cand.names, cand.dp_axes, config.unknown_op)
+        try:
+            with planning_device_mesh(cand.shape, cand.names) as dm:
+                space = build_space(traced, dm, cand.names, cand.dp_axes, config.unknown_op)
+        except PlanError as e:  # e.g. a batch not divisible by this data-parallel degree
+            unplaceable.append(str(e))
+            continue
         costs = run_cost_passes(price_space(traced, space, mesh.topology, config.optimizer),
                                 space, mesh.topology, cost_passes)
         try:
@@ -81,6 +85,8 @@ def make_plan(traced: TracedGraph, mesh: Mesh, config: Config,
             progress(f"mesh {dict(zip(cand.names, cand.shape))}: predicted "
                      f"{plan.predicted['step_time_s'] * 1e3:.3f} ms")
         results.append(plan)
+    if not results and not infeasible:
+        raise PlanError("no mesh candidate can place the model:\n" + "\n".join(unplaceable))
     if not results:
         need = min(e.required_bytes for _, e in infeasible)
         raise InfeasibleMemoryError(

@@ -22,7 +22,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autopar import _torch_private as private
-from autopar.errors import UnsupportedOpError
+from autopar.errors import PlanError, UnsupportedOpError
 from autopar.graph import TracedGraph
 from autopar.strategies import fused
 from autopar.strategies import rules as _rules  # noqa: F401  (registers autopar's own rules)
@@ -166,8 +166,10 @@ def _replicate_strategy(node: fx.Node, ndim: int) -> Strategy:
 class _Builder:
     """Walks the graph once, asking DTensor (or autopar's rules) for each node's strategies."""
 
-    def __init__(self, traced: TracedGraph, mesh: Any, dp_axes: Sequence[int], unknown_op: str):
+    def __init__(self, traced: TracedGraph, mesh: Any, axis_names: Sequence[str],
+                 dp_axes: Sequence[int], unknown_op: str):
         self.traced, self.mesh, self.dp_axes, self.unknown_op = traced, mesh, tuple(dp_axes), unknown_op
+        self.axis_names = tuple(axis_names)
         self.mesh_shape = tuple(mesh.shape)
         self.nodes: dict[str, NodeSpace] = {}
         self.alias: dict[str, Value] = {}
@@ -190,6 +192,14 @@ class _Builder:
             self._cands[value] = list(seen)
         return self._cands[value]
 
+    def _require(self, n: fx.Node, strategies: list, what: str) -> None:
+        if not strategies:
+            raise PlanError(
+                f"{what} {n.name} of shape {tuple(n.meta['val'].shape)} cannot be placed on a mesh "
+                f"{dict(zip(self.axis_names, self.mesh_shape))}: no dim divides evenly (on a data "
+                f"parallel axis the batch dim must be divisible by the axis size). Use a batch "
+                f"divisible by the data-parallel degree or another Config(dp=..., tp=...).")
+
     def placeholder(self, n: fx.Node) -> None:
         params = {p.node for p in self.traced.params}
         buffers = {b.node for b in self.traced.buffers}
@@ -198,6 +208,7 @@ class _Builder:
         shape = tuple(n.meta["val"].shape)
         strategies = _placeholder_strategies(shape, self.mesh_shape, role, self.dp_axes,
                                              self.fused.get(n.name))
+        self._require(n, strategies, role)
         self.nodes[n.name] = NodeSpace(n.name, tuple(strategies), (), role)
 
     def op(self, n: fx.Node) -> None:
@@ -337,7 +348,7 @@ def build_space(
 
 def _build(traced: TracedGraph, mesh: Any, axis_names: Sequence[str], dp_axes: Sequence[int],
            unknown_op: str) -> StrategySpace:
-    b = _Builder(traced, mesh, dp_axes, unknown_op)
+    b = _Builder(traced, mesh, axis_names, dp_axes, unknown_op)
     rep_of = representatives(traced)
     built: dict[str, str] = {}
     for n in traced.gm.graph.nodes:
