@@ -21,7 +21,6 @@ __all__ = [
     "redistribute_local",
     "init_fake_process_group",
     "export_joint",
-    "ExplicitRedistribution",
     "no_redistribute_costs",
     "partition_joint",
     "inductor_compile",
@@ -48,7 +47,6 @@ from torch.distributed.tensor._ops.single_dim_strategy import (  # noqa: E402
     _expand_single_dim_strategy_to_mesh,
 )
 from torch.distributed.tensor._redistribute import redistribute_local_tensor  # noqa: E402
-from torch.distributed.tensor._utils import ExplicitRedistributionContext  # noqa: E402
 
 
 def sharding_propagator() -> Any:
@@ -125,8 +123,6 @@ def export_joint(
     with torch.fx.traceback.preserve_node_meta():
         return aot_export_joint_with_descriptors(stack, module, args)
 
-
-ExplicitRedistribution: Callable[..., Any] = ExplicitRedistributionContext
 
 
 def inductor_compile(gm: Any, example_inputs: list[Any]) -> Callable[..., Any]:

@@ -100,7 +100,7 @@ class Mesh:
 
 @contextlib.contextmanager
 def planning_device_mesh(
-    shape: Sequence[int], names: Sequence[str], device_type: str = "cpu"
+    shape: Sequence[int], names: Sequence[str]
 ) -> Iterator["torch.distributed.device_mesh.DeviceMesh"]:
     """A DeviceMesh of any shape for strategy enumeration, without real ranks or collectives.
 

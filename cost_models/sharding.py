@@ -135,7 +135,8 @@ def _compute_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: To
     kwargs = fx.node.map_arg(n.kwargs, lambda a: local_in.get(a, a))
     try:
         flops = flops_of_node(n.target, args, kwargs, outs[0] if len(outs) == 1 else tuple(outs))
-    except Exception:  # a formula that cannot take these shapes: price by traffic alone
+    except (RuntimeError, TypeError, ValueError, IndexError, AssertionError):
+        # a FLOP formula that cannot take these (local, meta) arguments: price by traffic alone
         flops = 0.0
     return op_time(flops, float(nbytes), topo, "fp32", is_matmul=flops > 0)
 
