@@ -75,6 +75,23 @@ def _axes_to_undo(cur: list[Placement], dst: Sequence[Placement]) -> set[int]:
     return undo
 
 
+def _can_reduce_scatter(cur: list[Placement], dst: Sequence[Placement], a: int, undo: set[int]) -> bool:
+    """Whether axis ``a``'s ``Partial -> Shard(d)`` can be one reduce-scatter.
+
+    Shards of one dim nest outer axis first. The new ``Shard(d)`` on axis ``a`` would be wrongly
+    nested if an inner axis already shards d, if an outer axis is still to be sharded on d, or if
+    an outer axis shards d now and is about to be gathered; then the partial sum is all-reduced
+    and both axes are sharded locally, outer first.
+    """
+    d = _shard_dim(dst[a])
+    if type(dst[a]) is not Shard:
+        return False
+    inner = any(_shard_dim(cur[b]) == d for b in range(a + 1, len(cur)))
+    outer_pending = any(_shard_dim(dst[b]) == d and cur[b] != dst[b] for b in range(a))
+    outer_undone = any(b in undo and _shard_dim(cur[b]) == d for b in range(a))
+    return not (inner or outer_pending or outer_undone)
+
+
 def reshard_steps(
     src: Placements, dst: Placements, shape: Sequence[int], itemsize: int, mesh_shape: Sequence[int]
 ) -> list[Step]:
@@ -85,14 +102,10 @@ def reshard_steps(
     steps: list[Step] = []
     undo = _axes_to_undo(cur, dst)
     for a in sorted(undo, reverse=True):
-        p, q = cur[a], dst[a]
         size = _numel(local_shape(shape, cur, mesh_shape)) * itemsize
-        if isinstance(p, Partial):
-            later_same = any(
-                _shard_dim(cur[b]) == _shard_dim(q) for b in range(a + 1, len(cur))
-            )
-            if type(q) is Shard and not later_same:
-                cur[a] = q
+        if isinstance(cur[a], Partial):
+            if _can_reduce_scatter(cur, dst, a, undo):
+                cur[a] = dst[a]
                 steps.append(Step(a, "reduce_scatter", tuple(cur), size))
             else:
                 cur[a] = Replicate()

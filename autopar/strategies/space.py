@@ -240,13 +240,15 @@ class _Builder:
         except Exception as first:  # some rules assume one candidate per secondary input
             # ... or fail on one candidate placement: ask per candidate, keep those that work
             strategies, errors = [], []
-            for lead in self.candidates(self.value(inputs[0])):
-                try:
-                    result = private.enumerate_op_strategy(op, self._schema(n, lead), out_meta, self.mesh)
-                except Exception as e:
-                    errors.append(f"{type(e).__name__}: {e}")
-                    continue
-                strategies += self._convert(n, result, len(inputs))
+            for pos, a in enumerate(inputs):
+                for lead in self.candidates(self.value(a)):
+                    try:
+                        schema = self._schema(n, lead, lead_pos=pos)
+                        result = private.enumerate_op_strategy(op, schema, out_meta, self.mesh)
+                    except Exception as e:
+                        errors.append(f"{type(e).__name__}: {e}")
+                        continue
+                    strategies += self._convert(n, result, len(inputs))
             if not strategies:
                 return self._fallback(
                     n, f"DTensor's rule for {op} failed ({type(first).__name__}: {first}; "
@@ -265,13 +267,13 @@ class _Builder:
         return None
 
     def _schema(self, n: fx.Node, lead: Placements | None = None,
-                single_rep: Placements | None = None) -> OpSchema:
+                single_rep: Placements | None = None, lead_pos: int = 0) -> OpSchema:
         # Single-axis rules need one spec per input and only read which shard types occur
         # (a plain Shard makes them expand to every Shard(dim)); full rules derive candidates
         # from every placement the producer may give.
         single = n.target in self.prop.op_single_dim_strategy_funcs
         rep = single_rep or tuple(Shard(0) for _ in self.mesh_shape)
-        first = _tensor_inputs(n)[0]
+        first = _tensor_inputs(n)[lead_pos]
         replicate = tuple(Replicate() for _ in self.mesh_shape)
 
         def wrap(a: Any) -> Any:
@@ -279,7 +281,7 @@ class _Builder:
                 meta = _meta(a.meta["val"])
                 if single:
                     cands = [rep]
-                elif lead is not None:  # one candidate each: ``lead`` for the first input
+                elif lead is not None:  # one candidate each: ``lead`` for the leading input
                     cands = [lead if a is first else replicate]
                 else:
                     cands = self.candidates(self.value(a))

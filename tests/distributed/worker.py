@@ -106,6 +106,8 @@ def run_check(check: str) -> dict:
         "params": {k: list(v) for k, v in plan.params.items()},
         "runtime_counts": runtime, "plan_counts": dict(plan.collective_counts()),
         "per_layer": per_layer, "warnings": list(plan.warnings), "setup_s": setup_s,
+        "collectives": [[c.kind, c.phase, c.bytes, c.node] for c in plan.collectives],
+        "param_bytes": [p.numel() * p.element_size() for p in ref.parameters()],
         "n_params": len(list(pm.named_parameters())), "ref_n_params": len(ref_grads),
     }
 
