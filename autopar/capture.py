@@ -74,15 +74,26 @@ def extract_loss(out: Any) -> torch.Tensor:
     return loss
 
 
+_OUTPUT_TYPES: dict[str, type | None] = {}
+
+
 class _LossModule(nn.Module):
     """Wraps the user's model so the traced function returns the scalar loss."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
+        # export traces a copy of the module: record through a key the copy shares
+        self.token = f"{id(self)}-{time.perf_counter_ns()}"
+
+    def take_output_type(self) -> type | None:
+        """Type of what the model returned when traced (``None`` for a bare tensor)."""
+        return _OUTPUT_TYPES.pop(self.token, None)
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return extract_loss(self.model(*args, **kwargs))
+        out = self.model(*args, **kwargs)
+        _OUTPUT_TYPES[self.token] = None if isinstance(out, torch.Tensor) else type(out)
+        return extract_loss(out)
 
 
 def capture(model: nn.Module, example_inputs: Any) -> TracedGraph:
@@ -279,6 +290,7 @@ def _build(
         tangent_nodes=tuple(tangents),
         loss_output_index=loss_index, num_outputs=len(out_descs), layers=layers,
         node_layer=node_layer, is_fake=is_fake, input_spec=in_spec, capture_time_s=elapsed,
+        output_type=wrapper.take_output_type(),
     )
 
 

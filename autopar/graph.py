@@ -75,6 +75,7 @@ class TracedGraph:
         node_layer: layer name of every call_function node.
         is_fake: whether the model was traced from fake tensors (never materialised).
         input_spec: pytree spec of the user's (args, kwargs), to flatten call-time inputs.
+        output_type: the type of what the model returned (``None`` for a bare loss tensor).
     """
 
     gm: fx.GraphModule
@@ -89,6 +90,20 @@ class TracedGraph:
     is_fake: bool
     input_spec: Any = field(repr=False)
     capture_time_s: float = 0.0
+    output_type: Any = None
+
+    def wrap_loss(self, loss: torch.Tensor) -> Any:
+        """The loss in the container the model returned it in (``output_type``).
+
+        A bare tensor stays a tensor; a tuple becomes ``(loss,)``; an output object (Hugging
+        Face's ``ModelOutput``) is rebuilt with only ``loss`` set: the plan computes what
+        training needs, not the other outputs (logits).
+        """
+        if self.output_type is None:
+            return loss
+        if issubclass(self.output_type, (tuple, list)):
+            return self.output_type([loss])
+        return self.output_type(loss=loss)
 
     def node(self, name: str) -> fx.Node:
         """The FX node called ``name``."""

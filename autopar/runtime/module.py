@@ -122,7 +122,10 @@ class ParallelModule(nn.Module):
         return [n.name for n in self._traced.gm.graph.nodes if n.op == "placeholder"]
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Forward with autograd: returns the loss; ``loss.backward()`` fills ``p.grad``.
+        """Forward with autograd: returns the loss as the model does; ``.backward()`` fills grads.
+
+        A model returning a loss tensor gets the loss tensor; a Hugging Face model gets its output
+        class with ``loss`` set (the other fields, such as logits, are not computed by the plan).
 
         Uses the same lowered program as :meth:`step`, split into forward and backward graphs
         (the tensors saved for backward stay alive in between). :meth:`step` is faster when
@@ -149,4 +152,4 @@ class ParallelModule(nn.Module):
             else:
                 primals.append(next(inputs))
                 slots.append(None)
-        return JointFunction.apply(fwd, bwd, tuple(slots), *primals)
+        return self._traced.wrap_loss(JointFunction.apply(fwd, bwd, tuple(slots), *primals))

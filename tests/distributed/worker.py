@@ -66,7 +66,8 @@ def run_check(check: str) -> dict:
     compile = mk.pop("_compile", False)
     model, inputs = build(kind, **dict(mk))
     ref, _ = build(kind, **dict(mk))
-    ref_loss = extract_loss(_call(ref, inputs))
+    ref_out = _call(ref, inputs)
+    ref_loss = extract_loss(ref_out)
     ref_loss.backward()
     mesh = autopar.Mesh.from_torchrun(topology=topology(topo))
     t0 = time.perf_counter()
@@ -90,7 +91,9 @@ def run_check(check: str) -> dict:
     # the same plan through forward with autograd, then loss.backward()
     for p in pm.parameters():
         p.grad = None
-    loss2 = pm(**inputs) if isinstance(inputs, dict) else pm(*inputs)
+    out2 = pm(**inputs) if isinstance(inputs, dict) else pm(*inputs)
+    assert type(out2) is type(ref_out), (type(out2), "returns what the model returns")
+    loss2 = extract_loss(out2)
     loss2.backward()
     autograd_err = max((p.grad.full_tensor() - ref_grads[name].grad).abs().max().item()
                        for name, p in pm.named_parameters())

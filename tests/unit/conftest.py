@@ -1,6 +1,29 @@
-"""Single-process tests: make ``tests/models.py`` importable."""
+"""Single-process tests: make ``tests/models.py`` importable; share the Megatron plan."""
 
 import os
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# GPT with dim=512, batch=2, seq=64, heads=8 (2 layers) on 2 A100s with tp=2: large enough that
+# the solver picks Megatron-LM's layout (column-parallel qkv/fc1, row-parallel proj/fc2).
+MEGATRON_KW = dict(dim=512, batch=2, seq=64, heads=8)
+
+
+@pytest.fixture(scope="session")
+def megatron_kw():
+    """The Megatron GPT's build arguments."""
+    return dict(MEGATRON_KW)
+
+
+@pytest.fixture(scope="session")
+def megatron():
+    """``(model, inputs, mesh, plan)`` of the Megatron GPT; planned once (a few seconds)."""
+    import autopar
+    from models import build
+
+    model, inputs = build("gpt", **MEGATRON_KW)
+    mesh = autopar.Mesh.virtual("a100-dgx", nodes=1, gpus_per_node=2)
+    return model, inputs, mesh, autopar.plan(model, mesh, inputs, config=autopar.Config(tp=2))

@@ -1,52 +1,150 @@
-"""Planning without devices: the Megatron plan's records, JSON round trip, errors, cost passes."""
+"""Planning without devices: the Megatron plan's records, JSON round trip, errors, free search.
+
+The Megatron plan (GPT dim=512, batch=2, seq=64, heads=8, 2 layers, tp=2 on 2 virtual A100s) is
+the session fixture ``megatron`` of ``conftest.py``.
+"""
 
 from __future__ import annotations
 
 import json
+import math
+from collections import Counter
 
 import pytest
-import torch
 
 import autopar
-from autopar.cost_models.passes import clear_cost_passes
 from autopar.plan import Plan
 from models import build
 
-MEGATRON_KW = dict(dim=512, batch=2, seq=64, heads=8)
+TWO_A100 = autopar.Mesh.virtual("a100-dgx", nodes=1, gpus_per_node=2)
+FOUR_A100 = autopar.Mesh.virtual("a100-dgx", nodes=1, gpus_per_node=4)
 
 
 @pytest.fixture(scope="module")
-def megatron():
-    model, inputs = build("gpt", **MEGATRON_KW)
-    mesh = autopar.Mesh.virtual("a100-dgx", nodes=1, gpus_per_node=2)
-    return model, inputs, mesh, autopar.plan(model, mesh, inputs, config=autopar.Config(tp=2))
+def free_search(megatron_kw):
+    """Free search (``Config()``) of the Megatron GPT on 4 devices; batch 4 so dp=4 is placeable."""
+    model, inputs = build("gpt", **dict(megatron_kw, batch=4))
+    return autopar.plan(model, FOUR_A100, inputs)
 
 
-def test_megatron_plan_records(megatron):
+# ---- the Megatron plan's records ---------------------------------------------------------------
+
+def test_megatron_layout(megatron):
     *_, plan = megatron
     assert plan.degrees == {"dp": 1, "tp": 2, "pp": 1}
-    assert plan.params["blocks.0.qkv.weight"] == ("SS(0,3)",)
-    assert plan.params["blocks.1.fc2.weight"] == ("S(1)",)
-    assert plan.collective_counts(phase="forward") == {"all_reduce": 4}
-    assert plan.collective_counts(phase="backward") == {"all_reduce": 4}
-    act = MEGATRON_KW["batch"] * MEGATRON_KW["seq"] * MEGATRON_KW["dim"] * 4  # fp32 activations
+    assert plan.mesh_shape == (2,) and plan.axis_names == ("tp",)
+    for i in range(2):
+        # column-parallel fused qkv (head-aligned) and fc1, row-parallel proj and fc2
+        assert plan.params[f"blocks.{i}.qkv.weight"] == ("SS(0,3)",)
+        assert plan.params[f"blocks.{i}.fc1.weight"] == ("S(0)",)
+        assert plan.params[f"blocks.{i}.proj.weight"] == ("S(1)",)
+        assert plan.params[f"blocks.{i}.fc2.weight"] == ("S(1)",)
+    assert plan.params["head.weight"] == plan.params["wte.weight"]  # tied: one placement
+
+
+def test_collective_records(megatron):
+    *_, plan = megatron
+    assert plan.collectives
+    kinds = {"all_reduce", "all_gather", "reduce_scatter"}
     for c in plan.collectives:
-        assert (c.kind, c.axis, c.bytes) == ("all_reduce", "tp", act)
-        assert c.layer in ("blocks.0", "blocks.1") and c.phase in ("forward", "backward")
-    assert plan.predicted["step_time_s"] > 0 and plan.predicted["peak_memory_bytes"] > 0
-    assert plan.solver["status"] == "optimal"
-    assert plan.solver["ilp_variables"] < plan.solver["ilp_variables_unlinked"]
+        assert c.kind in kinds and c.axis in plan.axis_names
+        assert isinstance(c.bytes, int) and c.bytes > 0
+        assert c.phase in ("forward", "backward")
+        assert c.layer in ("blocks.0", "blocks.1"), c  # Megatron communicates inside blocks only
+        assert c.node in plan.nodes or c.node == "output"
 
 
-def test_plan_text_and_json_round_trip(megatron, tmp_path):
+def test_forward_all_reduces(megatron, megatron_kw):
+    *_, plan = megatron
+    # Megatron: one all-reduce after attention and one after the MLP, per layer
+    assert plan.collective_counts(phase="forward") == Counter({"all_reduce": 4})
+    assert plan.collective_counts(phase="forward", axis="tp") == Counter({"all_reduce": 4})
+    per_layer = Counter(c.layer for c in plan.collectives if c.phase == "forward")
+    assert per_layer == {"blocks.0": 2, "blocks.1": 2}
+    # each all-reduces the residual stream: batch x seq x dim fp32 (4 bytes) elements
+    act = megatron_kw["batch"] * megatron_kw["seq"] * megatron_kw["dim"] * 4
+    assert [c.bytes for c in plan.collectives if c.phase == "forward"] == [act] * 4
+    assert sum(plan.collective_counts().values()) == len(plan.collectives)
+
+
+def test_predictions_and_solver_records(megatron):
+    *_, plan = megatron
+    pred = plan.predicted
+    assert pred["step_time_s"] > 0 and pred["peak_memory_bytes"] > 0
+    # step time is compute plus communication; relative tolerance for float summation order
+    assert math.isclose(pred["step_time_s"], pred["compute_s"] + pred["comm_s"], rel_tol=1e-9)
+    assert pred["comm_s"] > 0  # the plan has collectives, so communication costs something
+    # memory: at least the sharded weights with Adam state (16 bytes per fp32 element); the
+    # replicated part (embeddings, norms) is held whole. Lower bound: all weights / tp.
+    model, *_ = megatron
+    n = sum(p.numel() for p in model.parameters())
+    assert pred["peak_memory_bytes"] >= 16 * n / 2
+    s = plan.solver
+    assert s["status"] in ("optimal", "feasible")
+    assert isinstance(s["gap"], float) and s["gap"] >= 0
+    assert s["ilp_variables"] > 0
+    assert s["ilp_variables_unlinked"] > s["ilp_variables"]  # linking identical layers shrinks it
+
+
+def test_linked_ilp_does_not_grow_with_depth():
+    sizes = {}
+    for layers in (2, 4):
+        model, inputs = build("gpt", layers=layers)
+        plan = autopar.plan(model, TWO_A100, inputs, config=autopar.Config(tp=2))
+        sizes[layers] = (plan.solver["ilp_variables"], plan.solver["ilp_variables_unlinked"])
+    assert sizes[4][0] == sizes[2][0]  # identical layers share one set of variables
+    assert sizes[4][1] > sizes[2][1]  # ... while the unlinked problem grows
+
+
+def test_plan_text(megatron, megatron_kw):
     *_, plan = megatron
     text = str(plan)
-    assert "tp=2" in text and "blocks.0.qkv.weight" in text and "all_reduce" in text
+    assert "dp=1, tp=2, pp=1" in text
+    for name in plan.params:
+        assert name in text
+    assert "collectives per step" in text
+    table = text.split("collectives per step", 1)[1]
+    for col in ("layer", "phase", "kind", "axis", "count", "bytes"):
+        assert col in table
+    act = megatron_kw["batch"] * megatron_kw["seq"] * megatron_kw["dim"] * 4
+    # one row per (layer, phase): 2 all-reduces of act bytes each
+    assert table.count("all_reduce") == 4 and str(2 * act) in table
+
+
+# ---- persistence -------------------------------------------------------------------------------
+
+def test_save_load_round_trip(megatron, tmp_path):
+    *_, plan = megatron
     path = tmp_path / "plan.json"
     plan.save(path)
     again = Plan.load(path)
     assert again.to_dict() == plan.to_dict()
     assert again.digest() == plan.digest()
+    assert again.collectives == plan.collectives
+    # saving the loaded plan writes the same file
+    path2 = tmp_path / "again.json"
+    again.save(path2)
+    assert path2.read_text() == path.read_text()
+
+
+def test_digest_covers_what_ranks_execute(megatron):
+    *_, plan = megatron
+    d = plan.to_dict()
+    d["params"]["blocks.0.fc1.weight"] = ["R"]
+    assert Plan.from_dict(d).digest() != plan.digest()
+    d = plan.to_dict()
+    d["predicted"]["step_time_s"] *= 2  # timings are not part of the digest
+    assert Plan.from_dict(d).digest() == plan.digest()
+
+
+@pytest.mark.xfail(strict=True, reason="Plan.from_dict keeps alternatives as loaded from JSON: "
+                   "their mesh_shape becomes a list, so a free-search plan's to_dict() changes "
+                   "across save/load")
+def test_save_load_round_trip_with_alternatives(free_search, tmp_path):
+    assert free_search.alternatives
+    path = tmp_path / "plan.json"
+    free_search.save(path)
+    assert Plan.load(path).to_dict() == free_search.to_dict()
 
 
 def test_corrupt_plans_raise_plan_error(megatron, tmp_path):
@@ -55,91 +153,121 @@ def test_corrupt_plans_raise_plan_error(megatron, tmp_path):
     bad.write_text("{ not json")
     with pytest.raises(autopar.PlanError, match="cannot read plan file"):
         Plan.load(bad)
-    d = plan.to_dict()
-    del d["nodes"]
-    bad.write_text(json.dumps(d))
-    with pytest.raises(autopar.PlanError, match="malformed"):
+    with pytest.raises(autopar.PlanError, match="cannot read plan file"):
+        Plan.load(tmp_path / "missing.json")
+    for key in ("nodes", "params", "collectives", "model_fingerprint"):
+        d = plan.to_dict()
+        del d[key]
+        bad.write_text(json.dumps(d))
+        with pytest.raises(autopar.PlanError, match="malformed"):
+            Plan.load(bad)
+    bad.write_text(json.dumps([1, 2]))
+    with pytest.raises(autopar.PlanError):
         Plan.load(bad)
+
+
+@pytest.mark.parametrize("fmt", [999, None, "1"])
+def test_wrong_format_raises_plan_error(megatron, tmp_path, fmt):
+    *_, plan = megatron
     d = plan.to_dict()
-    d["format"] = 999
+    d["format"] = fmt
+    bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(d))
     with pytest.raises(autopar.PlanError, match="format"):
         Plan.load(bad)
+
+
+# ---- configuration and errors ------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [dict(tp=0), dict(dp=-1), dict(tp=1.5), dict(unknown_op="x"),
+                                 dict(memory_bytes=-1), dict(memory_bytes=0),
+                                 dict(solver_time_limit_s=0), dict(optimizer="lamb")])
+def test_config_rejects_bad_values(bad):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        autopar.Config(**bad)
+
+
+@pytest.mark.xfail(strict=True, reason="Config accepts NaN: `nan <= 0` is False, so the check "
+                   "passes and the error only surfaces inside the ILP")
+@pytest.mark.parametrize("bad", [dict(memory_bytes=float("nan")),
+                                 dict(solver_time_limit_s=float("nan"))])
+def test_config_rejects_nan(bad):
+    with pytest.raises(ValueError):
+        autopar.Config(**bad)
+
+
+def test_config_round_trip():
+    c = autopar.Config(dp=2, tp=4, memory_bytes=8e9, unknown_op="error", optimizer="sgd")
+    assert autopar.Config.from_dict(c.to_dict()) == c
+    with pytest.raises(ValueError, match="unknown Config fields"):
+        autopar.Config.from_dict(dict(c.to_dict(), tpp=2))
+
+
+def test_impossible_memory_budget():
+    model, inputs = build("gpt")
+    with pytest.raises(autopar.InfeasibleMemoryError) as err:
+        autopar.plan(model, TWO_A100, inputs, config=autopar.Config(memory_bytes=1000))
+    assert err.value.required_bytes > 1000
+    assert err.value.budget_bytes == 1000
+    assert isinstance(err.value, autopar.PlanError)
+    msg = str(err.value)
+    assert "Config.memory_bytes" in msg and "more devices" in msg  # says how to fix it
+    # the reported requirement is enough: a budget of required_bytes plans
+    ok = autopar.plan(model, TWO_A100, inputs,
+                      config=autopar.Config(memory_bytes=err.value.required_bytes * 1.01))
+    # 1% headroom for the solver's float tolerance on the memory constraint
+    assert ok.predicted["peak_memory_bytes"] <= err.value.required_bytes * 1.01
+
+
+def test_degrees_that_do_not_fit_the_mesh():
+    model, inputs = build("mlp")
+    with pytest.raises(autopar.PlanError, match="dp \\* tp"):
+        autopar.plan(model, TWO_A100, inputs, config=autopar.Config(tp=3))
+    with pytest.raises(autopar.PlanError, match="dp \\* tp"):
+        autopar.plan(model, TWO_A100, inputs, config=autopar.Config(dp=2, tp=2))
+    with pytest.raises(autopar.PlanError, match="pipeline"):
+        autopar.plan(model, TWO_A100, inputs, config=autopar.Config(pp=2))
+
+
+def test_unknown_op_warns_or_errors():
+    model, inputs = build("mlp")  # F.mse_loss has no DTensor rule
+    plan = autopar.plan(model, TWO_A100, inputs, config=autopar.Config(tp=2))
+    assert any("mse_loss" in w and "replicated" in w for w in plan.warnings)
+    with pytest.raises(autopar.UnsupportedOpError) as err:
+        autopar.plan(model, TWO_A100, inputs, config=autopar.Config(tp=2, unknown_op="error"))
+    msg = str(err.value)
+    assert "aten.mse_loss" in msg  # names the op
+    assert "register_op_rule" in msg and "unknown_op='replicate'" in msg  # and the fixes
+
+
+# ---- search ------------------------------------------------------------------------------------
+
+def test_free_search_reports_alternatives(free_search):
+    plan = free_search
+    # three (dp, tp) factorisations of 4 devices: the chosen one and two alternatives
+    assert len(plan.alternatives) == 2
+    for alt in plan.alternatives:
+        assert alt["step_time_s"] >= plan.predicted["step_time_s"]
+    seen = [tuple(sorted(plan.degrees.items()))]
+    seen += [tuple(sorted(a["degrees"].items())) for a in plan.alternatives]
+    assert {tuple(dict(s)[k] for k in ("dp", "tp")) for s in seen} == {(4, 1), (2, 2), (1, 4)}
+    assert len(set(seen)) == 3
 
 
 def test_planning_is_deterministic(megatron):
     model, inputs, mesh, plan = megatron
     again = autopar.plan(model, mesh, inputs, config=autopar.Config(tp=2))
     assert again.digest() == plan.digest()
+    assert again.params == plan.params and again.collectives == plan.collectives
 
 
-def test_impossible_memory_budget():
-    model, inputs = build("gpt")
-    mesh = autopar.Mesh.virtual("a100-dgx", nodes=1, gpus_per_node=2)
-    with pytest.raises(autopar.InfeasibleMemoryError) as err:
-        autopar.plan(model, mesh, inputs, config=autopar.Config(memory_bytes=1000))
-    assert err.value.required_bytes > 1000
-    assert "memory_bytes" in str(err.value)
-
-
-def test_degrees_that_do_not_fit_the_mesh():
-    model, inputs = build("mlp")
-    mesh = autopar.Mesh.virtual("a100-dgx", nodes=1, gpus_per_node=2)
-    with pytest.raises(autopar.PlanError, match="dp \\* tp"):
-        autopar.plan(model, mesh, inputs, config=autopar.Config(tp=3))
-    with pytest.raises(autopar.PlanError, match="pipeline"):
-        autopar.plan(model, mesh, inputs, config=autopar.Config(pp=2))
-
-
-@pytest.mark.parametrize("bad", [dict(tp=0), dict(unknown_op="x"), dict(memory_bytes=-1),
-                                 dict(solver_time_limit_s=0)])
-def test_config_rejects_bad_values(bad):
-    with pytest.raises(ValueError):
-        autopar.Config(**bad)
-
-
-def test_unknown_op_warns_or_errors():
-    model, inputs = build("mlp")  # F.mse_loss has no DTensor rule
-    mesh = autopar.Mesh.virtual("a100-dgx", nodes=1, gpus_per_node=2)
-    plan = autopar.plan(model, mesh, inputs, config=autopar.Config(tp=2))
-    assert any("mse_loss" in w and "replicated" in w for w in plan.warnings)
-    with pytest.raises(autopar.UnsupportedOpError, match="register_op_rule"):
-        autopar.plan(model, mesh, inputs, config=autopar.Config(tp=2, unknown_op="error"))
-
-
-def test_free_search_reports_alternatives():
-    model, inputs = build("gpt", **dict(MEGATRON_KW, batch=4))  # batch divisible by dp=4
-    plan = autopar.plan(model, autopar.Mesh.virtual("a100-dgx", nodes=1, gpus_per_node=4), inputs)
-    assert len(plan.alternatives) == 2  # three (dp, tp) factorisations of 4 devices
+@pytest.mark.xfail(strict=True, reason="alternatives record mesh_shape and degrees but not the "
+                   "axis names: the (4,) 'dp' and (4,) 'tp' meshes read the same (on a small GPT "
+                   "both report mesh (4,), dp=4), so an alternative cannot be told from the "
+                   "chosen plan")
+def test_alternatives_name_their_logical_mesh(free_search):
+    plan = free_search
+    meshes = {(tuple(plan.mesh_shape), tuple(plan.axis_names))}
     for alt in plan.alternatives:
-        assert alt["step_time_s"] >= plan.predicted["step_time_s"]
-
-
-def _forbid_sharded_params(costs, space, topology):
-    """A cost pass: make every parameter strategy that is not replicated prohibitively slow."""
-    import numpy as np
-    from torch.distributed.tensor import Replicate
-
-    for name, ns in space.nodes.items():
-        if ns.source == "param":
-            penalty = np.array([0.0 if all(isinstance(p, Replicate) for p in s.outputs[0]) else 1e3
-                                for s in ns.strategies])
-            costs.compute[name] = costs.compute[name] + penalty
-    return costs
-
-
-def test_cost_pass_changes_the_plan(megatron):
-    model, inputs, mesh, plan = megatron
-    assert any(p != ("R",) for p in plan.params.values())
-    forced = autopar.plan(model, mesh, inputs, config=autopar.Config(tp=2),
-                          cost_passes=[_forbid_sharded_params])
-    assert all(p == ("R",) for p in forced.params.values())
-    try:
-        autopar.cost_pass(_forbid_sharded_params)
-        registered = autopar.plan(model, mesh, inputs, config=autopar.Config(tp=2))
-        assert registered.digest() == forced.digest()
-    finally:
-        clear_cost_passes()
-    with pytest.raises(TypeError, match="returned None"):
-        autopar.plan(model, mesh, inputs, config=autopar.Config(tp=2),
-                     cost_passes=[lambda costs, space, topo: None])
+        meshes.add((tuple(alt["mesh_shape"]), tuple(alt["axis_names"])))
+    assert len(meshes) == 1 + len(plan.alternatives)
