@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -36,7 +37,7 @@ class Config:
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(
                     f"Config.{name}={value!r}: a parallel degree must be a positive int, or None "
                     f"to let the search choose it."
@@ -47,12 +48,12 @@ class Config:
             )
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"Config.optimizer={self.optimizer!r}: use 'adam' or 'sgd'.")
-        if self.memory_bytes is not None and self.memory_bytes <= 0:
+        if self.memory_bytes is not None and not 0 < self.memory_bytes < math.inf:  # and NaN
             raise ValueError(
-                f"Config.memory_bytes={self.memory_bytes!r}: give a positive per-device budget "
-                f"in bytes, or None for the topology's memory."
+                f"Config.memory_bytes={self.memory_bytes!r}: give a positive, finite per-device "
+                f"budget in bytes, or None for the topology's memory."
             )
-        if self.solver_time_limit_s <= 0:
+        if not self.solver_time_limit_s > 0:  # also refuses NaN
             raise ValueError(
                 f"Config.solver_time_limit_s={self.solver_time_limit_s!r} must be positive."
             )

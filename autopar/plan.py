@@ -17,6 +17,11 @@ __all__ = ["Collective", "NodePlan", "Plan", "PLAN_FORMAT"]
 PLAN_FORMAT = 1
 
 
+def _alternative(a: dict[str, Any]) -> dict[str, Any]:
+    """An alternative as saved, with its JSON lists back to tuples."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in a.items()}
+
+
 @dataclass(frozen=True)
 class Collective:
     """One collective of a training step.
@@ -112,7 +117,7 @@ class Plan:
                 predicted=dict(d["predicted"]), solver=dict(d["solver"]),
                 warnings=tuple(d["warnings"]), topology=d["topology"], config=dict(d["config"]),
                 input_shapes=tuple(tuple(s) for s in d.get("input_shapes", ())),
-                alternatives=tuple(d.get("alternatives", ())),
+                alternatives=tuple(_alternative(a) for a in d.get("alternatives", ())),
             )
         except PlanError:
             raise

@@ -96,7 +96,7 @@ def make_plan(traced: TracedGraph, mesh: Mesh, config: Config,
             required_bytes=need, budget_bytes=budget)
     results.sort(key=lambda p: p.predicted["step_time_s"])
     best = results[0]
-    alts = tuple({"degrees": p.degrees, "mesh_shape": p.mesh_shape,
+    alts = tuple({"degrees": p.degrees, "mesh_shape": p.mesh_shape, "axis_names": p.axis_names,
                   "step_time_s": p.predicted["step_time_s"]} for p in results[1:])
     return _replace(best, alternatives=alts)
 

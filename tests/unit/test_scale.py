@@ -1,4 +1,9 @@
-"""Scale without memory: a 1.5B-parameter GPT is captured and planned from fake tensors."""
+"""Scale without memory: a 1.5B-parameter GPT is captured and planned from fake tensors.
+
+The planning runs in a child process so that its peak resident memory is measured alone (this
+process has already imported and traced other models). It takes about 40 s; the time is printed
+(``pytest -s``) but not asserted, because timings on shared machines are noisy.
+"""
 
 from __future__ import annotations
 
@@ -17,24 +22,41 @@ SCRIPT = textwrap.dedent("""
     from models import GPT
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = GPT(vocab=50304, dim=1600, heads=25, layers=48, seq=1024)
+    print("PARAMS", sum(p.numel() for p in model.parameters()), flush=True)
     ids = torch.randint(0, 50304, (8, 1024))
     t0 = time.perf_counter()
     plan = autopar.plan(model, autopar.Mesh.virtual("h100-dgx", nodes=1, gpus_per_node=8), (ids, ids))
-    print("PARAMS", sum(p.numel() for p in model.parameters()))
-    print("SECONDS", time.perf_counter() - t0)
-    print("DEGREES", plan.degrees)
-    print("RSS", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    total = time.perf_counter() - t0
+    print("CAPTURE_S", plan.solver["capture_time_s"])
+    print("TOTAL_S", total)
+    print("DEGREES", plan.degrees["dp"], plan.degrees["tp"], plan.degrees["pp"])
+    print("PLAN_PARAMS", len(plan.params))
+    print("PEAK_PREDICTED", plan.predicted["peak_memory_bytes"])
+    print("RSS", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
 """)
 
 
 def test_plan_1p5b_gpt_without_allocating_weights():
+    # generous: about 40 s on an idle machine, several times that on a loaded one
     out = subprocess.run([sys.executable, "-c", SCRIPT.format(tests=TESTS)], capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     vals = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
-    print(f"1.5B GPT on a virtual 8 x H100 node: {float(vals['SECONDS']):.1f} s, "
-          f"peak RSS {int(vals['RSS']) / 2**20:.0f} MiB, degrees {vals['DEGREES']}")
-    assert int(vals["PARAMS"]) >= 1.5e9
-    # fp32 weights alone would take 6 GB: staying under 2 GiB proves none were allocated
-    assert int(vals["RSS"]) < 2 * 2**30
-    assert "'dp'" in vals["DEGREES"] and "'tp'" in vals["DEGREES"]
+    for key in ("PARAMS", "CAPTURE_S", "TOTAL_S", "DEGREES", "PLAN_PARAMS", "RSS"):
+        assert key in vals, (key, out.stdout[-2000:])
+    capture_s, total_s = float(vals["CAPTURE_S"]), float(vals["TOTAL_S"])
+    rss = int(vals["RSS"])
+    dp, tp, pp = map(int, vals["DEGREES"].split())
+    print(f"\n1.5B GPT on a virtual 8 x H100 node: capture {capture_s:.1f} s, planning "
+          f"{total_s - capture_s:.1f} s, total {total_s:.1f} s; peak RSS {rss / 2**20:.0f} MiB; "
+          f"dp={dp} tp={tp} pp={pp}")
+    n = int(vals["PARAMS"])
+    assert n >= 1.5e9
+    # 48 blocks x 12 parameters + 2 embeddings + final norm (2) + the tied head
+    assert int(vals["PLAN_PARAMS"]) == 48 * 12 + 5
+    # fp32 weights alone would take 4 bytes x 1.5e9 = 6 GB: under 2 GiB proves none were allocated
+    assert rss < 2 * 2**30
+    assert dp * tp * pp == 8 and pp == 1
+    # predicted per-device memory: Adam training state alone is 16 bytes per parameter, split at
+    # most 8 ways; a prediction below that would mean parameters went uncounted
+    assert float(vals["PEAK_PREDICTED"]) >= 16 * n / 8

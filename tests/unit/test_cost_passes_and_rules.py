@@ -1,0 +1,164 @@
+"""Extension points: cost passes (per call and registered) and user sharding rules for custom ops."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
+
+import autopar
+from autopar.capture import capture
+from autopar.cost_models.passes import clear_cost_passes, registered_cost_passes
+from autopar.cost_models.topology import AxisLink, custom
+from autopar.mesh import planning_device_mesh
+from autopar.strategies.rules import registered_rules
+from autopar.strategies.space import build_space
+
+# ---- cost passes -------------------------------------------------------------------------------
+
+# Far above any step time of these small models (they predict well under a millisecond).
+PENALTY_S = 1e3
+
+
+def _forbid_sharded_params(costs, space, topology):
+    """A cost pass: make every parameter strategy that is not fully replicated prohibitive."""
+    for name, ns in space.nodes.items():
+        if ns.source == "param":
+            penalty = np.array([0.0 if all(isinstance(p, Replicate) for p in s.outputs[0])
+                                else PENALTY_S for s in ns.strategies])
+            costs.compute[name] = costs.compute[name] + penalty
+    return costs
+
+
+def test_cost_pass_per_call_changes_the_plan(megatron):
+    model, inputs, mesh, plan = megatron
+    assert any(p != ("R",) for p in plan.params.values())  # Megatron shards weights
+    forced = autopar.plan(model, mesh, inputs, config=autopar.Config(tp=2),
+                          cost_passes=[_forbid_sharded_params])
+    assert all(p == ("R",) for p in forced.params.values())
+    assert forced.predicted["step_time_s"] < PENALTY_S  # no penalised strategy was chosen
+    assert forced.digest() != plan.digest()
+
+
+def test_cost_pass_sees_costs_space_and_topology(megatron):
+    model, inputs, mesh, plan = megatron
+    seen = {}
+
+    def spy(costs, space, topology):
+        seen["topology"] = topology.name
+        seen["mesh"] = space.mesh_shape
+        seen["aligned"] = all(len(costs.compute[n]) == len(ns.strategies)
+                              for n, ns in space.nodes.items())
+        return costs
+
+    again = autopar.plan(model, mesh, inputs, config=autopar.Config(tp=2), cost_passes=[spy])
+    assert seen == {"topology": "a100-dgx", "mesh": (2,), "aligned": True}
+    assert again.digest() == plan.digest()  # a pass that changes nothing changes nothing
+
+
+def test_registered_cost_pass_runs_on_every_plan(megatron):
+    model, inputs, mesh, plan = megatron
+    assert registered_cost_passes() == ()
+    try:
+        assert autopar.cost_pass(_forbid_sharded_params) is _forbid_sharded_params
+        assert registered_cost_passes() == (_forbid_sharded_params,)
+        registered = autopar.plan(model, mesh, inputs, config=autopar.Config(tp=2))
+        assert all(p == ("R",) for p in registered.params.values())
+    finally:
+        clear_cost_passes()
+    assert registered_cost_passes() == ()
+    assert autopar.plan(model, mesh, inputs, config=autopar.Config(tp=2)).digest() == plan.digest()
+
+
+def test_cost_pass_returning_none_is_a_type_error(megatron):
+    model, inputs, mesh, _ = megatron
+
+    def forgetful(costs, space, topology):
+        costs.compute  # modifies nothing and forgets to return
+    with pytest.raises(TypeError, match="forgetful.*returned None"):
+        autopar.plan(model, mesh, inputs, config=autopar.Config(tp=2), cost_passes=[forgetful])
+
+
+# ---- a user rule for a custom op ---------------------------------------------------------------
+
+@torch.library.custom_op("autopar_test::scale2", mutates_args=())
+def scale2(x: torch.Tensor) -> torch.Tensor:
+    """x * 2, opaque to DTensor (no sharding rule until the test registers one)."""
+    return x * 2
+
+
+@scale2.register_fake
+def _scale2_fake(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _scale2_backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+    return scale2(grad)
+
+
+scale2.register_autograd(_scale2_backward)
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 64)
+        self.fc2 = nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(scale2(self.fc1(x))).sum()
+
+
+def _slow_compute():
+    """Compute 1e4x slower than an A100 and nearly free links: sharding every op it can pays."""
+    fast = AxisLink(bandwidth_Bps=2e12, latency_s=1e-9, launch_s=1e-9)
+    return custom("slow-compute", base="a100-dgx", peak_flops={"fp32": 2e9, "bf16": 3e10},
+                  mem_bandwidth_Bps=2e8, intra_node=fast, inter_node=fast)
+
+
+def _scale2_nodes(traced):
+    op = torch.ops.autopar_test.scale2.default
+    return [n.name for n in traced.gm.graph.nodes if n.op == "call_function" and n.target is op]
+
+
+def test_custom_op_rule_is_used_by_the_planner():
+    op = torch.ops.autopar_test.scale2.default
+    assert op not in registered_rules(), "this test registers the rule itself"
+    model, x = _Scaled(), torch.randn(8, 16)
+    traced = capture(model, (x,))
+    nodes = _scale2_nodes(traced)
+    assert len(nodes) == 2  # forward and backward (the backward calls scale2 again)
+    mesh = autopar.Mesh.virtual(_slow_compute(), nodes=1, gpus_per_node=2)
+    config = autopar.Config(tp=2)
+
+    # without a rule: replicated, with a warning per node
+    before = autopar.plan(model, mesh, (x,), config=config)
+    for n in nodes:
+        assert any(w.startswith(f"{n} ") and "no sharding rule" in w for w in before.warnings)
+        assert before.nodes[n].outputs == (("R",),)
+    with pytest.raises(autopar.UnsupportedOpError, match="autopar_test.scale2"):
+        autopar.plan(model, mesh, (x,), config=autopar.Config(tp=2, unknown_op="error"))
+
+    @autopar.register_op_rule(op)
+    def scale2_rule(args_meta, kwargs_meta):
+        ndim = len(args_meta[0].shape)
+        return [[Shard(d), Shard(d)] for d in range(ndim)] + [[Replicate(), Replicate()]]
+
+    assert registered_rules()[op].fn is scale2_rule
+    with planning_device_mesh((2,), ("tp",)) as dm:
+        space = build_space(traced, dm, ("tp",))
+    for n in nodes:
+        ns = space.nodes[n]
+        assert ns.source != "fallback-replicate"
+        # exactly the rule's strategies: output and input placed alike, every dim or replicated
+        assert {(s.outputs, s.inputs) for s in ns.strategies} == {
+            (((p,),), ((p,),)) for p in (Shard(0), Shard(1), Replicate())}
+    after = autopar.plan(model, mesh, (x,), config=config)
+    assert not any("scale2" in w for w in after.warnings)
+    # with compute this slow the solver shards the hidden activations (fc1 column-parallel,
+    # fc2 row-parallel), through scale2 without gathering
+    for n in nodes:
+        assert after.nodes[n].outputs != (("R",),), after.nodes[n]
+    assert after.predicted["step_time_s"] < before.predicted["step_time_s"]

@@ -1,0 +1,271 @@
+"""Resharding steps on hand cases and as a property; placement text; the strategy space."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from autopar.capture import capture
+from autopar.mesh import planning_device_mesh
+from autopar.placements import fmt, from_str, to_str
+from autopar.strategies.reshard import reshard_steps
+from autopar.strategies.space import build_space
+from models import build
+
+R, P = Replicate(), Partial("sum")
+S0, S1 = Shard(0), Shard(1)
+SHAPE = (8, 12)
+FULL = 8 * 12 * 4  # bytes of the whole fp32 tensor
+
+
+def _kinds(steps):
+    return [(s.axis, s.kind) for s in steps]
+
+
+# ---- reshard_steps: hand cases -----------------------------------------------------------------
+
+def test_partial_to_replicate_is_one_all_reduce_of_the_local_size():
+    steps = reshard_steps((P,), (R,), SHAPE, 4, (2,))
+    assert _kinds(steps) == [(0, "all_reduce")]
+    assert steps[0].nbytes == FULL  # a partial sum holds the full shape on every rank
+    assert steps[0].after == (R,)
+    # on a 2-D mesh with the other axis sharding dim 0, the local size is half
+    steps = reshard_steps((S0, P), (S0, R), SHAPE, 4, (2, 2))
+    assert _kinds(steps) == [(1, "all_reduce")] and steps[0].nbytes == FULL // 2
+
+
+def test_shard_to_replicate_is_one_all_gather_of_the_full_size():
+    for src in (S0, S1):
+        steps = reshard_steps((src,), (R,), SHAPE, 4, (2,))
+        assert _kinds(steps) == [(0, "all_gather")]
+        assert steps[0].nbytes == FULL  # the all-gather's output
+    steps = reshard_steps((_StridedShard(0, split_factor=3),), (R,), (6, 4), 2, (2,))
+    assert _kinds(steps) == [(0, "all_gather")] and steps[0].nbytes == 6 * 4 * 2
+
+
+def test_partial_to_shard_is_one_reduce_scatter():
+    for dst in (S0, S1):
+        steps = reshard_steps((P,), (dst,), SHAPE, 4, (2,))
+        assert _kinds(steps) == [(0, "reduce_scatter")]
+        assert steps[0].nbytes == FULL  # the reduce-scatter's input
+        assert steps[0].after == (dst,)
+
+
+def test_replicate_to_shard_is_local():
+    for dst in (S0, S1, _StridedShard(0, split_factor=2)):
+        steps = reshard_steps((R,), (dst,), SHAPE, 4, (2,))
+        assert _kinds(steps) == [(0, "local")] and steps[0].nbytes == 0
+    steps = reshard_steps((R, R), (S0, S1), SHAPE, 4, (2, 2))
+    assert _kinds(steps) == [(0, "local"), (1, "local")]
+
+
+def test_shard_to_other_shard_gathers_then_slices():
+    steps = reshard_steps((S0,), (S1,), SHAPE, 4, (2,))
+    assert _kinds(steps) == [(0, "all_gather"), (0, "local")]
+    assert steps[-1].after == (S1,)
+
+
+def test_nested_shards_unwind_the_inner_axis_first():
+    steps = reshard_steps((S0, S0), (R, R), SHAPE, 4, (2, 2))
+    assert _kinds(steps) == [(1, "all_gather"), (0, "all_gather")]
+    assert steps[0].after == (S0, R) and steps[1].after == (R, R)
+    # inner gather outputs a quarter gathered to a half; the outer a half gathered to the whole
+    assert [s.nbytes for s in steps] == [FULL // 2, FULL]
+
+
+def test_changing_the_outer_axis_unwinds_an_inner_shard_of_the_same_dim():
+    # dim 0 is split by axis 0 then axis 1; moving axis 0 off dim 0 must first undo axis 1
+    steps = reshard_steps((S0, S0), (S1, S0), SHAPE, 4, (2, 2))
+    assert [(a, k) for a, k in _kinds(steps) if k != "local"] == [(1, "all_gather"), (0, "all_gather")]
+    assert steps[-1].after == (S1, S0)
+
+
+def test_partial_inner_axis_nests_inside_a_pending_outer_shard():
+    # reduce-scattering axis 1 onto dim 0 first would put axis 1 outside axis 0 on that dim:
+    # reduce fully, then slice locally, outer axis first
+    steps = reshard_steps((R, P), (S0, S0), SHAPE, 4, (2, 2))
+    assert _kinds(steps) == [(1, "all_reduce"), (0, "local"), (1, "local")]
+    # with no outer shard pending, the reduce-scatter is used
+    steps = reshard_steps((S1, P), (S1, S0), SHAPE, 4, (2, 2))
+    assert _kinds(steps) == [(1, "reduce_scatter")]
+
+
+def test_two_partial_axes():
+    steps = reshard_steps((P, P), (R, R), SHAPE, 4, (2, 2))
+    assert _kinds(steps) == [(1, "all_reduce"), (0, "all_reduce")]
+    steps = reshard_steps((R, P), (R, R), SHAPE, 4, (2, 2))
+    assert _kinds(steps) == [(1, "all_reduce")]
+
+
+def test_identity_needs_no_steps():
+    for p in [(R,), (S0,), (P,), (_StridedShard(0, split_factor=3),), (S0, S1), (P, S0)]:
+        assert reshard_steps(p, p, (12, 12), 4, (2,) * len(p)) == []
+
+
+# ---- reshard_steps: properties over every pair on a 2 x 2 mesh ---------------------------------
+
+_OPTIONS = [R, S0, S1, P, _StridedShard(0, split_factor=2)]
+
+
+def _local_numel(shape, placements, mesh):
+    sizes = list(shape)
+    for axis, p in enumerate(placements):
+        if isinstance(p, (Shard, _StridedShard)):
+            sizes[p.dim] //= mesh[axis]
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_reshard_steps_properties(itemsize):
+    """Every (src, dst) pair of placements on a 2 x 2 mesh (625 pairs)."""
+    pairs = list(itertools.product(itertools.product(_OPTIONS, repeat=2), repeat=2))
+    assert len(pairs) == 625
+    for src, dst in pairs:
+        _check_steps(src, dst, itemsize)
+
+
+def _check_steps(src, dst, itemsize):
+    mesh = (2, 2)
+    steps = reshard_steps(src, dst, SHAPE, itemsize, mesh)
+    assert (steps == []) == (src == dst)
+    cur = src
+    seen_local = False
+    comm_axes = []
+    for s in steps:
+        before = cur
+        # a step changes its own axis only
+        assert all(s.after[a] == before[a] for a in range(2) if a != s.axis), (src, dst, s)
+        assert s.after[s.axis] != before[s.axis]
+        if s.kind == "local":
+            seen_local = True
+            assert before[s.axis] == R and s.nbytes == 0  # only a replica can be sliced locally
+        else:
+            assert not seen_local, "collectives come before local slicing"
+            comm_axes.append(s.axis)
+            if s.kind == "all_gather":
+                assert isinstance(before[s.axis], (Shard, _StridedShard)) and s.after[s.axis] == R
+                assert s.nbytes == _local_numel(SHAPE, s.after, mesh) * itemsize
+            else:
+                assert before[s.axis] == P
+                assert s.kind in ("all_reduce", "reduce_scatter")
+                assert s.after[s.axis] == (R if s.kind == "all_reduce" else dst[s.axis])
+                assert s.nbytes == _local_numel(SHAPE, before, mesh) * itemsize
+        cur = s.after
+    assert cur == dst
+    assert comm_axes == sorted(comm_axes, reverse=True)  # inner axis first
+    assert len(comm_axes) == len(set(comm_axes))  # at most one collective per axis
+    # no collective on an axis that was replicated in the source
+    assert all(src[a] != R for a in comm_axes)
+
+
+# ---- placements text ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("p, text", [
+    (Replicate(), "R"), (Shard(0), "S(0)"), (Shard(3), "S(3)"), (Partial("sum"), "P(sum)"),
+    (Partial("avg"), "P(avg)"), (_StridedShard(0, split_factor=3), "SS(0,3)"),
+    (_StridedShard(2, split_factor=2), "SS(2,2)"),
+])
+def test_placement_text_round_trip(p, text):
+    assert to_str(p) == text
+    back = from_str(text)
+    assert back == p and type(back) is type(p)
+
+
+def test_placement_text_errors_and_fmt():
+    for bad in ("", "S", "S(x)", "SS(0)", "Q(1)", "r"):
+        with pytest.raises(ValueError):
+            from_str(bad)
+    assert fmt((Shard(0), Replicate())) == "[S(0), R]"
+    assert fmt(None) == "-"
+    assert type(from_str("S(0)")) is Shard  # a plain shard, not a strided one
+
+
+# ---- the strategy space ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def traced():
+    # awkward sizes so that even sharding is a real filter: vocab 130 = 2 x 65, seq 6 = 2 x 3
+    model, inputs = build("gpt", vocab=130, seq=6, batch=2)
+    return capture(model, inputs)
+
+
+def _space(traced, shape, names, dp_axes=()):
+    with planning_device_mesh(shape, names) as dm:
+        return build_space(traced, dm, names, dp_axes)
+
+
+def _options(space, traced, param):
+    return [s.outputs[0] for s in space.nodes[traced.param(param).node].strategies]
+
+
+def test_fused_qkv_gets_a_strided_shard(traced):
+    space = _space(traced, (2,), ("tp",))
+    qkv = _options(space, traced, "blocks.0.qkv.weight")
+    assert (_StridedShard(0, split_factor=3),) in qkv
+    assert (_StridedShard(0, split_factor=3),) in _options(space, traced, "blocks.0.qkv.bias")
+    # only the fused projection gets it: fc1 (4*dim rows, no split after it) does not
+    fc1 = _options(space, traced, "blocks.0.fc1.weight")
+    assert not any(isinstance(p, _StridedShard) for pl in fc1 for p in pl)
+    assert (Shard(0),) in fc1 and (Shard(1),) in fc1 and (Replicate(),) in fc1
+
+
+def test_data_parallel_axis_replicates_params_and_splits_the_batch(traced):
+    space = _space(traced, (2,), ("dp",), dp_axes=(0,))
+    for p in traced.params:
+        assert _options(space, traced, p.name) == [(Replicate(),)], p.name
+    for i in traced.inputs:
+        assert [s.outputs[0] for s in space.nodes[i.node].strategies] == [(Shard(0),)]
+    # without the dp axis the same parameters may be sharded
+    free = _space(traced, (2,), ("tp",))
+    assert len(_options(free, traced, "blocks.0.fc1.weight")) > 1
+
+
+def _evenly(shape, placements, mesh):
+    sizes = list(shape)
+    for axis, p in enumerate(placements):
+        if isinstance(p, _StridedShard):
+            if sizes[p.dim] % (mesh[axis] * p.split_factor):
+                return False
+            sizes[p.dim] //= mesh[axis]
+        elif isinstance(p, Shard):
+            if sizes[p.dim] % mesh[axis]:
+                return False
+            sizes[p.dim] //= mesh[axis]
+    return True
+
+
+def _shapes(traced, name):
+    val = traced.node(name).meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else [val]
+    return [tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in vals]
+
+
+@pytest.mark.parametrize("mesh", [(2,), (2, 2)])
+def test_every_strategy_shards_evenly(traced, mesh):
+    names = ("a", "b")[: len(mesh)]
+    space = _space(traced, mesh, names)
+    checked = sharded = 0
+    for name, ns in space.nodes.items():
+        out_shapes = _shapes(traced, name)
+        for s in ns.strategies:
+            for pl, shape in zip(s.outputs, out_shapes):
+                if pl is not None and shape is not None:
+                    assert _evenly(shape, pl, mesh), (name, shape, fmt(pl))
+                    checked += 1
+                    sharded += any(isinstance(p, Shard) for p in pl)
+            assert len(s.inputs) == len(ns.inputs)
+            for pl, (src, idx) in zip(s.inputs, ns.inputs):
+                shape = _shapes(traced, src)[idx]
+                assert _evenly(shape, pl, mesh), (name, src, shape, fmt(pl))
+    assert checked > 1000 and sharded > 100  # the space is not trivially replicated
+    if mesh == (2, 2):
+        wte = _options(space, traced, "wte.weight")  # [130, 64]: 130 splits in 2, not in 4
+        assert (Shard(0), Replicate()) in wte and (Shard(1), Shard(1)) in wte
+        assert (Shard(0), Shard(0)) not in wte
