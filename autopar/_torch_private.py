@@ -14,6 +14,9 @@ from typing import Any, Callable
 import torch
 
 __all__ = [
+    "DTensorSpec", "TensorMeta", "OpSchema", "OpSpec", "OpStrategy", "RuntimeSchemaInfo",
+    "TupleStrategy", "expand_to_full_mesh_op_strategy", "generate_redistribute_costs",
+    "_StridedShard", "FakeTensor", "FakeTensorMode",
     "SUPPORTED",
     "check_torch_version",
     "sharding_propagator",
@@ -41,8 +44,21 @@ def check_torch_version() -> None:
 
 check_torch_version()
 
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
-from torch.distributed.tensor._op_schema import OpSchema, OpStrategy  # noqa: E402
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: E402
+from torch.distributed.tensor._op_schema import (  # noqa: E402
+    OpSchema,
+    OpSpec,
+    OpStrategy,
+    RuntimeSchemaInfo,
+    TupleStrategy,
+)
+from torch.distributed.tensor._ops.utils import (  # noqa: E402
+    expand_to_full_mesh_op_strategy,
+    generate_redistribute_costs,
+)
+from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 from torch.distributed.tensor._ops.single_dim_strategy import (  # noqa: E402
     _expand_single_dim_strategy_to_mesh,
 )
@@ -115,13 +131,14 @@ def init_fake_process_group(world_size: int) -> None:
 
 
 def export_joint(
-    module: torch.nn.Module, args: tuple[Any, ...], stack: contextlib.ExitStack
+    module: torch.nn.Module, args: tuple[Any, ...], stack: contextlib.ExitStack,
+    kwargs: dict[str, Any] | None = None,
 ) -> Any:
     """AOTAutograd joint forward+backward export with input/output descriptors."""
     from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 
     with torch.fx.traceback.preserve_node_meta():
-        return aot_export_joint_with_descriptors(stack, module, args)
+        return aot_export_joint_with_descriptors(stack, module, args, kwargs)
 
 
 

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_flatten
 
 from autopar import _torch_private as private
+from autopar._torch_private import FakeTensor, FakeTensorMode
 from autopar.errors import CaptureError, InputMismatchError
 from autopar.graph import InputInfo, Layer, ParamInfo, TracedGraph
 
@@ -116,8 +116,7 @@ def capture(model: nn.Module, example_inputs: Any) -> TracedGraph:
         ep = _export(wrapper, args, kwargs)
         flat_args, in_spec = tree_flatten((args, kwargs))
         try:
-            joint = private.export_joint(ep.module(), args, stack) if not kwargs else \
-                _export_joint_kwargs(ep.module(), args, kwargs, stack)
+            joint = private.export_joint(ep.module(), args, stack, kwargs or None)
         except Exception as e:
             raise CaptureError(
                 f"tracing the backward of {type(model).__name__} failed: {_first_line(e)}"
@@ -127,13 +126,6 @@ def capture(model: nn.Module, example_inputs: Any) -> TracedGraph:
     _strip_input_grads(gm)
     _strip_assertions(gm)
     return _build(gm, wrapper, in_spec, fake_mode is not None, time.perf_counter() - start)
-
-
-def _export_joint_kwargs(mod: nn.Module, args: tuple, kwargs: dict, stack: Any) -> Any:
-    from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
-
-    with torch.fx.traceback.preserve_node_meta():
-        return aot_export_joint_with_descriptors(stack, mod, args, kwargs)
 
 
 def _check_signature(model: nn.Module, args: tuple, kwargs: dict) -> None:

@@ -9,7 +9,9 @@ import re
 from typing import Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
+
+from autopar._torch_private import _StridedShard
 
 __all__ = ["to_str", "from_str", "fmt"]
 

@@ -19,12 +19,11 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor, Partial, Replicate
-from torch.distributed.tensor.placement_types import _StridedShard
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar import _torch_private as private
+from autopar._torch_private import DTensorSpec, FakeTensorMode, _StridedShard
 from autopar.placements import from_str
 from autopar.plan import Plan
 from autopar.strategies import fused
@@ -75,8 +74,6 @@ def _gather_strided(x: DTensor, axis: int, after: tuple, mesh: Any) -> DTensor:
 
 
 def _spec_like(x: DTensor, placements: tuple) -> Any:
-    from torch.distributed.tensor._dtensor_spec import DTensorSpec
-
     return DTensorSpec(x.device_mesh, placements, tensor_meta=x._spec.tensor_meta)
 
 

@@ -18,12 +18,18 @@ from typing import Any, Callable
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
-from torch.distributed.tensor._ops.utils import generate_redistribute_costs
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from autopar import _torch_private as private
+from autopar._torch_private import (
+    DTensorSpec,
+    OpSchema,
+    OpSpec,
+    OpStrategy,
+    TensorMeta,
+    TupleStrategy,
+    _StridedShard,
+    generate_redistribute_costs,
+)
 
 __all__ = ["install_fused_rules", "strided_placements"]
 

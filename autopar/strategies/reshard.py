@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
+
+from autopar._torch_private import _StridedShard
 
 __all__ = ["Step", "reshard_steps", "local_shape", "COMM_KINDS"]
 

@@ -18,10 +18,15 @@ from typing import Any, Callable
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, RuntimeSchemaInfo
-from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 
 from autopar import _torch_private as private
+from autopar._torch_private import (
+    OpSchema,
+    OpStrategy,
+    RuntimeSchemaInfo,
+    TensorMeta,
+    expand_to_full_mesh_op_strategy,
+)
 
 __all__ = ["OpRule", "register_op_rule", "registered_rules", "rule_for"]
 
@@ -85,8 +90,6 @@ def _install(rule: OpRule) -> None:
 
 
 def _tensor_count(args_meta: tuple[Any, ...], kwargs_meta: dict[str, Any]) -> int:
-    from torch.distributed.tensor._dtensor_spec import TensorMeta
-
     return sum(isinstance(a, TensorMeta) for a in list(args_meta) + list(kwargs_meta.values()))
 
 

@@ -16,12 +16,19 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 from torch.utils._pytree import tree_flatten, tree_map
 
 from autopar import _torch_private as private
+from autopar._torch_private import (
+    DTensorSpec,
+    OpSchema,
+    OpSpec,
+    OpStrategy,
+    TensorMeta,
+    TupleStrategy,
+    _StridedShard,
+)
 from autopar.errors import PlanError, UnsupportedOpError
 from autopar.graph import TracedGraph
 from autopar.strategies import fused
