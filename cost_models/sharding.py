@@ -11,7 +11,6 @@ backward, at its local size.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, Sequence
 
 import numpy as np
@@ -69,10 +68,9 @@ def _strides(mesh_shape: Sequence[int]) -> list[int]:
 def reshard_time(src: Placements, dst: Placements, shape: tuple[int, ...], itemsize: int,
                  mesh_shape: tuple[int, ...], topology: Topology) -> float:
     """Seconds to move a tensor from ``src`` to ``dst`` placements (sum of its collectives)."""
-    return _reshard_time(src, dst, shape, itemsize, mesh_shape, topology)
+    return _pricer(mesh_shape, topology)(src, dst, shape, itemsize)
 
 
-@lru_cache(maxsize=200_000)
 def _reshard_time(src: Placements, dst: Placements, shape: tuple[int, ...], itemsize: int,
                   mesh_shape: tuple[int, ...], topology: Topology) -> float:
     strides = _strides(mesh_shape)
@@ -98,7 +96,7 @@ def _pricer(mesh_shape: tuple[int, ...], topo: Topology) -> Any:
             k = (src, dst, shape, item)
             v = cache.get(k)
             if v is None:
-                v = cache[k] = _reshard_time.__wrapped__(src, dst, shape, item, mesh_shape, topo)
+                v = cache[k] = _reshard_time(src, dst, shape, item, mesh_shape, topo)
             return v
 
         hit = _PRICERS[key] = (topo, price)

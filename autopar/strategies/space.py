@@ -79,17 +79,17 @@ class StrategySpace:
 
     def output_candidates(self, value: Value) -> list[Placements]:
         """Distinct placements the producer of ``value`` may give it, in strategy order."""
-        seen: dict[Placements, None] = {}
-        for s in self.nodes[value[0]].strategies:
-            p = s.outputs[value[1]]
-            if p is not None:
-                seen.setdefault(p, None)
-        return list(seen)
+        return _distinct_outputs(self.nodes[value[0]].strategies, value[1])
 
     @property
     def num_strategies(self) -> int:
         """Total strategies over all nodes (before linking identical layers)."""
         return sum(len(ns.strategies) for ns in self.nodes.values())
+
+
+def _distinct_outputs(strategies: Sequence[Strategy], idx: int) -> list[Placements]:
+    """Distinct placements of output ``idx`` over ``strategies``, in strategy order."""
+    return list(dict.fromkeys(s.outputs[idx] for s in strategies if s.outputs[idx] is not None))
 
 
 def _meta(val: torch.Tensor) -> TensorMeta:
@@ -191,12 +191,7 @@ class _Builder:
 
     def candidates(self, value: Value) -> list[Placements]:
         if value not in self._cands:
-            seen: dict[Placements, None] = {}
-            for s in self.nodes[value[0]].strategies:
-                p = s.outputs[value[1]]
-                if p is not None:
-                    seen.setdefault(p, None)
-            self._cands[value] = list(seen)
+            self._cands[value] = _distinct_outputs(self.nodes[value[0]].strategies, value[1])
         return self._cands[value]
 
     def _require(self, n: fx.Node, strategies: list, what: str) -> None:
