@@ -31,7 +31,7 @@ def plan(model: nn.Module, mesh: Mesh, example_inputs: Any, *, config: Config | 
     """
     config = config or Config()
     traced = capture(model, example_inputs)
-    return make_plan(traced, mesh, config, cost_passes, progress)
+    return make_plan(traced, mesh, config, cost_passes, progress, model, example_inputs)
 
 
 def _device_mesh(p: Plan, mesh: Mesh) -> Any:
@@ -56,8 +56,9 @@ def _check_same_plan(p: Plan) -> None:
 
 def parallelize(model: nn.Module, mesh: Mesh, example_inputs: Any = None, *,
                 plan: Plan | str | Path | None = None, config: Config | None = None,
-                cost_passes: Sequence[Callable[..., Any]] = (), compile: bool = False) -> ParallelModule:
-    """Plan (or load ``plan``), lower and return a :class:`ParallelModule` for this job.
+                cost_passes: Sequence[Callable[..., Any]] = (), compile: bool = False) -> Any:
+    """Plan (or load ``plan``), lower and return a :class:`ParallelModule` for this job (a
+    :class:`~autopar.runtime.pipeline.PipelineModule` when the plan is pipelined).
 
     Must run on every rank of the job, with the same model (same initial weights) and inputs.
     ``compile=True`` compiles the per-rank program with inductor on the first ``step``.
@@ -68,7 +69,7 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: Any = None, *,
     config = config or Config()
     traced = capture(model, example_inputs)
     if plan is None:
-        the_plan = make_plan(traced, mesh, config, cost_passes)
+        the_plan = make_plan(traced, mesh, config, cost_passes, None, model, example_inputs)
     else:
         the_plan = plan if isinstance(plan, Plan) else Plan.load(plan)
         if the_plan.model_fingerprint != traced.fingerprint():
@@ -82,5 +83,26 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: Any = None, *,
             f"devices) but the job has {mesh.size}; re-plan for this mesh.")
     _check_same_plan(the_plan)
     dm = _device_mesh(the_plan, mesh)
+    if the_plan.pipeline is not None:
+        return _pipelined(model, example_inputs, traced, the_plan, dm)
     local = lower_to_local(traced.gm, the_plan, dm)
     return ParallelModule(model, traced, the_plan, dm, local, compile=compile)
+
+
+def _pipelined(model: nn.Module, example_inputs: Any, traced: Any, the_plan: Plan, dm: Any) -> Any:
+    """Trace the plan's stages, lower this rank's, and build the pipelined module."""
+    from autopar.passes.lower import lower_to_local
+    from autopar.runtime.pipeline import PipelineModule
+    from autopar.solver.pipeline_planner import forward_for_plan
+
+    pipe = the_plan.pipeline
+    fwd, stages = forward_for_plan(model, example_inputs, pipe)
+    submesh = dm[tuple(the_plan.axis_names[1:])]
+    pp, rank = the_plan.degrees["pp"], dm.get_local_rank("pp")
+    built = []
+    for st, stage_traced in stages:
+        local = (lower_to_local(stage_traced.gm, pipe.stages[st.index], submesh)
+                 if st.index % pp == rank else None)
+        built.append((st, stage_traced, local))
+    return PipelineModule(model, the_plan, dm, built, fwd.canonical, traced.input_spec,
+                          traced.output_type)

@@ -216,14 +216,18 @@ def _strip_assertions(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _strip_input_grads(gm: fx.GraphModule) -> None:
-    """Replace gradients of user inputs (never wanted) by ``None`` outputs, then clean up."""
+def _strip_input_grads(gm: fx.GraphModule, keep: int = 0) -> None:
+    """Replace gradients of user inputs (never wanted) by ``None`` outputs, then clean up.
+
+    The first ``keep`` inputs (a pipeline stage's boundary activations) keep their gradients.
+    """
     out = next(n for n in gm.graph.nodes if n.op == "output")
     descs = out.meta.get("desc") or []
     vals = list(out.args[0])
     changed = False
     for i, d in enumerate(descs):
-        if type(d).__name__ == "GradAOTOutput" and type(d.grad_of).__name__ == "PlainAOTInput":
+        if type(d).__name__ == "GradAOTOutput" and type(d.grad_of).__name__ == "PlainAOTInput" \
+                and d.grad_of.idx >= keep:
             if vals[i] is not None:
                 vals[i] = None
                 changed = True
@@ -234,9 +238,16 @@ def _strip_input_grads(gm: fx.GraphModule) -> None:
 
 
 def _build(
-    gm: fx.GraphModule, wrapper: nn.Module, in_spec: Any, is_fake: bool, elapsed: float
+    gm: fx.GraphModule, wrapper: nn.Module, in_spec: Any, is_fake: bool, elapsed: float,
+    stage: Any = None,
 ) -> TracedGraph:
-    """Read descriptors off the joint graph into a :class:`TracedGraph`."""
+    """Read descriptors off the joint graph into a :class:`TracedGraph`.
+
+    ``stage`` (a :class:`autopar.passes.stages.StageGraph`) marks a pipeline stage: its first
+    ``num_boundary`` inputs are activations, and unless it is the last its outputs are too.
+    """
+    nb = stage.num_boundary if stage is not None else 0
+    has_loss = stage is None or stage.is_last
     owner: dict[int, str] = {}
     tied: dict[str, str] = {}
     for name, p in wrapper.named_parameters(remove_duplicate=False):
@@ -248,16 +259,20 @@ def _build(
     out = next(n for n in gm.graph.nodes if n.op == "output")
     out_descs = out.meta.get("desc") or []
     grad_index: dict[str, int] = {}
-    loss_index = None
+    input_grad: dict[int, int] = {}
+    forward_outs: list[int] = []
     for i, d in enumerate(out_descs):
         kind = type(d).__name__
         if kind == "GradAOTOutput" and type(d.grad_of).__name__ == "ParamAOTInput":
             grad_index[_short(d.grad_of.target)] = i
-        elif kind == "PlainAOTOutput" and d.idx == 0:
-            loss_index = i
-    if loss_index is None:
+        elif kind == "GradAOTOutput" and type(d.grad_of).__name__ == "PlainAOTInput":
+            input_grad[d.grad_of.idx] = i
+        elif kind == "PlainAOTOutput":
+            forward_outs.append(i)
+    loss_index = forward_outs[0] if has_loss and forward_outs else None
+    if has_loss and loss_index is None:
         raise CaptureError("the traced graph has no loss output; the model must return a loss.")
-    params, inputs, tangents, buffers = [], [], [], []
+    params, inputs, tangents, buffers, boundary = [], [], [], [], []
     for n in gm.graph.nodes:
         if n.op != "placeholder":
             continue
@@ -268,21 +283,31 @@ def _build(
             name = _short(desc.target)
             params.append(ParamInfo(name, n.name, tuple(val.shape), val.dtype,
                                     grad_index.get(name), tied.get(name)))
+        elif kind == "PlainAOTInput" and desc.idx < nb:
+            boundary.append(n.name)
         elif kind == "PlainAOTInput":
-            inputs.append(InputInfo(desc.idx, n.name, tuple(val.shape), val.dtype))
+            index = stage.user_inputs[desc.idx - nb] if stage is not None else desc.idx
+            inputs.append(InputInfo(index, n.name, tuple(val.shape), val.dtype))
         elif kind == "TangentAOTInput":
             tangents.append(n.name)
         elif kind == "BufferAOTInput":
             buffers.append(InputInfo(-1, n.name, tuple(val.shape), val.dtype, _short(desc.target)))
         else:
             raise CaptureError(f"unsupported graph input {n.name} ({desc}); please report it.")
+    if len(input_grad) != len(boundary):
+        raise CaptureError(f"pipeline stage {stage.index}: gradients of {len(input_grad)} of its "
+                           f"{len(boundary)} boundary activations were traced; each must require grad.")
     node_layer, layers = _layers(gm, params)
     return TracedGraph(
         gm=gm, params=tuple(params), inputs=tuple(inputs), buffers=tuple(buffers),
         tangent_nodes=tuple(tangents),
         loss_output_index=loss_index, num_outputs=len(out_descs), layers=layers,
         node_layer=node_layer, is_fake=is_fake, input_spec=in_spec, capture_time_s=elapsed,
-        output_type=wrapper.take_output_type(),
+        output_type=wrapper.take_output_type() if hasattr(wrapper, "take_output_type") else None,
+        boundary_inputs=tuple(boundary),
+        boundary_outputs=tuple(forward_outs) if not has_loss else (),
+        boundary_tangents=tuple(tangents) if not has_loss else (),
+        boundary_grad_outputs=tuple(input_grad[i] for i in range(nb)),
     )
 
 

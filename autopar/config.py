@@ -9,6 +9,7 @@ from typing import Any
 __all__ = ["Config"]
 
 _UNKNOWN_OP = ("replicate", "error")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 
 
 @dataclass(frozen=True)
@@ -18,12 +19,18 @@ class Config:
     Attributes:
         dp: data-parallel degree, or ``None`` to search.
         tp: tensor-parallel degree, or ``None`` to search.
-        pp: pipeline-parallel degree (only 1 is supported in this release), or ``None``.
+        pp: pipeline-parallel degree, or ``None`` to search.
         memory_bytes: per-device memory budget; ``None`` takes the topology preset's memory.
         solver_time_limit_s: time limit of each ILP solve.
         unknown_op: what to do with an operator that has no sharding rule: ``"replicate"``
             (correct, maybe slow; recorded as a warning in the plan) or ``"error"``.
         optimizer: optimizer whose state is counted in memory (``"adam"`` or ``"sgd"``).
+        schedule: pipeline schedule, one of ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``,
+            ``"zero-bubble"`` (torch's ``ScheduleInterleavedZeroBubble``), or ``None`` to search.
+        virtual_stages: model chunks per pipeline rank (``v``; only the interleaved and
+            zero-bubble schedules take more than 1), or ``None`` to search.
+        microbatch_size: samples per microbatch (the global batch is the example inputs'
+            batch), or ``None`` to search.
     """
 
     dp: int | None = None
@@ -33,19 +40,25 @@ class Config:
     solver_time_limit_s: float = 30.0
     unknown_op: str = "replicate"
     optimizer: str = "adam"
+    schedule: str | None = None
+    virtual_stages: int | None = None
+    microbatch_size: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp"):
+        for name in ("dp", "tp", "pp", "virtual_stages", "microbatch_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(
-                    f"Config.{name}={value!r}: a parallel degree must be a positive int, or None "
-                    f"to let the search choose it."
+                    f"Config.{name}={value!r}: must be a positive int, or None to let the search "
+                    f"choose it."
                 )
         if self.unknown_op not in _UNKNOWN_OP:
             raise ValueError(
                 f"Config.unknown_op={self.unknown_op!r}: use one of {_UNKNOWN_OP}."
             )
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise ValueError(f"Config.schedule={self.schedule!r}: use one of {SCHEDULES}, or None "
+                             f"to let the search choose.")
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"Config.optimizer={self.optimizer!r}: use 'adam' or 'sgd'.")
         if self.memory_bytes is not None and not 0 < self.memory_bytes < math.inf:  # and NaN

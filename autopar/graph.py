@@ -68,14 +68,21 @@ class TracedGraph:
         gm: joint graph; placeholders are parameters, user inputs and the loss tangent; outputs are
             ``(loss, *grads, ...)`` as described by ``loss_output_index`` and ``ParamInfo``.
         params / inputs / buffers: placeholders in graph order (buffers are replicated).
-        tangent_nodes: names of tangent placeholders (the loss's, a scalar).
-        loss_output_index: position of the loss in the graph's outputs.
+        tangent_nodes: names of tangent placeholders (the loss's, a scalar; on a pipeline stage
+            also one per boundary output, see ``boundary_tangents``).
+        loss_output_index: position of the loss in the graph's outputs (``None`` on a pipeline
+            stage that is not the last).
         layers: repeated-module clusters with fingerprints; identical fingerprints are identical
             subgraphs, node for node, and are solved once.
         node_layer: layer name of every call_function node.
         is_fake: whether the model was traced from fake tensors (never materialised).
         input_spec: pytree spec of the user's (args, kwargs), to flatten call-time inputs.
         output_type: the type of what the model returned (``None`` for a bare loss tensor).
+        boundary_inputs: on a pipeline stage, the placeholders holding the previous stage's
+            activations (placed ``S(0)`` on data-parallel axes, replicated on the others).
+        boundary_outputs: on a pipeline stage, the output positions of the activations sent on.
+        boundary_tangents: the tangent placeholders of those activations (same placement).
+        boundary_grad_outputs: output position of each boundary input's gradient (sent back).
     """
 
     gm: fx.GraphModule
@@ -83,7 +90,7 @@ class TracedGraph:
     inputs: tuple[InputInfo, ...]
     buffers: tuple[InputInfo, ...]
     tangent_nodes: tuple[str, ...]
-    loss_output_index: int
+    loss_output_index: int | None
     num_outputs: int
     layers: tuple[Layer, ...]
     node_layer: dict[str, str] = field(repr=False)
@@ -91,6 +98,15 @@ class TracedGraph:
     input_spec: Any = field(repr=False)
     capture_time_s: float = 0.0
     output_type: Any = None
+    boundary_inputs: tuple[str, ...] = ()
+    boundary_outputs: tuple[int, ...] = ()
+    boundary_tangents: tuple[str, ...] = ()
+    boundary_grad_outputs: tuple[int, ...] = ()
+
+    @property
+    def num_forward_outputs(self) -> int:
+        """Outputs computed by the forward: the loss, or a stage's boundary activations."""
+        return len(self.boundary_outputs) if self.boundary_outputs else 1
 
     def wrap_loss(self, loss: torch.Tensor) -> Any:
         """The loss in the container the model returned it in (``output_type``).

@@ -12,9 +12,9 @@ from tabulate import tabulate
 
 from autopar.errors import PlanError
 
-__all__ = ["Collective", "NodePlan", "Plan", "PLAN_FORMAT"]
+__all__ = ["Collective", "NodePlan", "PipelinePlan", "Plan", "PLAN_FORMAT"]
 
-PLAN_FORMAT = 1
+PLAN_FORMAT = 2  # 2: pipeline plans (Plan.pipeline, Collective.stage); format 1 files still load
 
 
 def _alternative(a: dict[str, Any]) -> dict[str, Any]:
@@ -29,6 +29,8 @@ class Collective:
     ``bytes``: per rank, the unsharded-on-this-axis buffer (all-reduced tensor, all-gather output,
     reduce-scatter input). ``layer``: module path of the layer that needs it (``blocks.3``; ``""``
     outside repeated layers). ``node``: the graph node whose input (or the output) it feeds.
+    ``stage``: in a pipelined plan, the pipeline stage whose ranks issue it (``None`` for a
+    collective over the ``pp`` axis, issued by every pipeline rank).
     """
 
     kind: str
@@ -37,6 +39,7 @@ class Collective:
     phase: str
     layer: str
     node: str
+    stage: int | None = None
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,51 @@ class NodePlan:
 
     outputs: tuple[tuple[str, ...] | None, ...]
     inputs: tuple[tuple[str, ...], ...]
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """The pipeline part of a plan (``degrees["pp"] > 1``).
+
+    Attributes:
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"`` or ``"zero-bubble"``.
+        microbatches / microbatch_size: ``m`` microbatches of ``microbatch_size`` samples each.
+        virtual_stages: stages (model chunks) per pipeline rank; stage ``j`` runs on rank
+            ``j % pp``.
+        units: the layer units in order (``pre``: before the repeated blocks, each block,
+            ``post``: after them); ``stage_of_unit[i]`` is the stage of ``units[i]``.
+        stages: one intra-operator plan per stage, on the (dp, tp) submesh, for one microbatch.
+        predicted: ``step_time_s``, ``bubble_fraction``, per-stage ``stage_time_s`` list and
+            per-rank ``peak_memory_bytes`` list.
+        cut_solver: status, backend and solve time of the stage-cut solver.
+    """
+
+    schedule: str
+    microbatches: int
+    microbatch_size: int
+    virtual_stages: int
+    units: tuple[str, ...]
+    stage_of_unit: tuple[int, ...]
+    stages: tuple["Plan", ...] = field(repr=False)
+    predicted: dict[str, Any] = field(default_factory=dict)
+    cut_solver: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_stages(self) -> int:
+        """Number of stages (pipeline ranks times virtual stages)."""
+        return len(self.stages)
+
+    def stage_units(self, stage: int) -> tuple[str, ...]:
+        """The layer units of ``stage``."""
+        return tuple(u for u, s in zip(self.units, self.stage_of_unit) if s == stage)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "PipelinePlan":
+        """Inverse of ``dataclasses.asdict`` (called by :meth:`Plan.from_dict`)."""
+        return cls(d["schedule"], int(d["microbatches"]), int(d["microbatch_size"]),
+                   int(d["virtual_stages"]), tuple(d["units"]), tuple(d["stage_of_unit"]),
+                   tuple(Plan.from_dict({**s, "format": PLAN_FORMAT}) for s in d["stages"]),
+                   dict(d.get("predicted", {})), dict(d.get("cut_solver", {})))
 
 
 @dataclass(frozen=True)
@@ -64,6 +112,9 @@ class Plan:
         solver: status, gap, backend, solve time, variable counts.
         warnings: ops replicated for lack of a rule, solver time limits, ...
         model_fingerprint: hash of the traced graph; a plan only applies to that model.
+        pipeline: stages, schedule and microbatches when ``degrees["pp"] > 1`` (then
+            ``mesh_shape`` starts with the ``pp`` axis, ``nodes`` is empty and each stage's
+            per-node choices are in ``pipeline.stages``), else ``None``.
     """
 
     model_fingerprint: str
@@ -82,6 +133,7 @@ class Plan:
     config: dict[str, Any]
     input_shapes: tuple[tuple[int, ...], ...] = ()
     alternatives: tuple[dict[str, Any], ...] = ()
+    pipeline: PipelinePlan | None = None
 
     # ---- persistence -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -102,8 +154,8 @@ class Plan:
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
         """Inverse of :meth:`to_dict`; raises :class:`PlanError` on a malformed plan."""
         try:
-            if d.get("format") != PLAN_FORMAT:
-                raise PlanError(f"plan format {d.get('format')!r}, this autopar reads {PLAN_FORMAT}")
+            if d.get("format") not in (1, PLAN_FORMAT):
+                raise PlanError(f"plan format {d.get('format')!r}, this autopar reads 1 and {PLAN_FORMAT}")
             t = lambda x: tuple(x) if x is not None else None  # noqa: E731
             return cls(
                 model_fingerprint=d["model_fingerprint"], mesh_shape=tuple(d["mesh_shape"]),
@@ -118,6 +170,7 @@ class Plan:
                 warnings=tuple(d["warnings"]), topology=d["topology"], config=dict(d["config"]),
                 input_shapes=tuple(tuple(s) for s in d.get("input_shapes", ())),
                 alternatives=tuple(_alternative(a) for a in d.get("alternatives", ())),
+                pipeline=PipelinePlan.from_dict(d["pipeline"]) if d.get("pipeline") else None,
             )
         except PlanError:
             raise
@@ -140,13 +193,29 @@ class Plan:
         d = self.to_dict()
         keep = {k: d[k] for k in ("model_fingerprint", "mesh_shape", "axis_names", "degrees",
                                   "params", "inputs", "output_placements", "nodes", "collectives")}
+        if self.pipeline is not None:
+            p = d["pipeline"]
+            keep["pipeline"] = [p["schedule"], p["microbatches"], p["virtual_stages"],
+                                p["stage_of_unit"], [Plan.from_dict({**s, "format": PLAN_FORMAT}).digest()
+                                                     for s in p["stages"]]]
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
 
     # ---- views -------------------------------------------------------------------------------
-    def collective_counts(self, phase: str | None = None, axis: str | None = None) -> Counter:
-        """Count collectives by kind, optionally for one phase and/or axis."""
+    def collective_counts(self, phase: str | None = None, axis: str | None = None,
+                          pp_rank: int | None = None) -> Counter:
+        """Count collectives by kind, optionally for one phase, axis and/or pipeline rank.
+
+        ``pp_rank`` keeps what the ranks of that pipeline rank issue: their stages' collectives
+        and those over the ``pp`` axis.
+        """
+        def mine(c: Collective) -> bool:
+            if pp_rank is None or c.stage is None or self.pipeline is None:
+                return True
+            return c.stage % self.degrees["pp"] == pp_rank
+
         return Counter(c.kind for c in self.collectives
-                       if (phase is None or c.phase == phase) and (axis is None or c.axis == axis))
+                       if (phase is None or c.phase == phase) and (axis is None or c.axis == axis)
+                       and mine(c))
 
     def __str__(self) -> str:
         head = [

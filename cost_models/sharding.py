@@ -23,7 +23,9 @@ from autopar.cost_models.compute import flops_of_node, op_time
 from autopar.cost_models.topology import Topology
 from autopar.graph import TracedGraph
 from autopar.strategies.reshard import local_shape, reshard_steps
-from autopar.strategies.space import Placements, Strategy, StrategySpace, _tensor_inputs
+from autopar.strategies.space import (
+    Placements, Strategy, StrategySpace, _tensor_inputs, boundary_placements,
+)
 
 __all__ = ["SpaceCosts", "price_space", "reshard_time", "state_bytes_per_element"]
 
@@ -253,13 +255,15 @@ def _output_costs(traced: TracedGraph, space: StrategySpace, mesh_shape: tuple[i
     outs = out_node.args[0]
     res: dict[int, tuple[tuple[str, int], str | None, np.ndarray]] = {}
     rep = tuple(Replicate() for _ in mesh_shape)
-    loss = outs[traced.loss_output_index]
-    value = space.value_of(loss.name)
-    strategies = space.nodes[value[0]].strategies
-    v = loss.meta["val"]
-    res[traced.loss_output_index] = (value, None, np.array([
-        reshard_time(s.outputs[value[1]], rep, tuple(v.shape), v.element_size(), mesh_shape, topo)
-        for s in strategies]))
+    fixed = {i: rep for i in ([traced.loss_output_index] if traced.loss_output_index is not None else [])}
+    edge = boundary_placements(len(mesh_shape), space.dp_axes)
+    fixed.update({i: edge for i in (*traced.boundary_outputs, *traced.boundary_grad_outputs)})
+    for i, target in fixed.items():  # the loss (replicated) and a pipeline stage's boundary values
+        value = space.value_of(outs[i].name)
+        v = outs[i].meta["val"]
+        res[i] = (value, None, np.array([
+            reshard_time(s.outputs[value[1]], target, tuple(v.shape), v.element_size(), mesh_shape, topo)
+            for s in space.nodes[value[0]].strategies]))
     for p in traced.params:
         if p.grad_output_index is None or outs[p.grad_output_index] is None:
             continue

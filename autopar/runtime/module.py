@@ -152,4 +152,4 @@ class ParallelModule(nn.Module):
             else:
                 primals.append(next(inputs))
                 slots.append(None)
-        return self._traced.wrap_loss(JointFunction.apply(fwd, bwd, tuple(slots), *primals))
+        return self._traced.wrap_loss(JointFunction.apply(fwd, bwd, tuple(slots), 1, False, *primals))

@@ -22,9 +22,9 @@ from autopar.plan import Collective, NodePlan, Plan
 from autopar.solver.ilp import InfeasibleMemoryError
 from autopar.solver.intra_op import IntraOpResult, solve_intra_op
 from autopar.strategies.reshard import reshard_steps
-from autopar.strategies.space import StrategySpace, build_space
+from autopar.strategies.space import StrategySpace, boundary_placements, build_space
 
-__all__ = ["make_plan", "mesh_candidates"]
+__all__ = ["make_plan", "mesh_candidates", "solve_candidate", "solve_space"]
 
 
 @dataclass(frozen=True)
@@ -35,11 +35,8 @@ class _Candidate:
 
 
 def mesh_candidates(world: int, config: Config) -> list[_Candidate]:
-    """Logical meshes to try: (dp, tp) factorisations of ``world`` allowed by the config."""
-    if config.pp not in (None, 1):
-        raise PlanError(
-            f"Config(pp={config.pp}): pipeline parallelism is not available in this release; "
-            f"use pp=1 or None.")
+    """Logical meshes to try: (dp, tp) factorisations of ``world`` allowed by the config
+    (``world`` is the devices of one pipeline stage)."""
     out = []
     for tp in range(1, world + 1):
         if world % tp:
@@ -62,29 +59,35 @@ def mesh_candidates(world: int, config: Config) -> list[_Candidate]:
 
 def make_plan(traced: TracedGraph, mesh: Mesh, config: Config,
               cost_passes: Sequence[Callable[..., SpaceCosts]] = (),
-              progress: Callable[[str], None] | None = None) -> Plan:
-    """Solve every candidate logical mesh and return the plan with the lowest predicted time."""
+              progress: Callable[[str], None] | None = None,
+              model: Any = None, example_inputs: Any = None) -> Plan:
+    """Solve every candidate logical mesh and return the plan with the lowest predicted time.
+
+    With ``model`` and ``example_inputs`` given, pipelined plans (``pp > 1``) are searched too
+    (see :mod:`autopar.solver.pipeline_planner`).
+    """
     budget = config.memory_bytes if config.memory_bytes is not None else mesh.topology.memory_bytes
     results, infeasible, unplaceable = [], [], []
-    for cand in mesh_candidates(mesh.size, config):
+    cands = mesh_candidates(mesh.size, config) if config.pp in (None, 1) else []
+    for cand in cands:
         try:
-            with planning_device_mesh(cand.shape, cand.names) as dm:
-                space = build_space(traced, dm, cand.names, cand.dp_axes, config.unknown_op)
-        except PlanError as e:  # e.g. a batch not divisible by this data-parallel degree
-            unplaceable.append(str(e))
-            continue
-        costs = run_cost_passes(price_space(traced, space, mesh.topology, config.optimizer),
-                                space, mesh.topology, cost_passes)
-        try:
-            res = solve_intra_op(traced, space, costs, budget, config.solver_time_limit_s)
+            plan = solve_candidate(traced, mesh, config, cand, cost_passes, budget)
         except InfeasibleMemoryError as e:
             infeasible.append((cand, e))
             continue
-        plan = _build_plan(traced, mesh, config, cand, space, costs, res)
+        except PlanError as e:  # e.g. a batch not divisible by this data-parallel degree
+            unplaceable.append(str(e))
+            continue
         if progress:
             progress(f"mesh {dict(zip(cand.names, cand.shape))}: predicted "
                      f"{plan.predicted['step_time_s'] * 1e3:.3f} ms")
         results.append(plan)
+    if model is not None and config.pp != 1 and mesh.size > 1:
+        _add_pipeline(traced, mesh, config, cost_passes, progress, model, example_inputs, budget,
+                      results, infeasible, unplaceable)
+    elif config.pp not in (None, 1):
+        raise PlanError(f"Config(pp={config.pp}) needs the model: plan with autopar.plan(model, "
+                        f"mesh, example_inputs) or autopar.parallelize(...).")
     if not results and not infeasible:
         raise PlanError("no mesh candidate can place the model:\n" + "\n".join(unplaceable))
     if not results:
@@ -99,6 +102,56 @@ def make_plan(traced: TracedGraph, mesh: Mesh, config: Config,
     alts = tuple({"degrees": p.degrees, "mesh_shape": p.mesh_shape, "axis_names": p.axis_names,
                   "step_time_s": p.predicted["step_time_s"]} for p in results[1:])
     return _replace(best, alternatives=alts)
+
+
+def _add_pipeline(traced: TracedGraph, mesh: Mesh, config: Config, cost_passes: Sequence,
+                  progress: Callable[[str], None] | None, model: Any, example_inputs: Any,
+                  budget: float | None, results: list, infeasible: list, unplaceable: list) -> None:
+    """Search pipelined setups; plan the best one's stages and add it to ``results``."""
+    from autopar.solver.pipeline_planner import build_pipeline_plan, search_pipeline
+
+    setups, errors, failures = search_pipeline(model, example_inputs, mesh, config, cost_passes,
+                                               budget, progress)
+    infeasible.extend((None, e) for e in errors)
+    unplaceable.extend(failures)
+    for setup in setups[:1]:
+        try:
+            plan = build_pipeline_plan(model, example_inputs, traced, mesh, config, setup,
+                                       cost_passes, budget)
+        except InfeasibleMemoryError as e:
+            infeasible.append((None, e))
+            continue
+        if progress:
+            progress(f"pipeline pp={setup.pp} {setup.schedule} v={setup.virtual_stages} "
+                     f"m={setup.microbatches}: predicted {plan.predicted['step_time_s'] * 1e3:.3f} ms")
+        results.append(plan)
+
+
+def solve_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidate,
+                cost_passes: Sequence[Callable[..., SpaceCosts]], budget: float | None
+                ) -> tuple[StrategySpace, SpaceCosts, IntraOpResult]:
+    """Strategy space, its prices and the intra-operator ILP's choice on the logical mesh."""
+    with planning_device_mesh(cand.shape, cand.names) as dm:
+        space = build_space(traced, dm, cand.names, cand.dp_axes, config.unknown_op)
+    costs = run_cost_passes(price_space(traced, space, mesh.topology, config.optimizer),
+                            space, mesh.topology, cost_passes)
+    return space, costs, solve_intra_op(traced, space, costs, budget, config.solver_time_limit_s)
+
+
+def solve_candidate(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidate,
+                    cost_passes: Sequence[Callable[..., SpaceCosts]], budget: float | None,
+                    stage: int | None = None) -> Plan:
+    """Solve the intra-operator ILP of ``traced`` on the logical mesh ``cand``.
+
+    Raises :class:`PlanError` when the graph cannot be placed on it and
+    :class:`InfeasibleMemoryError` when nothing fits ``budget``. ``stage`` tags the collectives
+    of a pipeline stage.
+    """
+    space, costs, res = solve_space(traced, mesh, config, cand, cost_passes, budget)
+    plan = _build_plan(traced, mesh, config, cand, space, costs, res)
+    if stage is not None:
+        plan = _replace(plan, collectives=tuple(_replace(c, stage=stage) for c in plan.collectives))
+    return plan
 
 
 def _replace(plan: Plan, **kw: Any) -> Plan:
@@ -146,6 +199,8 @@ def _build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
             nodes[n.name] = NodePlan((nodes[src].outputs[idx],), ())
     out_node = next(n for n in traced.gm.graph.nodes if n.op == "output")
     rep = tuple("R" for _ in cand.shape)
+    edge = txt(boundary_placements(len(cand.shape), cand.dp_axes))
+    boundary = set(traced.boundary_outputs) | set(traced.boundary_grad_outputs)
     outputs: list[tuple[str, ...] | None] = []
     param_of_grad = {p.grad_output_index: p for p in traced.params}
     for i, a in enumerate(out_node.args[0]):
@@ -153,11 +208,18 @@ def _build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
             outputs.append(None)
         elif i == traced.loss_output_index:
             outputs.append(rep)
+        elif i in boundary:
+            outputs.append(edge)
         else:
             outputs.append(nodes[param_of_grad[i].node].outputs[0])
-    collectives, comm_s = _collectives(traced, cand, nodes, outputs, mesh)
+    collectives, comm_s, comm_fwd = _collectives(traced, cand, nodes, outputs, mesh)
     compute_s = float(sum(costs.compute[n][i] for n, i in res.choice.items()))
     memory = float(sum(costs.memory[n][i] for n, i in res.choice.items()))
+    params = {p.node for p in traced.params}
+    state = float(sum(costs.memory[n][i] for n, i in res.choice.items() if n in params))
+    graph_nodes = {n.name: n for n in traced.gm.graph.nodes}
+    compute_fwd = float(sum(costs.compute[n][i] for n, i in res.choice.items()
+                            if _phase(graph_nodes[n]) == "forward"))
     sol = res.solution
     degrees, notes = _axis_roles(traced, space, res, cand)
     warnings = list(space.warnings) + notes
@@ -171,6 +233,7 @@ def _build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
         inputs=tuple(nodes[i.node].outputs[0] for i in traced.inputs),
         output_placements=tuple(outputs), nodes=nodes, collectives=tuple(collectives),
         predicted={"step_time_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s,
+                   "forward_s": compute_fwd + comm_fwd, "state_bytes": state,
                    "peak_memory_bytes": memory, "ilp_objective_s": sol.objective},
         solver={"status": sol.status, "gap": sol.gap, "backend": sol.backend,
                 "solve_time_s": sol.solve_time_s, "ilp_variables": sol.num_variables,
@@ -182,8 +245,9 @@ def _build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
 
 
 def _collectives(traced: TracedGraph, cand: _Candidate, nodes: dict[str, NodePlan],
-                 outputs: list, mesh: Mesh) -> tuple[list[Collective], float]:
-    """Walk the graph as the runtime does and list every collective (deduplicated moves)."""
+                 outputs: list, mesh: Mesh) -> tuple[list[Collective], float, float]:
+    """Walk the graph as the runtime does and list every collective (deduplicated moves);
+    also their total time and the forward's share of it."""
     from autopar.placements import from_str
     from autopar.strategies.space import _tensor_inputs
 
@@ -191,9 +255,10 @@ def _collectives(traced: TracedGraph, cand: _Candidate, nodes: dict[str, NodePla
     done: set[tuple[str, tuple]] = set()
     out: list[Collective] = []
     total = 0.0
+    forward = 0.0
 
     def move(arg: Any, dst: tuple[str, ...], phase: str, layer: str, consumer: str) -> None:
-        nonlocal total
+        nonlocal total, forward
         if (arg.name, dst) in done:
             return
         done.add((arg.name, dst))
@@ -205,8 +270,10 @@ def _collectives(traced: TracedGraph, cand: _Candidate, nodes: dict[str, NodePla
             if s.kind == "local":
                 continue
             out.append(Collective(s.kind, cand.names[s.axis], int(s.nbytes), phase, layer, consumer))
-            total += axis_collective_time(s.kind, s.nbytes, cand.shape[s.axis], strides[s.axis],
-                                          mesh.topology)
+            t = axis_collective_time(s.kind, s.nbytes, cand.shape[s.axis], strides[s.axis],
+                                     mesh.topology)
+            total += t
+            forward += t if phase == "forward" else 0.0
 
     for n in traced.gm.graph.nodes:
         if n.op == "call_function" and n.target is not operator.getitem:
@@ -215,6 +282,7 @@ def _collectives(traced: TracedGraph, cand: _Candidate, nodes: dict[str, NodePla
         elif n.op == "output":
             for i, a in enumerate(n.args[0]):
                 if a is not None:
-                    phase = "forward" if i == traced.loss_output_index else "backward"
+                    forward = i == traced.loss_output_index or i in traced.boundary_outputs
+                    phase = "forward" if forward else "backward"
                     move(a, outputs[i], phase, traced.node_layer.get(a.name, ""), "output")
-    return out, total
+    return out, total, forward

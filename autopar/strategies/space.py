@@ -87,6 +87,11 @@ class StrategySpace:
         return sum(len(ns.strategies) for ns in self.nodes.values())
 
 
+def boundary_placements(mesh_ndim: int, dp_axes: Sequence[int]) -> Placements:
+    """Placement of a value crossing a pipeline cut: batch-sharded on dp axes, else replicated."""
+    return tuple(Shard(0) if a in dp_axes else Replicate() for a in range(mesh_ndim))
+
+
 def _distinct_outputs(strategies: Sequence[Strategy], idx: int) -> list[Placements]:
     """Distinct placements of output ``idx`` over ``strategies``, in strategy order."""
     return list(dict.fromkeys(s.outputs[idx] for s in strategies if s.outputs[idx] is not None))
@@ -122,11 +127,13 @@ def _placeholder_strategies(
 ) -> list[Strategy]:
     """All even placements of a placeholder; on dp axes params replicate, inputs shard batch.
 
+    A pipeline boundary activation (or its tangent) has one placement, :func:`boundary_placements`.
+
     A fused projection parameter (``fused = (dim, k)``) may also be strided-sharded on ``dim``.
     """
     per_axis: list[list[Placement]] = []
     for axis in range(len(mesh_shape)):
-        if role == "tangent":
+        if role == "tangent" or (role == "boundary" and axis not in dp_axes):
             opts: list[Placement] = [Replicate()]
         elif axis in dp_axes:
             opts = [Replicate()] if role == "param" else [Shard(0)]
@@ -205,7 +212,8 @@ class _Builder:
     def placeholder(self, n: fx.Node) -> None:
         params = {p.node for p in self.traced.params}
         buffers = {b.node for b in self.traced.buffers}
-        role = "param" if n.name in params else (
+        boundary = set(self.traced.boundary_inputs) | set(self.traced.boundary_tangents)
+        role = "param" if n.name in params else "boundary" if n.name in boundary else (
             "tangent" if n.name in self.traced.tangent_nodes or n.name in buffers else "input")
         shape = tuple(n.meta["val"].shape)
         strategies = _placeholder_strategies(shape, self.mesh_shape, role, self.dp_axes,

@@ -1,0 +1,293 @@
+"""``PipelineModule``: runs a pipelined Plan with ``torch.distributed.pipelining``.
+
+Every rank holds the stages ``j`` with ``j % pp == its pipeline rank``. A stage is a
+:class:`StageModule`: its lowered joint program (explicit tp/dp collectives on the stage's
+(dp, tp) submesh) split into forward and backward graphs inside :class:`JointFunction`, with the
+stage's parameters as DTensors. Between stages travel the local shards of the boundary
+activations (batch-sharded on dp, replicated on tp), over the ``pp`` axis's process group of this
+rank's (dp, tp) coordinate.
+
+User inputs do not travel through the pipeline: :meth:`PipelineModule.step` cuts the global batch
+into microbatches and every stage reads the microbatch it is computing from a shared feeder
+(torch's schedules run one stage's forwards in microbatch order; the first stage checks this
+against the microbatch index the schedule hands it).
+
+Gradients: each microbatch's loss is scaled by ``1/m`` before its backward, so parameters receive
+the gradient of the mean loss and ``step`` accumulates into ``p.grad`` like the unpipelined
+module. A parameter used by two stages on different ranks (a tied embedding and LM head) gets
+the sum of both gradients by an all-reduce over the ``pp`` axis after the schedule.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils._pytree import tree_flatten
+
+from autopar.errors import InputMismatchError, PlanError
+from autopar.graph import TracedGraph
+from autopar.passes.lower import placements_of
+from autopar.passes.stages import StageGraph
+from autopar.plan import Plan
+from autopar.runtime.autograd import JointFunction, split_forward_backward
+from autopar.strategies.reshard import local_shape
+
+__all__ = ["PipelineModule", "StageModule", "SCHEDULE_CLASSES"]
+
+SCHEDULE_CLASSES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "zero-bubble": "ScheduleInterleavedZeroBubble",
+}
+_MULTI_STAGE = ("interleaved-1f1b", "zero-bubble")
+_Stages = Sequence[tuple[StageGraph, TracedGraph, Any]]
+
+
+class _Feeder:
+    """Each stage's local user inputs for every microbatch of the current step."""
+
+    def __init__(self) -> None:
+        self.inputs: dict[int, list[list[torch.Tensor]]] = {}
+        self.next: dict[int, int] = {}
+
+    def take(self, stage: int) -> tuple[int, list[torch.Tensor]]:
+        mb = self.next[stage]
+        self.next[stage] = mb + 1
+        return mb, self.inputs[stage][mb]
+
+
+class StageModule(nn.Module):
+    """One pipeline stage on this rank (see module docstring).
+
+    ``params`` maps the model's parameter name to the DTensor Parameter shared with the other
+    stages of this rank; ``canonical`` maps the stage's parameter names to the model's.
+    """
+
+    def __init__(self, stage: StageGraph, traced: TracedGraph, local_program: fx.GraphModule,
+                 params: dict[str, nn.Parameter], canonical: dict[str, str], feeder: _Feeder,
+                 split_backward: bool) -> None:
+        super().__init__()
+        self.stage, self.traced = stage, traced
+        self.feeder, self.split_backward = feeder, split_backward
+        order = [n.name for n in traced.gm.graph.nodes if n.op == "placeholder"]
+        nfwd = traced.num_forward_outputs
+        self.fwd, self.bwd = split_forward_backward(local_program, order, nfwd)
+        by_node = {p.node: canonical.get(p.name, p.name) for p in traced.params}
+        self._order = [name for name in order if name not in traced.tangent_nodes]
+        self._param_names = [by_node.get(name) for name in self._order]
+        grad_of = {p.node: p.grad_output_index for p in traced.params}
+        grad_of.update(zip(traced.boundary_inputs, traced.boundary_grad_outputs))
+        self._slots = tuple(grad_of[n] - nfwd if grad_of.get(n) is not None else None
+                            for n in self._order)
+        self._params = params
+        if traced.buffers:
+            raise PlanError("buffers in pipelined models are not supported yet; please report it.")
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        """The stage's forward on one microbatch: boundary shards in, boundary shards (or the
+        loss) out. The first stage receives the microbatch index instead of activations."""
+        mb, user = self.feeder.take(self.stage.index)
+        if self.stage.index == 0 and int(args[0].reshape(-1)[0]) != mb:
+            raise RuntimeError(
+                f"pipeline stage 0 ran microbatch {int(args[0].reshape(-1)[0])} when microbatch "
+                f"{mb} was due; autopar needs schedules that run each stage's forwards in order.")
+        boundary = iter(args if self.stage.index > 0 else ())
+        users = iter(user)
+        primals = []
+        for name, pname in zip(self._order, self._param_names):
+            if pname is not None:
+                primals.append(self._params[pname].to_local())
+            elif name in self.traced.boundary_inputs:
+                primals.append(next(boundary))
+            else:
+                primals.append(next(users))
+        return JointFunction.apply(self.fwd, self.bwd, self._slots,
+                                   self.traced.num_forward_outputs, self.split_backward, *primals)
+
+
+def _local(shape: Sequence[int], placements: Sequence[str], mesh: Any) -> tuple[int, ...]:
+    return tuple(local_shape(tuple(shape), placements_of(placements), tuple(mesh.shape)))
+
+
+class PipelineModule(nn.Module):
+    """A model run as a pipeline by a Plan with ``degrees["pp"] > 1``.
+
+    Holds only this rank's stages' parameters (DTensors on its (dp, tp) submesh), under the
+    model's own names; a tied parameter appears on every rank that uses it. ``stages`` lists
+    every stage's ``(StageGraph, TracedGraph, local program)``, the program ``None`` for stages
+    of other ranks.
+    """
+
+    def __init__(self, model: nn.Module, plan: Plan, device_mesh: Any, stages: _Stages,
+                 canonical: dict[str, str], input_spec: Any, output_type: Any) -> None:
+        super().__init__()
+        pipe = plan.pipeline
+        if pipe is None:
+            raise PlanError("PipelineModule needs a plan with a pipeline; use ParallelModule.")
+        self.plan, self.device_mesh = plan, device_mesh
+        self._pp = plan.degrees["pp"]
+        self.pp_rank = device_mesh.get_local_rank("pp")
+        self._submesh = device_mesh[tuple(plan.axis_names[1:])]
+        self._pp_group = device_mesh.get_group("pp")
+        self._spec, self._output_type = input_spec, output_type
+        self._feeder = _Feeder()
+        originals = dict(model.named_parameters(remove_duplicate=False))
+        self._params: dict[str, nn.Parameter] = {}
+        self._stage_modules: dict[int, StageModule] = {}
+        for st, traced, local in stages:
+            if st.index % self._pp != self.pp_rank:
+                continue
+            splan = pipe.stages[st.index]
+            for p in traced.params:
+                name = canonical.get(p.name, p.name)
+                self._add_param(name, originals[name], splan.params[p.name])
+            self._stage_modules[st.index] = StageModule(
+                st, traced, local, self._params, canonical, self._feeder,
+                pipe.schedule == "zero-bubble")
+        self._traced = {st.index: traced for st, traced, _ in stages}
+        self._tied = self._tied_params(stages, canonical)
+        self._schedule = self._build_schedule(stages)
+
+    def _add_param(self, name: str, original: torch.Tensor, placements: Sequence[str]) -> None:
+        if name in self._params:
+            if tuple(self._params[name].placements) != placements_of(placements):
+                raise PlanError(f"parameter {name!r} is used by two stages of one rank with "
+                                f"different placements; this is not supported yet.")
+            return
+        dt = distribute_tensor(original.detach(), self._submesh, placements_of(placements))
+        param = nn.Parameter(dt, requires_grad=original.requires_grad)
+        self._params[name] = param
+        *path, leaf = name.split(".")
+        mod: nn.Module = self
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, nn.Module())
+            mod = getattr(mod, part)
+        mod.register_parameter(leaf, param)
+
+    def _tied_params(self, stages: _Stages, canonical: dict[str, str]
+                     ) -> list[tuple[str, tuple[str, ...], tuple[int, ...]]]:
+        """Parameters used on more than one pipeline rank: (name, placements, global shape)."""
+        ranks: dict[str, set[int]] = {}
+        info: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {}
+        for st, traced, _ in stages:
+            for p in traced.params:
+                name = canonical.get(p.name, p.name)
+                ranks.setdefault(name, set()).add(st.index % self._pp)
+                placements = tuple(self.plan.pipeline.stages[st.index].params[p.name])
+                if name in info and info[name][0] != placements:
+                    raise PlanError(
+                        f"parameter {name!r} is placed {info[name][0]} on one stage and "
+                        f"{placements} on another; tied parameters need one placement.")
+                info.setdefault(name, (placements, p.shape))
+        return [(n, *info[n]) for n in sorted(ranks) if len(ranks[n]) > 1]
+
+    def _build_schedule(self, stages: _Stages) -> Any:
+        import torch.distributed.pipelining as pipelining
+
+        pipe = self.plan.pipeline
+        device = torch.device(self._submesh.device_type)
+        pstages = []
+        for st, _, _ in stages:
+            if st.index not in self._stage_modules:
+                continue
+            ins, outs = self._example_io(st.index)
+            pstages.append(pipelining.PipelineStage(
+                self._stage_modules[st.index], st.index, len(stages), device,
+                input_args=ins, output_args=outs, group=self._pp_group))
+        cls = getattr(pipelining, SCHEDULE_CLASSES[pipe.schedule])
+        m = pipe.microbatches
+        loss_fn = lambda out, target: out / m  # noqa: E731  (the mean over microbatches)
+        if pipe.schedule in _MULTI_STAGE:
+            return cls(pstages, m, loss_fn=loss_fn, scale_grads=False)
+        return cls(pstages[0], m, loss_fn=loss_fn, scale_grads=False)
+
+    def _example_io(self, j: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Local-shaped example inputs/outputs of stage ``j`` (static pipeline metadata; later
+        stages' inputs require grad, or earlier stages would silently get no input gradient)."""
+        pipe = self.plan.pipeline
+        edge = tuple("S(0)" if n == "dp" else "R" for n in self.plan.axis_names[1:])
+        traced = self._traced[j]
+        nodes = {n.name: n for n in traced.gm.graph.nodes}
+
+        def boundary(names: Sequence[str]) -> tuple[torch.Tensor, ...]:
+            return tuple(torch.empty(_local(nodes[n].meta["val"].shape, edge, self._submesh),
+                                     dtype=nodes[n].meta["val"].dtype, requires_grad=True)
+                         for n in names)
+
+        ins = (torch.zeros(1, dtype=torch.long),) if j == 0 else boundary(traced.boundary_inputs)
+        last = j == len(pipe.stages) - 1
+        outs = (torch.empty(()),) if last else boundary(traced.boundary_tangents)
+        return ins, outs
+
+    def _load_inputs(self, args: tuple, kwargs: dict) -> None:
+        from autopar.stage_capture import microbatch_inputs
+
+        pipe = self.plan.pipeline
+        flat, spec = tree_flatten((args, kwargs))
+        if spec != self._spec:
+            raise InputMismatchError(
+                f"inputs are structured as {spec}, the plan was made for {self._spec}: call the "
+                f"model as with the example inputs.")
+        for i, (x, shape) in enumerate(zip(flat, self.plan.input_shapes)):
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != tuple(shape):
+                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise InputMismatchError(
+                    f"input {i} is {got}; the plan was made for {tuple(shape)}. Re-plan with "
+                    f"example inputs of this shape (the global batch).")
+        chunks, _ = microbatch_inputs(kwargs if kwargs else args, pipe.microbatches)
+        for j in self._stage_modules:
+            infos = self._traced[j].inputs
+            placements = pipe.stages[j].inputs
+            self._feeder.inputs[j] = [
+                [distribute_tensor(chunk[info.index], self._submesh, placements_of(pl),
+                                   src_data_rank=None).to_local()
+                 for info, pl in zip(infos, placements)]
+                for chunk in chunks]
+            self._feeder.next[j] = 0
+
+    def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """One pipelined training step on the global batch; accumulates into ``p.grad`` and
+        returns the mean loss on every rank. Every rank passes the same global batch."""
+        pipe = self.plan.pipeline
+        self._load_inputs(args, kwargs)
+        index = torch.arange(pipe.microbatches)
+        before = {name: self._params[name].grad for name, _, _ in self._tied if name in self._params}
+        for name in before:  # tied gradients are summed over ranks: only this step's part
+            self._params[name].grad = None
+        losses: list[torch.Tensor] = []
+        if 0 in self._stage_modules:
+            self._schedule.step(index, target=index, losses=losses, return_outputs=False)
+        else:
+            self._schedule.step(target=index, losses=losses, return_outputs=False)
+        self._sync_tied(before)
+        if len(pipe.stages) - 1 in self._stage_modules:
+            total = torch.stack([loss.detach().reshape(()) for loss in losses]).sum()
+        else:
+            total = torch.zeros(())
+        return funcol.wait_tensor(funcol.all_reduce(total, "sum", self._pp_group))
+
+    def _sync_tied(self, before: dict[str, torch.Tensor | None]) -> None:
+        """Sum the gradients of parameters used on several pipeline ranks (tied weights)."""
+        for name, placements, shape in self._tied:
+            param = self._params.get(name)
+            if param is not None and param.grad is not None:
+                local = param.grad.to_local()
+            else:
+                local = torch.zeros(_local(shape, placements, self._submesh))
+            total = funcol.wait_tensor(funcol.all_reduce(local, "sum", self._pp_group))
+            if param is not None:
+                grad = DTensor.from_local(total, self._submesh, param.placements,
+                                          run_check=False, shape=param.shape, stride=param.stride())
+                param.grad = grad if before.get(name) is None else before[name] + grad
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Not available for a pipelined plan: a pipeline runs forward and backward together."""
+        raise PlanError("a pipelined plan runs forward and backward together: call "
+                        "pmodel.step(*inputs), which returns the loss and fills p.grad.")

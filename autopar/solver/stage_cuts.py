@@ -1,0 +1,792 @@
+"""Pipeline stage cuts: split a chain of layers into contiguous pipeline stages.
+
+A model is a chain of ``L`` layers in execution order (embedding, blocks, head).
+It is cut into ``S = p * v`` stages of contiguous layers (``p`` pipeline ranks,
+``v`` virtual chunks per rank); stage ``j`` runs on rank ``j % p`` and every
+stage holds at least one layer.  With ``a_l = forward_s + backward_s`` of layer
+``l`` (per microbatch) the cost model is::
+
+    t_j  = sum_{l in j} a_l + [j < S - 1] * send_s(last layer of j)     stage time per microbatch
+    R_r  = sum_{j : j % p = r} t_j                                      rank work per microbatch
+    mem_r = sum_{j : j % p = r} ( sum_{l in j} state_l + f_j * sum_{l in j} act_l )
+    objective = m * max_r R_r + w * max_j t_j
+
+``m`` is the number of microbatches, ``w`` the bubble weight (default ``p - 1``)
+and ``f_j`` the number of microbatches whose activations stage ``j`` keeps at
+its peak (``in_flight``).  For ``v = 1`` the objective is ``(m + p - 1) * max_j
+t_j``, the 1F1B/GPipe step time set by the bottleneck stage; for ``v > 1`` it
+generalises the interleaved step time ``(m + (p - 1) / v) * t`` of Megatron-LM
+(Narayanan et al., SC'21, section 2.2) to unequal stages: ``m`` rounds of the
+busiest rank plus a bubble of ``p - 1`` chunk times.  Memory must satisfy
+``mem_r <= B`` on every rank when a per-device budget ``B`` is given.
+
+Default ``in_flight`` (when the caller passes None): ``f_j = min(p - j % p, m)``,
+the 1F1B count (stage ``i`` of ``p`` holds ``p - i`` microbatches).  For ``v > 1``
+the same per-rank count is used for every chunk of a rank; the interleaved
+schedule really keeps more microbatches in flight on the early ranks, so
+callers should pass the schedule simulator's counts.
+
+ILP (:func:`solve_cuts`).  Cumulative binaries ``z[l, j] = 1`` iff layer ``l``
+lies in a stage ``<= j``, for ``j = 0 .. S - 2`` (``z[l, -1] = 0`` and
+``z[l, S - 1] = 1`` are constants)::
+
+    variables    z[l, j] in {0, 1};   T >= 0;   Rmax >= 0   (Rmax is T itself when v = 1)
+    fixed        z[l, j] = 1 for l <= j;   z[l, j] = 0 for l >= L - S + 1 + j   (stages are non-empty)
+    order        z[l + 1, j] <= z[l, j]                      stages are prefixes: contiguous
+                 z[l, j] <= z[l + 1, j + 1]                  no stage is skipped: every stage non-empty
+    membership   x[l, j] = z[l, j] - z[l, j - 1]             layer l is in stage j
+    last layer   c[l, j] = z[l, j] - z[l + 1, j]             l is the last layer of stage j < S - 1
+    time         t_j = sum_l a_l x[l, j] + sum_{l < L-1} send_l c[l, j] <= T        every j
+    rank         sum_{j % p = r} t_j <= Rmax,   T <= Rmax                           every r (v > 1)
+    memory       sum_{j % p = r} sum_l (state_l + f_j act_l) x[l, j] <= B           every r (B given)
+    bounds       T >= max_l a_l,   T >= sum_l a_l / S,   Rmax >= sum_l a_l / p
+    objective    min  m * Rmax + w * T
+
+Stages are ordered, so there is no symmetry to break; the "last layer"
+indicator is linear in ``z`` (no extra variables) and ``x``, ``c`` are
+substituted, leaving ``(S - 1)(L - S)`` binaries.  Time rows are scaled by the
+largest ``a_l + send_l``, memory rows by ``B``.  The MIP runs with a relative
+gap of 1e-9 and absolute gap 0 (the result is exact for the tests' 1e-9
+comparisons), HiGHS first and CBC with the rest of the time when HiGHS ends
+without a solution (OR-Tools' HiGHS interface exposes no incumbent at its time
+limit).  The chosen cut is re-evaluated exactly with :func:`evaluate_cuts`; a
+cut that breaks the budget by more than the 1e-9 relative tolerance (possible
+only through the backend's feasibility tolerance) is re-solved once with a
+slightly tighter row, then replaced by the minimum-memory cut.
+
+Exact references: :func:`solve_cuts_dp` (``v = 1``, dynamic programming over
+(stage, first layer), O(S L^2)) and :func:`brute_force_cuts` (every one of the
+``C(L - 1, S - 1)`` cuts, any ``v``).  :func:`min_feasible_memory` is the
+smallest budget any cut fits (DP for ``v = 1``, a min-max-memory ILP otherwise).
+
+A cut fits the budget when every rank's memory is ``<= B * (1 + 1e-9)``.  All
+sums are ``math.fsum`` over layers in order, so every solver reports identical
+numbers for the same cut.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from ortools.linear_solver import pywraplp
+
+from autopar.solver.ilp import InfeasibleMemoryError, SolverError, SolverTimeoutError
+
+__all__ = [
+    "LayerCost",
+    "CutResult",
+    "evaluate_cuts",
+    "solve_cuts",
+    "solve_cuts_dp",
+    "brute_force_cuts",
+    "min_feasible_memory",
+    "default_in_flight",
+]
+
+_MEM_RTOL = 1e-9  # a cut fits when rank memory <= budget * (1 + _MEM_RTOL)
+_MIP_RELATIVE_GAP = 1e-9
+_MIP_BACKENDS = (("HIGHS", "HiGHS"), ("CBC", "CBC"))  # (OR-Tools id, reported name)
+_HIGHS_OPTIONS = "output_flag=false\nmip_abs_gap=0\nprimal_feasibility_tolerance=1e-9"
+_UNKNOWN_STATUS = 99  # what OR-Tools' HiGHS interface returns at its time limit (no incumbent exposed)
+_FIRST_BACKEND_SHARE = 2 / 3  # of the remaining time, when a second backend can still take over
+_LAST_BACKEND_SHARE = 0.75  # CBC overruns its limit by up to a few seconds
+_RETRY_TIGHTEN = 1e-6  # relative tightening of the memory rows when a result broke the budget
+_BRUTE_FORCE_MAX = 200_000
+EXP = {}
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Cost of one layer of the chain (all values finite and >= 0).
+
+    ``forward_s``/``backward_s`` are per microbatch; ``state_bytes`` is params +
+    grads + optimizer states on one device of the stage; ``activation_bytes``
+    the saved activations of one microbatch; ``send_s`` the time to send this
+    layer's output (forward) and receive its gradient (backward) when a stage
+    boundary follows the layer.
+    """
+
+    name: str
+    forward_s: float
+    backward_s: float
+    state_bytes: float
+    activation_bytes: float
+    send_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class CutResult:
+    """A stage cut and its exact evaluation.
+
+    ``starts[j]`` is the first layer of stage ``j`` (``starts[0] == 0``, length
+    ``S``); ``stage_time_s`` has one entry per stage, ``rank_memory_bytes`` one
+    per rank; ``objective_s`` is the predicted step time.  ``status`` is
+    ``"optimal"`` or ``"feasible"`` (time limit hit before optimality was
+    proven); ``backend`` is ``"HiGHS"``, ``"CBC"``, ``"dp"`` or ``"brute-force"``.
+    """
+
+    starts: tuple[int, ...]
+    stage_time_s: tuple[float, ...]
+    rank_memory_bytes: tuple[float, ...]
+    objective_s: float
+    status: str
+    backend: str
+    solve_time_s: float
+
+
+# ----------------------------------------------------------------------------- problem and evaluation
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """Validated, normalised inputs."""
+
+    names: tuple[str, ...]
+    work: tuple[float, ...]  # a_l = forward_s + backward_s
+    send: tuple[float, ...]
+    state: tuple[float, ...]
+    act: tuple[float, ...]
+    p: int
+    v: int
+    m: int
+    w: float
+    in_flight: tuple[float, ...]
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.work)
+
+    @property
+    def n_stages(self) -> int:
+        return self.p * self.v
+
+
+def _count(value: object, what: str, hint: str) -> int:
+    """An integer >= 1 (bool rejected)."""
+    try:
+        n = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        n = None
+    if n is None or isinstance(value, bool) or n < 1:
+        raise ValueError(f"{what}={value!r}; required: an integer >= 1 ({hint}).")
+    return int(n)
+
+
+def _nonneg(value: object, what: str) -> float:
+    try:
+        x = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        x = math.nan
+    if isinstance(value, bool) or not (math.isfinite(x) and x >= 0):
+        raise ValueError(f"{what}={value!r}; required: a finite number >= 0.")
+    return x
+
+
+def default_in_flight(ranks: int, microbatches: int, virtual_stages: int = 1) -> tuple[int, ...]:
+    """Default in-flight microbatches per stage: ``min(p - j % p, m)`` (1F1B; see the module docstring)."""
+    p = _count(ranks, "ranks", "the number of pipeline ranks")
+    m = _count(microbatches, "microbatches", "microbatches per step")
+    v = _count(virtual_stages, "virtual_stages", "model chunks per rank; 1 without interleaving")
+    return tuple(min(p - j % p, m) for j in range(p * v))
+
+
+def _problem(
+    layers: Sequence[LayerCost],
+    ranks: int,
+    microbatches: int,
+    virtual_stages: int,
+    in_flight: Sequence[float] | None,
+    bubble_weight: float | None,
+) -> _Problem:
+    """Validate the inputs (ValueError says what was given and what is required)."""
+    p = _count(ranks, "ranks", "the number of pipeline ranks")
+    m = _count(microbatches, "microbatches", "microbatches per step")
+    v = _count(virtual_stages, "virtual_stages", "model chunks per rank; 1 without interleaving")
+    layers = tuple(layers)
+    if not layers:
+        raise ValueError("layers is empty; required: at least one LayerCost.")
+    for i, lay in enumerate(layers):
+        if not isinstance(lay, LayerCost):
+            raise ValueError(f"layers[{i}] is {type(lay).__name__}; required: LayerCost.")
+        for field in ("forward_s", "backward_s", "state_bytes", "activation_bytes", "send_s"):
+            _nonneg(getattr(lay, field), f"layers[{i}] ({lay.name!r}).{field}")
+    n_stages, n_layers = p * v, len(layers)
+    if n_stages > n_layers:
+        raise ValueError(
+            f"ranks={p} x virtual_stages={v} = {n_stages} stages but only {n_layers} layers; required: "
+            "at most one stage per layer (use fewer pipeline ranks or virtual stages, or split layers finer)."
+        )
+    if in_flight is None:
+        flight = tuple(float(f) for f in default_in_flight(p, m, v))
+    else:
+        flight = tuple(in_flight)
+        if len(flight) != n_stages:
+            raise ValueError(f"in_flight has {len(flight)} entries; required: one per stage "
+                             f"(ranks x virtual_stages = {n_stages}).")
+        flight = tuple(_nonneg(f, f"in_flight[{j}]") for j, f in enumerate(flight))
+    w = float(p - 1) if bubble_weight is None else _nonneg(bubble_weight, "bubble_weight")
+    return _Problem(
+        names=tuple(lay.name for lay in layers),
+        work=tuple(float(lay.forward_s) + float(lay.backward_s) for lay in layers),
+        send=tuple(float(lay.send_s) for lay in layers),
+        state=tuple(float(lay.state_bytes) for lay in layers),
+        act=tuple(float(lay.activation_bytes) for lay in layers),
+        p=p, v=v, m=m, w=w, in_flight=flight,
+    )
+
+
+def _budget(memory_budget_bytes: float | None) -> float | None:
+    if memory_budget_bytes is None:
+        return None
+    return _nonneg(memory_budget_bytes, "memory_budget_bytes")
+
+
+def _fits(memory: float, budget: float | None) -> bool:
+    return budget is None or memory <= budget * (1.0 + _MEM_RTOL)
+
+
+class _Tables:
+    """fsum of work / state / activation over every layer range [k, e) (the single arithmetic used)."""
+
+    def __init__(self, prob: _Problem) -> None:
+        n = prob.n_layers
+        self.prob = prob
+        self.work = np.full((n + 1, n + 1), np.nan)
+        self.state = np.full((n + 1, n + 1), np.nan)
+        self.act = np.full((n + 1, n + 1), np.nan)
+        for k in range(n):
+            for e in range(k + 1, n + 1):
+                self.work[k, e] = math.fsum(prob.work[k:e])
+                self.state[k, e] = math.fsum(prob.state[k:e])
+                self.act[k, e] = math.fsum(prob.act[k:e])
+        # send[e] = send_s of layer e - 1: paid by a stage ending before layer e (not the last stage)
+        self.send_end = np.array([0.0] + list(prob.send))
+
+    def stage_time(self, k: int, e: int, j: int) -> float:
+        t = float(self.work[k, e])
+        return t + float(self.send_end[e]) if j < self.prob.n_stages - 1 else t
+
+    def stage_memory(self, k: int, e: int, j: int) -> float:
+        return float(self.state[k, e]) + self.prob.in_flight[j] * float(self.act[k, e])
+
+    def time_matrix(self, j: int) -> np.ndarray:
+        """[k, e] stage time of stage j covering [k, e) (nan where e <= k); same floats as stage_time."""
+        return self.work + self.send_end[None, :] if j < self.prob.n_stages - 1 else self.work.copy()
+
+    def memory_matrix(self, j: int) -> np.ndarray:
+        return self.state + self.prob.in_flight[j] * self.act
+
+    def evaluate(self, starts: Sequence[int]) -> tuple[tuple[float, ...], tuple[float, ...], float]:
+        prob = self.prob
+        ends = list(starts[1:]) + [prob.n_layers]
+        times = [self.stage_time(k, e, j) for j, (k, e) in enumerate(zip(starts, ends))]
+        mems = [self.stage_memory(k, e, j) for j, (k, e) in enumerate(zip(starts, ends))]
+        rank_time = [math.fsum(times[r::prob.p]) for r in range(prob.p)]
+        rank_mem = tuple(math.fsum(mems[r::prob.p]) for r in range(prob.p))
+        objective = prob.m * max(rank_time) + prob.w * max(times)
+        return tuple(times), rank_mem, objective
+
+
+def _check_starts(prob: _Problem, starts: Sequence[int]) -> tuple[int, ...]:
+    try:
+        out = tuple(operator.index(s) for s in starts)
+    except TypeError:
+        raise ValueError(f"starts={tuple(starts)!r}; required: integers.") from None
+    n, s = prob.n_layers, prob.n_stages
+    ok = len(out) == s and out[0] == 0 and all(a < b for a, b in zip(out, out[1:])) and out[-1] < n
+    if not ok:
+        raise ValueError(f"starts={out!r}; required: {s} strictly increasing layer indices, the first 0 and "
+                         f"all < {n} (every stage holds at least one layer).")
+    return out
+
+
+def _result(tab: _Tables, starts: Sequence[int], status: str, backend: str, t0: float) -> CutResult:
+    starts = tuple(int(s) for s in starts)
+    times, mems, objective = tab.evaluate(starts)
+    return CutResult(starts, times, mems, objective, status, backend, time.perf_counter() - t0)
+
+
+def evaluate_cuts(
+    layers: Sequence[LayerCost],
+    starts: Sequence[int],
+    ranks: int,
+    microbatches: int,
+    virtual_stages: int = 1,
+    in_flight: Sequence[float] | None = None,
+    bubble_weight: float | None = None,
+) -> tuple[tuple[float, ...], tuple[float, ...], float]:
+    """Return ``(stage_time_s, rank_memory_bytes, objective_s)`` of one cut (see the module docstring).
+
+    ``starts`` holds the first layer of each of the ``ranks * virtual_stages``
+    stages.  This is the evaluation every solver of this module reports.
+    """
+    prob = _problem(layers, ranks, microbatches, virtual_stages, in_flight, bubble_weight)
+    return _Tables(prob).evaluate(_check_starts(prob, starts))
+
+
+# ----------------------------------------------------------------------------- exact references
+
+
+def _bottleneck_dp(prob: _Problem, cost: list[np.ndarray], allowed: list[np.ndarray] | None
+                   ) -> tuple[float, tuple[int, ...]] | None:
+    """Minimise ``max_j cost[j][k_j, e_j]`` over cuts (v = 1 semantics: one value per stage).
+
+    ``allowed[j][k, e]`` masks stage ranges out.  Returns the optimum and the
+    lexicographically smallest ``starts`` attaining it, or None when no cut is allowed.
+    """
+    n, s = prob.n_layers, prob.n_stages
+    inf = math.inf
+    mats = []
+    for j in range(s):
+        c = np.where(np.isnan(cost[j]), inf, cost[j])
+        if allowed is not None:
+            c = np.where(allowed[j], c, inf)
+        mats.append(c)
+    # best[j][k]: min bottleneck of stages j..S-1 when stage j starts at layer k
+    best = [np.full(n + 1, inf) for _ in range(s)]
+    best[s - 1][: n] = mats[s - 1][: n, n]
+    for j in range(s - 2, -1, -1):
+        # stage j covers [k, e); stage j + 1 starts at e
+        cand = np.maximum(mats[j], best[j + 1][None, :])
+        best[j] = cand.min(axis=1)
+    opt = float(best[0][0])
+    if not math.isfinite(opt):
+        return None
+    starts, k = [0], 0
+    for j in range(s - 1):
+        row = np.maximum(mats[j][k], best[j + 1])
+        e = int(np.flatnonzero(row <= opt)[0])  # smallest next start that still reaches the optimum
+        starts.append(e)
+        k = e
+    return opt, tuple(starts)
+
+
+def _min_memory_dp(prob: _Problem, tab: _Tables) -> tuple[float, tuple[int, ...]]:
+    """v = 1: the cut minimising the largest stage memory (exact)."""
+    found = _bottleneck_dp(prob, [tab.memory_matrix(j) for j in range(prob.n_stages)], None)
+    assert found is not None
+    starts = found[1]
+    return max(tab.evaluate(starts)[1]), starts
+
+
+def _all_cuts(prob: _Problem):
+    n, s = prob.n_layers, prob.n_stages
+    count = math.comb(n - 1, s - 1)
+    if count > _BRUTE_FORCE_MAX:
+        raise ValueError(f"brute force over C({n - 1}, {s - 1}) = {count} cuts; at most {_BRUTE_FORCE_MAX} are "
+                         "allowed. Use solve_cuts (ILP) or solve_cuts_dp (v = 1).")
+    for cuts in itertools.combinations(range(1, n), s - 1):  # lexicographic order
+        yield (0, *cuts)
+
+
+def _min_memory_brute(prob: _Problem, tab: _Tables) -> tuple[float, tuple[int, ...]]:
+    best, arg = math.inf, None
+    for starts in _all_cuts(prob):
+        mem = max(tab.evaluate(starts)[1])
+        if mem < best:
+            best, arg = mem, starts
+    assert arg is not None
+    return best, arg
+
+
+def _gib(x: float) -> str:
+    return f"{x:.0f} bytes ({x / 2**30:.3f} GiB)"
+
+
+def _infeasible_error(prob: _Problem, budget: float, required: float, starts: Sequence[int]) -> InfeasibleMemoryError:
+    """Error naming the budget, the smallest budget any cut fits, and the fixes."""
+    tab_note = ""
+    flight = min(prob.in_flight) if prob.in_flight else 0.0
+    floor = max((st + flight * ac, i) for i, (st, ac) in enumerate(zip(prob.state, prob.act)))
+    if floor[0] > budget:
+        tab_note = (f" Layer {floor[1]} ({prob.names[floor[1]]!r}) alone needs {_gib(floor[0])} even with the fewest "
+                    "microbatches in flight, so more pipeline stages cannot help: split it with tensor parallelism "
+                    "or recompute its activations.")
+    msg = (
+        f"no cut of the {prob.n_layers} layers into {prob.n_stages} pipeline stages (ranks={prob.p} x "
+        f"virtual_stages={prob.v}) fits the per-device memory budget: given {_gib(budget)}, the smallest budget "
+        f"any cut fits is {_gib(required)} (cut starts {tuple(starts)}).{tab_note} Fix: use more pipeline stages "
+        "(more ranks), tensor parallelism to split each layer's parameters and activations, activation "
+        "recomputation (or fewer microbatches in flight) to shrink the saved activations, or a device with "
+        "more memory (raise the budget)."
+    )
+    return InfeasibleMemoryError(msg, required_bytes=required, budget_bytes=budget)
+
+
+def solve_cuts_dp(
+    layers: Sequence[LayerCost],
+    ranks: int,
+    microbatches: int,
+    virtual_stages: int = 1,
+    in_flight: Sequence[float] | None = None,
+    memory_budget_bytes: float | None = None,
+    bubble_weight: float | None = None,
+) -> CutResult:
+    """Exact dynamic programme for ``virtual_stages == 1`` (ValueError otherwise).
+
+    With one stage per rank the objective is ``(m + w) * max_j t_j``, so the DP
+    minimises the bottleneck stage time over (stage, first layer) states with
+    every stage's memory within the budget, in O(S L^2).  Ties: among the cuts
+    with the smallest bottleneck, the lexicographically smallest ``starts`` is
+    returned.  Raises :class:`InfeasibleMemoryError` when no cut fits.
+    """
+    t0 = time.perf_counter()
+    prob = _problem(layers, ranks, microbatches, virtual_stages, in_flight, bubble_weight)
+    budget = _budget(memory_budget_bytes)
+    if prob.v != 1:
+        raise ValueError(f"solve_cuts_dp needs virtual_stages=1 (given {prob.v}): with several chunks per rank the "
+                         "objective is not a bottleneck; use solve_cuts or brute_force_cuts.")
+    tab = _Tables(prob)
+    allowed = None
+    if budget is not None:
+        allowed = [tab.memory_matrix(j) <= budget * (1.0 + _MEM_RTOL) for j in range(prob.n_stages)]
+    found = _bottleneck_dp(prob, [tab.time_matrix(j) for j in range(prob.n_stages)], allowed)
+    if found is None:
+        assert budget is not None
+        required, starts = _min_memory_dp(prob, tab)
+        raise _infeasible_error(prob, budget, required, starts)
+    return _result(tab, found[1], "optimal", "dp", t0)
+
+
+def brute_force_cuts(
+    layers: Sequence[LayerCost],
+    ranks: int,
+    microbatches: int,
+    virtual_stages: int = 1,
+    in_flight: Sequence[float] | None = None,
+    memory_budget_bytes: float | None = None,
+    bubble_weight: float | None = None,
+) -> CutResult:
+    """Enumerate all ``C(L - 1, S - 1)`` cuts (any ``virtual_stages``; ValueError above 200,000).
+
+    Ties: the lexicographically smallest ``starts`` among those with the
+    smallest objective.  Raises :class:`InfeasibleMemoryError` when no cut fits.
+    """
+    t0 = time.perf_counter()
+    prob = _problem(layers, ranks, microbatches, virtual_stages, in_flight, bubble_weight)
+    budget = _budget(memory_budget_bytes)
+    tab = _Tables(prob)
+    best, arg = math.inf, None
+    min_mem, min_arg = math.inf, None
+    for starts in _all_cuts(prob):
+        _, mems, objective = tab.evaluate(starts)
+        peak = max(mems)
+        if peak < min_mem:
+            min_mem, min_arg = peak, starts
+        if _fits(peak, budget) and objective < best:
+            best, arg = objective, starts
+    if arg is None:
+        assert budget is not None and min_arg is not None
+        raise _infeasible_error(prob, budget, min_mem, min_arg)
+    return _result(tab, arg, "optimal", "brute-force", t0)
+
+
+# ----------------------------------------------------------------------------- ILP
+
+
+@dataclass
+class _Model:
+    solver: pywraplp.Solver
+    z: list[list[object]]  # z[l][j + 1] for j = -1 .. S - 1: a Variable or the constant 0 / 1
+
+
+def _z_grid(solver: pywraplp.Solver, prob: _Problem) -> list[list[object]]:
+    """Cumulative variables with the fixings of the module docstring (column 0 is j = -1)."""
+    n, s = prob.n_layers, prob.n_stages
+    grid: list[list[object]] = []
+    for layer in range(n):
+        row: list[object] = [0]
+        for j in range(s - 1):
+            if layer <= j:
+                row.append(1)
+            elif layer >= n - s + 1 + j:
+                row.append(0)
+            else:
+                row.append(solver.BoolVar(f"z_{layer}_{j}"))
+        row.append(1)
+        grid.append(row)
+    return grid
+
+
+class _Row:
+    """Linear expression over variables (keyed by index) plus a constant."""
+
+    def __init__(self) -> None:
+        self.coef: dict[int, tuple[pywraplp.Variable, float]] = {}
+        self.const = 0.0
+
+    def add(self, term: object, c: float) -> None:
+        if c == 0.0:
+            return
+        if isinstance(term, int):
+            self.const += c * term
+            return
+        var = term  # a pywraplp.Variable
+        key = var.index()  # type: ignore[attr-defined]
+        old = self.coef.get(key, (var, 0.0))[1]
+        self.coef[key] = (var, old + c)  # type: ignore[assignment]
+
+    def add_membership(self, z: list[list[object]], layer: int, j: int, c: float) -> None:
+        """c * x[layer, j] = c * (z[layer, j] - z[layer, j - 1])."""
+        self.add(z[layer][j + 1], c)
+        self.add(z[layer][j], -c)
+
+    def constrain(self, solver: pywraplp.Solver, lo: float, hi: float) -> None:
+        ct = solver.Constraint(lo - self.const, hi - self.const)
+        for key in sorted(self.coef):
+            var, c = self.coef[key]
+            if c != 0.0:
+                ct.SetCoefficient(var, c)
+
+
+def _time_row(prob: _Problem, z: list[list[object]], j: int, scale: float) -> _Row:
+    row = _Row()
+    for layer in range(prob.n_layers):
+        row.add_membership(z, layer, j, prob.work[layer] / scale)
+    if j < prob.n_stages - 1:
+        for layer in range(prob.n_layers - 1):  # c[l, j] = z[l, j] - z[l + 1, j]
+            row.add(z[layer][j + 1], prob.send[layer] / scale)
+            row.add(z[layer + 1][j + 1], -prob.send[layer] / scale)
+    return row
+
+
+def _memory_row(prob: _Problem, z: list[list[object]], r: int, scale: float) -> _Row:
+    row = _Row()
+    for j in range(r, prob.n_stages, prob.p):
+        for layer in range(prob.n_layers):
+            row.add_membership(z, layer, j, (prob.state[layer] + prob.in_flight[j] * prob.act[layer]) / scale)
+    return row
+
+
+def _order_constraints(solver: pywraplp.Solver, prob: _Problem, z: list[list[object]]) -> None:
+    n, s = prob.n_layers, prob.n_stages
+    for j in range(s - 1):
+        for layer in range(n - 1):
+            pairs = [(z[layer + 1][j + 1], z[layer][j + 1])]  # (smaller, larger)
+            if j + 1 < s - 1:
+                pairs.append((z[layer][j + 1], z[layer + 1][j + 2]))
+            for small, large in pairs:
+                if isinstance(small, int) and isinstance(large, int):
+                    continue
+                row = _Row()
+                row.add(small, 1.0)
+                row.add(large, -1.0)
+                row.constrain(solver, -solver.infinity(), 0.0)
+
+
+def _build_cut_model(solver: pywraplp.Solver, prob: _Problem, budget: float | None, tighten: float) -> _Model:
+    """The stage-cut MIP of the module docstring."""
+    z = _z_grid(solver, prob)
+    _order_constraints(solver, prob, z)
+    inf = solver.infinity()
+    if EXP.get("counts"):
+        for j in range(prob.n_stages - 1):
+            nj = solver.IntVar(0, prob.n_layers, "")
+            row = _Row()
+            for layer in range(prob.n_layers):
+                row.add(z[layer][j + 1], 1.0)
+            row.add(nj, -1.0)
+            row.constrain(solver, 0.0, 0.0)
+    scale = max([a + c for a, c in zip(prob.work, prob.send)] + [0.0]) or 1.0
+    total = math.fsum(prob.work) / scale
+    t_lb = max(max(prob.work) / scale, total / prob.n_stages)
+    big_t = solver.NumVar(t_lb, inf, "T")
+    rmax = big_t if prob.v == 1 else solver.NumVar(max(t_lb, total / prob.p), inf, "Rmax")
+    rows = [_time_row(prob, z, j, scale) for j in range(prob.n_stages)]
+    for row in rows:
+        ct_row = _Row()
+        ct_row.coef, ct_row.const = dict(row.coef), row.const
+        ct_row.add(big_t, -1.0)
+        ct_row.constrain(solver, -inf, 0.0)
+    if prob.v > 1:
+        for r in range(prob.p):
+            rank = _Row()
+            for j in range(r, prob.n_stages, prob.p):
+                for key, (var, c) in rows[j].coef.items():
+                    rank.add(var, c)
+                rank.const += rows[j].const
+            rank.add(rmax, -1.0)
+            rank.constrain(solver, -inf, 0.0)
+        order = _Row()
+        order.add(big_t, 1.0)
+        order.add(rmax, -1.0)
+        order.constrain(solver, -inf, 0.0)
+    if budget is not None:
+        mscale = budget if budget > 0 else 1.0
+        for r in range(prob.p):
+            _memory_row(prob, z, r, mscale).constrain(solver, -inf, budget / mscale * (1.0 - tighten))
+    obj = solver.Objective()
+    if prob.v == 1:
+        obj.SetCoefficient(big_t, prob.m + prob.w)
+    else:
+        obj.SetCoefficient(rmax, float(prob.m))
+        obj.SetCoefficient(big_t, prob.w)
+    obj.SetMinimization()
+    return _Model(solver, z)
+
+
+def _build_memory_model(solver: pywraplp.Solver, prob: _Problem) -> _Model:
+    """min M subject to every rank's memory <= M (the cut constraints as above)."""
+    z = _z_grid(solver, prob)
+    _order_constraints(solver, prob, z)
+    inf = solver.infinity()
+    scale = max([st + ac * f for st, ac in zip(prob.state, prob.act) for f in prob.in_flight] + [0.0]) or 1.0
+    big_m = solver.NumVar(0.0, inf, "M")
+    for r in range(prob.p):
+        row = _memory_row(prob, z, r, scale)
+        row.add(big_m, -1.0)
+        row.constrain(solver, -inf, 0.0)
+    obj = solver.Objective()
+    obj.SetCoefficient(big_m, 1.0)
+    obj.SetMinimization()
+    return _Model(solver, z)
+
+
+def _read_starts(model: _Model, prob: _Problem) -> tuple[int, ...]:
+    counts = []
+    for j in range(prob.n_stages - 1):
+        total = 0
+        for layer in range(prob.n_layers):
+            term = model.z[layer][j + 1]
+            total += term if isinstance(term, int) else int(round(term.solution_value()))  # type: ignore[attr-defined]
+        counts.append(total)
+    return (0, *counts)
+
+
+def _mip_solvers() -> list[tuple[pywraplp.Solver, str]]:
+    found = []
+    for name, label in _MIP_BACKENDS:
+        solver = pywraplp.Solver.CreateSolver(name)
+        if solver is not None:
+            if name == "HIGHS":
+                solver.SetSolverSpecificParametersAsString(_HIGHS_OPTIONS)
+            found.append((solver, label))
+    if not found:
+        raise SolverError("neither HiGHS nor CBC is available in this OR-Tools build (required: at least one); "
+                          "install an OR-Tools wheel that bundles them (pip install -U ortools).")
+    return found
+
+
+def _run_mip(build, prob: _Problem, time_limit_s: float, t0: float
+             ) -> tuple[_Model, str, str] | None:
+    """Solve with HiGHS, then CBC if HiGHS found nothing.  Returns (model, status, backend), or None if infeasible.
+
+    Raises SolverTimeoutError / SolverError when no backend produced a solution.
+    """
+    attempts = _mip_solvers()
+    tried: list[str] = []
+    code = pywraplp.Solver.NOT_SOLVED
+    for i, (solver, backend) in enumerate(attempts):
+        model = build(solver)
+        left = time_limit_s - (time.perf_counter() - t0)
+        share = _FIRST_BACKEND_SHARE if i + 1 < len(attempts) else _LAST_BACKEND_SHARE
+        solver.SetTimeLimit(max(1, int(max(left * share, 0.02 * time_limit_s) * 1000)))
+        params = pywraplp.MPSolverParameters()
+        params.SetDoubleParam(params.RELATIVE_MIP_GAP, _MIP_RELATIVE_GAP)
+        code = solver.Solve(params)
+        tried.append(backend)
+        if code == pywraplp.Solver.INFEASIBLE:
+            return None
+        if code in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+            status = "optimal"
+            if code != pywraplp.Solver.OPTIMAL:
+                objective = solver.Objective()
+                gap = abs(objective.Value() - objective.BestBound()) / max(abs(objective.Value()), 1e-300)
+                status = "optimal" if gap <= _MIP_RELATIVE_GAP else "feasible"
+            return model, status, backend
+    if code in (pywraplp.Solver.NOT_SOLVED, _UNKNOWN_STATUS):
+        raise SolverTimeoutError(
+            f"{' and '.join(tried)} found no stage cut within the time limit of {time_limit_s:.1f} s for "
+            f"{prob.n_layers} layers and {prob.n_stages} stages (required: at least one feasible cut). Fix: raise "
+            "time_limit_s, or merge layers so the chain is shorter."
+        )
+    raise SolverError(f"{' and '.join(tried)} ended with status code {code} (required: OPTIMAL or FEASIBLE); "
+                      "this is a solver failure, please report the problem instance.")
+
+
+def _min_memory_cut(prob: _Problem, tab: _Tables, time_limit_s: float) -> tuple[float, tuple[int, ...], str]:
+    """The smallest peak rank memory over all cuts, a cut attaining it and the backend that found it."""
+    if prob.v == 1:
+        return (*_min_memory_dp(prob, tab), "dp")
+    t0 = time.perf_counter()
+    found = _run_mip(lambda s: _build_memory_model(s, prob), prob, time_limit_s, t0)
+    assert found is not None, "the min-memory model has no budget, so it is always feasible"
+    starts = _check_starts(prob, _read_starts(found[0], prob))
+    return max(tab.evaluate(starts)[1]), starts, found[2]
+
+
+def min_feasible_memory(
+    layers: Sequence[LayerCost],
+    ranks: int,
+    microbatches: int,
+    virtual_stages: int = 1,
+    in_flight: Sequence[float] | None = None,
+    time_limit_s: float = 30.0,
+) -> float:
+    """Smallest per-device memory budget for which some cut fits: ``min over cuts of max_r mem_r``.
+
+    Exact: a DP for ``virtual_stages == 1``, a min-max-memory MIP (relative gap
+    1e-9) otherwise.  ``microbatches`` only matters through the default
+    ``in_flight``.  The value is the exact evaluation of the minimising cut, so
+    passing it as ``memory_budget_bytes`` to :func:`solve_cuts` succeeds.
+    """
+    prob = _problem(layers, ranks, microbatches, virtual_stages, in_flight, None)
+    if not time_limit_s > 0:
+        raise ValueError(f"time_limit_s={time_limit_s!r}; required: a positive number of seconds.")
+    return _min_memory_cut(prob, _Tables(prob), time_limit_s)[0]
+
+
+def solve_cuts(
+    layers: Sequence[LayerCost],
+    ranks: int,
+    microbatches: int,
+    virtual_stages: int = 1,
+    in_flight: Sequence[float] | None = None,
+    memory_budget_bytes: float | None = None,
+    bubble_weight: float | None = None,
+    time_limit_s: float = 30.0,
+) -> CutResult:
+    """Optimal stage cut by the MIP of the module docstring (HiGHS, then CBC).
+
+    Minimises ``microbatches * max_r R_r + bubble_weight * max_j t_j``
+    (``bubble_weight`` defaults to ``ranks - 1``) with every rank's memory within
+    ``memory_budget_bytes`` (no limit when None).  ``in_flight`` gives each
+    stage's in-flight microbatches (default ``min(p - j % p, m)``).  Ties
+    between optimal cuts are broken by the backend (deterministically).
+    Raises :class:`InfeasibleMemoryError` when no cut fits the budget (with the
+    smallest budget that would), :class:`SolverTimeoutError` when the time limit
+    passes with no cut found, and ``ValueError`` for malformed inputs.
+    """
+    t0 = time.perf_counter()
+    prob = _problem(layers, ranks, microbatches, virtual_stages, in_flight, bubble_weight)
+    budget = _budget(memory_budget_bytes)
+    if not time_limit_s > 0:
+        raise ValueError(f"time_limit_s={time_limit_s!r}; required: a positive number of seconds.")
+    tab = _Tables(prob)
+    if prob.n_stages == 1:
+        starts: tuple[int, ...] = (0,)
+        if budget is not None and not _fits(max(tab.evaluate(starts)[1]), budget):
+            raise _infeasible_error(prob, budget, max(tab.evaluate(starts)[1]), starts)
+        return _result(tab, starts, "optimal", "dp", t0)
+    for tighten in (0.0, _RETRY_TIGHTEN):
+        found = _run_mip(lambda s, tg=tighten: _build_cut_model(s, prob, budget, tg), prob, time_limit_s, t0)
+        if found is None:
+            break
+        model, status, backend = found
+        starts = _read_starts(model, prob)
+        _check_starts(prob, starts)
+        if budget is None or _fits(max(tab.evaluate(starts)[1]), budget):
+            return _result(tab, starts, status, backend, t0)
+    assert budget is not None
+    left = max(time_limit_s - (time.perf_counter() - t0), 0.1 * time_limit_s)
+    required, min_starts, min_backend = _min_memory_cut(prob, tab, left)
+    if not _fits(required, budget):
+        raise _infeasible_error(prob, budget, required, min_starts)
+    # Only reachable through backend tolerances: a fitting cut exists but the MIP did not return one.
+    return _result(tab, min_starts, "feasible", min_backend, t0)
