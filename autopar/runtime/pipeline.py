@@ -86,6 +86,9 @@ class StageModule(nn.Module):
         self._slots = tuple(grad_of[n] - nfwd if grad_of.get(n) is not None else None
                             for n in self._order)
         self._params = params
+        # registered too, so that pipelining finds the stage's weights (zero-bubble's weight step)
+        for i, name in enumerate(dict.fromkeys(n for n in self._param_names if n is not None)):
+            self.register_parameter(f"param_{i}", params[name])
         if traced.buffers:
             raise PlanError("buffers in pipelined models are not supported yet; please report it.")
 

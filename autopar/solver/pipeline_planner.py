@@ -251,8 +251,16 @@ def build_pipeline_plan(model: Any, example_inputs: Any, whole: TracedGraph, mes
     chunks, _ = microbatch_inputs(example_inputs, setup.microbatches)
     fwd = export_forward(model, _unflatten(example_inputs, chunks[0]))
     stages = capture_stages(fwd, setup.stage_of_unit, chunks[0])
-    plans = [solve_candidate(traced, mesh, config, setup.cand, cost_passes, budget, stage=st.index)
-             for st, traced in stages]
+    plans: list[Plan] = []
+    placed: dict[str, tuple[str, ...]] = {}  # a tied weight takes the first stage's placement
+    for st, traced in stages:
+        fixed = {p.name: placed[fwd.canonical.get(p.name, p.name)] for p in traced.params
+                 if fwd.canonical.get(p.name, p.name) in placed}
+        plan = solve_candidate(traced, mesh, config, setup.cand, cost_passes, budget,
+                               stage=st.index, fixed=fixed)
+        for p in traced.params:
+            placed.setdefault(fwd.canonical.get(p.name, p.name), plan.params[p.name])
+        plans.append(plan)
     return _assemble(whole, mesh, config, setup, fwd, stages, plans, time.perf_counter() - t0)
 
 

@@ -128,26 +128,45 @@ def _add_pipeline(traced: TracedGraph, mesh: Mesh, config: Config, cost_passes: 
 
 
 def solve_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidate,
-                cost_passes: Sequence[Callable[..., SpaceCosts]], budget: float | None
+                cost_passes: Sequence[Callable[..., SpaceCosts]], budget: float | None,
+                fixed: dict[str, tuple[str, ...]] | None = None
                 ) -> tuple[StrategySpace, SpaceCosts, IntraOpResult]:
-    """Strategy space, its prices and the intra-operator ILP's choice on the logical mesh."""
+    """Strategy space, its prices and the intra-operator ILP's choice on the logical mesh.
+
+    ``fixed`` pins parameters (by name) to a placement, e.g. a tied weight already placed by an
+    earlier pipeline stage.
+    """
     with planning_device_mesh(cand.shape, cand.names) as dm:
         space = build_space(traced, dm, cand.names, cand.dp_axes, config.unknown_op)
+    for p in traced.params:
+        if fixed and p.name in fixed:
+            _pin(space, p.node, p.name, fixed[p.name])
     costs = run_cost_passes(price_space(traced, space, mesh.topology, config.optimizer),
                             space, mesh.topology, cost_passes)
     return space, costs, solve_intra_op(traced, space, costs, budget, config.solver_time_limit_s)
 
 
+def _pin(space: StrategySpace, node: str, name: str, placement: tuple[str, ...]) -> None:
+    import dataclasses
+
+    ns = space.nodes[node]
+    keep = tuple(s for s in ns.strategies if tuple(to_str(p) for p in s.outputs[0]) == tuple(placement))
+    if not keep:
+        raise PlanError(f"parameter {name!r} cannot take the placement {placement} that another "
+                        f"pipeline stage gave it (it shares the tensor); choose other degrees.")
+    space.nodes[node] = dataclasses.replace(ns, strategies=keep)
+
+
 def solve_candidate(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidate,
                     cost_passes: Sequence[Callable[..., SpaceCosts]], budget: float | None,
-                    stage: int | None = None) -> Plan:
+                    stage: int | None = None, fixed: dict[str, tuple[str, ...]] | None = None) -> Plan:
     """Solve the intra-operator ILP of ``traced`` on the logical mesh ``cand``.
 
     Raises :class:`PlanError` when the graph cannot be placed on it and
     :class:`InfeasibleMemoryError` when nothing fits ``budget``. ``stage`` tags the collectives
     of a pipeline stage.
     """
-    space, costs, res = solve_space(traced, mesh, config, cand, cost_passes, budget)
+    space, costs, res = solve_space(traced, mesh, config, cand, cost_passes, budget, fixed)
     plan = _build_plan(traced, mesh, config, cand, space, costs, res)
     if stage is not None:
         plan = _replace(plan, collectives=tuple(_replace(c, stage=stage) for c in plan.collectives))

@@ -367,14 +367,6 @@ def _bottleneck_dp(prob: _Problem, cost: list[np.ndarray], allowed: list[np.ndar
     return opt, tuple(starts)
 
 
-def _min_memory_dp(prob: _Problem, tab: _Tables) -> tuple[float, tuple[int, ...]]:
-    """v = 1: the cut minimising the largest stage memory (exact)."""
-    found = _bottleneck_dp(prob, [tab.memory_matrix(j) for j in range(prob.n_stages)], None)
-    assert found is not None
-    starts = found[1]
-    return max(tab.evaluate(starts)[1]), starts
-
-
 def _all_cuts(prob: _Problem):
     n, s = prob.n_layers, prob.n_stages
     count = math.comb(n - 1, s - 1)
@@ -383,16 +375,6 @@ def _all_cuts(prob: _Problem):
                          "allowed. Use solve_cuts (ILP) or solve_cuts_dp (v = 1).")
     for cuts in itertools.combinations(range(1, n), s - 1):  # lexicographic order
         yield (0, *cuts)
-
-
-def _min_memory_brute(prob: _Problem, tab: _Tables) -> tuple[float, tuple[int, ...]]:
-    best, arg = math.inf, None
-    for starts in _all_cuts(prob):
-        mem = max(tab.evaluate(starts)[1])
-        if mem < best:
-            best, arg = mem, starts
-    assert arg is not None
-    return best, arg
 
 
 def _gib(x: float) -> str:
@@ -449,8 +431,8 @@ def solve_cuts_dp(
     found = _bottleneck_dp(prob, [tab.time_matrix(j) for j in range(prob.n_stages)], allowed)
     if found is None:
         assert budget is not None
-        required, starts = _min_memory_dp(prob, tab)
-        raise _infeasible_error(prob, budget, required, starts)
+        least = _min_memory_cut(prob, tab, 1.0)
+        raise _infeasible_error(prob, budget, least.value, least.starts)
     return _result(tab, found[1], "optimal", "dp", t0)
 
 
@@ -485,6 +467,129 @@ def brute_force_cuts(
         assert budget is not None and min_arg is not None
         raise _infeasible_error(prob, budget, min_mem, min_arg)
     return _result(tab, arg, "optimal", "brute-force", t0)
+
+
+# ----------------------------------------------------------------------------- strengthening
+
+
+@dataclass(frozen=True)
+class _Bounds:
+    """Valid bounds for the MIP (seconds / bytes; inf when absent) and interval exclusions.
+
+    ``exclusions`` holds ``(j, k, e)``: no solution that can still improve on the
+    incumbent (nor any that fits the budget) has stage ``j`` containing all of
+    layers ``[k, e)``; as a row, ``z[e - 1, j] <= z[k, j - 1]``.
+    """
+
+    t_lb: float = 0.0
+    r_lb: float = 0.0
+    t_ub: float = math.inf
+    r_ub: float = math.inf
+    exclusions: tuple[tuple[int, int, int], ...] = ()
+
+
+def _stage_memory_mask(prob: _Problem, tab: _Tables, budget: float | None) -> list[np.ndarray] | None:
+    if budget is None:
+        return None
+    return [tab.memory_matrix(j) <= budget * (1.0 + _MEM_RTOL) for j in range(prob.n_stages)]
+
+
+def _relaxed_bottleneck(prob: _Problem, tab: _Tables, budget: float | None) -> tuple[float, tuple[int, ...]] | None:
+    """min over cuts of max_j t_j with every *stage* (not rank) within the budget.
+
+    Exact for v = 1; a relaxation for v > 1 (a rank's memory is at least each of
+    its stages' memory).  None when no cut passes, i.e. no cut fits at all.
+    """
+    return _bottleneck_dp(prob, [tab.time_matrix(j) for j in range(prob.n_stages)],
+                          _stage_memory_mask(prob, tab, budget))
+
+
+def _local_search(prob: _Problem, starts: tuple[int, ...], key) -> tuple[float, tuple[int, ...]]:
+    """First-improvement descent moving one cut by one layer at a time (deterministic).
+
+    ``key(starts)`` is the value to minimise, or None for an infeasible cut.
+    """
+    best = key(starts)
+    assert best is not None
+    cur = list(starts)
+    improved = True
+    while improved:
+        improved = False
+        for i in range(1, prob.n_stages):
+            for delta in (-1, 1):
+                pos = cur[i] + delta
+                lo = cur[i - 1] + 1
+                hi = cur[i + 1] - 1 if i + 1 < prob.n_stages else prob.n_layers - 1
+                if not lo <= pos <= hi:
+                    continue
+                cand = (*cur[:i], pos, *cur[i + 1:])
+                value = key(cand)
+                if value is not None and value < best:
+                    best, cur, improved = value, list(cand), True
+    return best, tuple(cur)
+
+
+def _incumbent(prob: _Problem, tab: _Tables, budget: float | None, start: tuple[int, ...]
+               ) -> tuple[float, tuple[int, ...]] | None:
+    """A good cut to start from: the relaxed bottleneck cut, improved by local search (v > 1)."""
+
+    def key(starts: tuple[int, ...]) -> float | None:
+        _, mems, objective = tab.evaluate(starts)
+        return objective if _fits(max(mems), budget) else None
+
+    if key(start) is None:
+        return None
+    if prob.v == 1:
+        return key(start), start  # type: ignore[return-value]
+    return _local_search(prob, start, key)
+
+
+def _min_sends(prob: _Problem) -> float:
+    """Smallest possible total send time: the S - 1 cheapest layers among 0 .. L - 2."""
+    return math.fsum(sorted(prob.send[:-1])[: prob.n_stages - 1])
+
+
+def _exclusions(prob: _Problem, tab: _Tables, budget: float | None, tau: float) -> tuple[tuple[int, int, int], ...]:
+    """For each stage j and layer k, the shortest [k, e) that stage j cannot contain.
+
+    Stage j containing [k, e) costs at least ``work[k, e)`` plus, for j < S - 1, the
+    cheapest send of a layer it could end on (``>= e - 1``), and at least the
+    stage memory of [k, e); both grow with e, so one row per (j, k) suffices.
+    """
+    n, s = prob.n_layers, prob.n_stages
+    send = np.array(prob.send[:-1] + (math.inf,))  # the last layer never sends
+    min_send_from = np.minimum.accumulate(send[::-1])[::-1]  # min over layers >= l
+    out = []
+    for j in range(s):
+        time_lb = tab.work.copy()
+        if j < s - 1:
+            time_lb[:, 1:] = time_lb[:, 1:] + min_send_from[None, :]
+        bad = time_lb > tau
+        if budget is not None:
+            bad |= tab.memory_matrix(j) > budget * (1.0 + _MEM_RTOL)
+        for k in range(n):
+            if k < j:
+                continue  # z[k, j - 1] = 1: layer k is always before stage j
+            hits = np.flatnonzero(bad[k, k + 1:])
+            if hits.size:
+                out.append((j, k, k + 1 + int(hits[0])))
+    return tuple(out)
+
+
+def _bounds(prob: _Problem, tab: _Tables, budget: float | None, t_lb: float, upper: float) -> _Bounds:
+    """Bounds implied by the relaxed bottleneck ``t_lb`` and an incumbent objective ``upper``."""
+    m, w = prob.m, prob.w
+    r_lb = t_lb if prob.v == 1 else max(t_lb, (math.fsum(prob.work) + _min_sends(prob)) / prob.p)
+    tau, r_ub = math.inf, math.inf
+    if math.isfinite(upper):
+        slack = 1.0 + 1e-9  # keep cuts tied with the incumbent
+        tau = upper / (m + w)  # Rmax >= T, so objective >= (m + w) T
+        if w > 0:
+            tau = min(tau, (upper - m * r_lb) / w)
+        r_ub = (upper - w * t_lb) / m
+        tau, r_ub = tau * slack, r_ub * slack
+        tau = min(tau, r_ub)  # T <= Rmax
+    return _Bounds(t_lb, r_lb, tau, r_ub, _exclusions(prob, tab, budget, tau))
 
 
 # ----------------------------------------------------------------------------- ILP
@@ -527,10 +632,14 @@ class _Row:
         if isinstance(term, int):
             self.const += c * term
             return
-        var = term  # a pywraplp.Variable
-        key = var.index()  # type: ignore[attr-defined]
-        old = self.coef.get(key, (var, 0.0))[1]
-        self.coef[key] = (var, old + c)  # type: ignore[assignment]
+        key = term.index()  # type: ignore[attr-defined]
+        old = self.coef.get(key, (term, 0.0))[1]
+        self.coef[key] = (term, old + c)  # type: ignore[assignment]
+
+    def add_row(self, other: _Row) -> None:
+        for var, c in other.coef.values():
+            self.add(var, c)
+        self.const += other.const
 
     def add_membership(self, z: list[list[object]], layer: int, j: int, c: float) -> None:
         """c * x[layer, j] = c * (z[layer, j] - z[layer, j - 1])."""
@@ -538,11 +647,23 @@ class _Row:
         self.add(z[layer][j], -c)
 
     def constrain(self, solver: pywraplp.Solver, lo: float, hi: float) -> None:
+        if not self.coef:
+            if not lo - 1e-12 <= self.const <= hi + 1e-12:  # a constant row that fails: make the model infeasible
+                solver.Constraint(1.0, 1.0)
+            return
         ct = solver.Constraint(lo - self.const, hi - self.const)
         for key in sorted(self.coef):
             var, c = self.coef[key]
             if c != 0.0:
                 ct.SetCoefficient(var, c)
+
+
+def _le(solver: pywraplp.Solver, small: object, large: object) -> None:
+    """small <= large for two z entries (skipped when both are constants that satisfy it)."""
+    row = _Row()
+    row.add(small, 1.0)
+    row.add(large, -1.0)
+    row.constrain(solver, -solver.infinity(), 0.0)
 
 
 def _time_row(prob: _Problem, z: list[list[object]], j: int, scale: float) -> _Row:
@@ -568,55 +689,48 @@ def _order_constraints(solver: pywraplp.Solver, prob: _Problem, z: list[list[obj
     n, s = prob.n_layers, prob.n_stages
     for j in range(s - 1):
         for layer in range(n - 1):
-            pairs = [(z[layer + 1][j + 1], z[layer][j + 1])]  # (smaller, larger)
+            _le(solver, z[layer + 1][j + 1], z[layer][j + 1])  # contiguous
             if j + 1 < s - 1:
-                pairs.append((z[layer][j + 1], z[layer + 1][j + 2]))
-            for small, large in pairs:
-                if isinstance(small, int) and isinstance(large, int):
-                    continue
-                row = _Row()
-                row.add(small, 1.0)
-                row.add(large, -1.0)
-                row.constrain(solver, -solver.infinity(), 0.0)
+                _le(solver, z[layer][j + 1], z[layer + 1][j + 2])  # no stage skipped
 
 
-def _build_cut_model(solver: pywraplp.Solver, prob: _Problem, budget: float | None, tighten: float) -> _Model:
-    """The stage-cut MIP of the module docstring."""
+def _add_exclusions(solver: pywraplp.Solver, z: list[list[object]], exclusions) -> None:
+    for j, k, e in exclusions:
+        _le(solver, z[e - 1][j + 1], z[k][j])  # stage j does not contain [k, e)
+
+
+def _cut_model(solver: pywraplp.Solver, prob: _Problem, budget: float | None, tighten: float,
+               bounds: _Bounds) -> _Model:
+    """The stage-cut MIP of the module docstring, with ``bounds`` (seconds) as variable bounds."""
     z = _z_grid(solver, prob)
     _order_constraints(solver, prob, z)
+    _add_exclusions(solver, z, bounds.exclusions)
     inf = solver.infinity()
-    if EXP.get("counts"):
-        for j in range(prob.n_stages - 1):
-            nj = solver.IntVar(0, prob.n_layers, "")
-            row = _Row()
-            for layer in range(prob.n_layers):
-                row.add(z[layer][j + 1], 1.0)
-            row.add(nj, -1.0)
-            row.constrain(solver, 0.0, 0.0)
     scale = max([a + c for a, c in zip(prob.work, prob.send)] + [0.0]) or 1.0
     total = math.fsum(prob.work) / scale
-    t_lb = max(max(prob.work) / scale, total / prob.n_stages)
-    big_t = solver.NumVar(t_lb, inf, "T")
-    rmax = big_t if prob.v == 1 else solver.NumVar(max(t_lb, total / prob.p), inf, "Rmax")
+    t_lb = max(max(prob.work) / scale, total / prob.n_stages, bounds.t_lb / scale)
+    t_ub = bounds.t_ub / scale if math.isfinite(bounds.t_ub) else inf
+    big_t = solver.NumVar(t_lb, max(t_ub, t_lb), "T")
+    if prob.v == 1:
+        rmax = big_t
+    else:
+        r_lb = max(t_lb, total / prob.p, bounds.r_lb / scale)
+        r_ub = bounds.r_ub / scale if math.isfinite(bounds.r_ub) else inf
+        rmax = solver.NumVar(r_lb, max(r_ub, r_lb), "Rmax")
     rows = [_time_row(prob, z, j, scale) for j in range(prob.n_stages)]
     for row in rows:
-        ct_row = _Row()
-        ct_row.coef, ct_row.const = dict(row.coef), row.const
-        ct_row.add(big_t, -1.0)
-        ct_row.constrain(solver, -inf, 0.0)
+        stage = _Row()
+        stage.add_row(row)
+        stage.add(big_t, -1.0)
+        stage.constrain(solver, -inf, 0.0)
     if prob.v > 1:
         for r in range(prob.p):
             rank = _Row()
             for j in range(r, prob.n_stages, prob.p):
-                for key, (var, c) in rows[j].coef.items():
-                    rank.add(var, c)
-                rank.const += rows[j].const
+                rank.add_row(rows[j])
             rank.add(rmax, -1.0)
             rank.constrain(solver, -inf, 0.0)
-        order = _Row()
-        order.add(big_t, 1.0)
-        order.add(rmax, -1.0)
-        order.constrain(solver, -inf, 0.0)
+        _le(solver, big_t, rmax)
     if budget is not None:
         mscale = budget if budget > 0 else 1.0
         for r in range(prob.p):
@@ -631,13 +745,15 @@ def _build_cut_model(solver: pywraplp.Solver, prob: _Problem, budget: float | No
     return _Model(solver, z)
 
 
-def _build_memory_model(solver: pywraplp.Solver, prob: _Problem) -> _Model:
-    """min M subject to every rank's memory <= M (the cut constraints as above)."""
+def _memory_model(solver: pywraplp.Solver, prob: _Problem, lower: float, upper: float,
+                  exclusions: tuple[tuple[int, int, int], ...]) -> _Model:
+    """min M subject to every rank's memory <= M, with lower <= M <= upper (bytes)."""
     z = _z_grid(solver, prob)
     _order_constraints(solver, prob, z)
+    _add_exclusions(solver, z, exclusions)
     inf = solver.infinity()
-    scale = max([st + ac * f for st, ac in zip(prob.state, prob.act) for f in prob.in_flight] + [0.0]) or 1.0
-    big_m = solver.NumVar(0.0, inf, "M")
+    scale = max(upper, 1.0) if math.isfinite(upper) else 1.0
+    big_m = solver.NumVar(lower / scale, upper / scale * (1.0 + 1e-9) if math.isfinite(upper) else inf, "M")
     for r in range(prob.p):
         row = _memory_row(prob, z, r, scale)
         row.add(big_m, -1.0)
@@ -673,10 +789,10 @@ def _mip_solvers() -> list[tuple[pywraplp.Solver, str]]:
     return found
 
 
-def _run_mip(build, prob: _Problem, time_limit_s: float, t0: float
-             ) -> tuple[_Model, str, str] | None:
-    """Solve with HiGHS, then CBC if HiGHS found nothing.  Returns (model, status, backend), or None if infeasible.
+def _run_mip(build, prob: _Problem, time_limit_s: float, t0: float) -> tuple[_Model, str, str] | None:
+    """Solve with HiGHS, then CBC with the remaining time if HiGHS found nothing.
 
+    Returns ``(model, status, backend)``, or None when the model is infeasible.
     Raises SolverTimeoutError / SolverError when no backend produced a solution.
     """
     attempts = _mip_solvers()
@@ -710,15 +826,42 @@ def _run_mip(build, prob: _Problem, time_limit_s: float, t0: float
                       "this is a solver failure, please report the problem instance.")
 
 
-def _min_memory_cut(prob: _Problem, tab: _Tables, time_limit_s: float) -> tuple[float, tuple[int, ...], str]:
-    """The smallest peak rank memory over all cuts, a cut attaining it and the backend that found it."""
-    if prob.v == 1:
-        return (*_min_memory_dp(prob, tab), "dp")
+@dataclass(frozen=True)
+class _MinMemory:
+    value: float  # the smallest peak rank memory found
+    starts: tuple[int, ...]
+    proven: bool  # value is the exact minimum
+    backend: str
+
+
+def _min_memory_cut(prob: _Problem, tab: _Tables, time_limit_s: float) -> _MinMemory:
+    """The smallest peak rank memory over all cuts and a cut attaining it.
+
+    v = 1: DP.  v > 1: the relaxed DP (max stage memory) is a lower bound, local
+    search from its cut an upper bound, and the min-max-memory MIP closes the gap.
+    """
     t0 = time.perf_counter()
-    found = _run_mip(lambda s: _build_memory_model(s, prob), prob, time_limit_s, t0)
-    assert found is not None, "the min-memory model has no budget, so it is always feasible"
-    starts = _check_starts(prob, _read_starts(found[0], prob))
-    return max(tab.evaluate(starts)[1]), starts, found[2]
+    found = _bottleneck_dp(prob, [tab.memory_matrix(j) for j in range(prob.n_stages)], None)
+    assert found is not None
+    lower, start = found  # the largest *stage* memory: exact for v = 1, a lower bound for v > 1
+    if prob.v == 1:
+        return _MinMemory(max(tab.evaluate(start)[1]), start, True, "dp")
+    upper, best = _local_search(prob, start, lambda s: max(tab.evaluate(s)[1]))
+    if upper <= lower * (1.0 + _MIP_RELATIVE_GAP):
+        return _MinMemory(upper, best, True, "dp")
+    excl = _exclusions(prob, tab, upper, math.inf)
+    try:
+        found = _run_mip(lambda s: _memory_model(s, prob, lower, upper, excl), prob, time_limit_s, t0)
+    except SolverTimeoutError:
+        return _MinMemory(upper, best, False, "heuristic")
+    if found is None:  # only through tolerances: the incumbent itself satisfies the model
+        return _MinMemory(upper, best, False, "heuristic")
+    model, status, backend = found
+    starts = _check_starts(prob, _read_starts(model, prob))
+    value = max(tab.evaluate(starts)[1])
+    if value > upper:
+        return _MinMemory(upper, best, status == "optimal", backend)
+    return _MinMemory(value, starts, status == "optimal", backend)
 
 
 def min_feasible_memory(
@@ -731,15 +874,77 @@ def min_feasible_memory(
 ) -> float:
     """Smallest per-device memory budget for which some cut fits: ``min over cuts of max_r mem_r``.
 
-    Exact: a DP for ``virtual_stages == 1``, a min-max-memory MIP (relative gap
-    1e-9) otherwise.  ``microbatches`` only matters through the default
+    Exact: a DP for ``virtual_stages == 1``; otherwise a min-max-memory MIP
+    (relative gap 1e-9) bounded by the DP over stages and a local-search cut;
+    raises :class:`SolverTimeoutError` if the MIP cannot prove the minimum in
+    ``time_limit_s``.  ``microbatches`` only matters through the default
     ``in_flight``.  The value is the exact evaluation of the minimising cut, so
     passing it as ``memory_budget_bytes`` to :func:`solve_cuts` succeeds.
     """
     prob = _problem(layers, ranks, microbatches, virtual_stages, in_flight, None)
     if not time_limit_s > 0:
         raise ValueError(f"time_limit_s={time_limit_s!r}; required: a positive number of seconds.")
-    return _min_memory_cut(prob, _Tables(prob), time_limit_s)[0]
+    found = _min_memory_cut(prob, _Tables(prob), time_limit_s)
+    if not found.proven:
+        raise SolverTimeoutError(
+            f"could not prove the minimum per-device memory within {time_limit_s:.1f} s; the best cut found needs "
+            f"{_gib(found.value)} (starts {found.starts}). Fix: raise time_limit_s."
+        )
+    return found.value
+
+
+def _raise_infeasible(prob: _Problem, tab: _Tables, budget: float, time_limit_s: float) -> CutResult:
+    """Raise InfeasibleMemoryError; returns the minimum-memory cut when it does fit after all (tolerances)."""
+    t0 = time.perf_counter()
+    found = _min_memory_cut(prob, tab, time_limit_s)
+    if not _fits(found.value, budget):
+        raise _infeasible_error(prob, budget, found.value, found.starts)
+    return _result(tab, found.starts, "feasible", found.backend, t0)
+
+
+def _solve_cuts_ilp(prob: _Problem, budget: float | None, time_limit_s: float, strengthen: bool) -> CutResult:
+    """The MIP path of :func:`solve_cuts`; ``strengthen=False`` runs the bare formulation (for tests)."""
+    t0 = time.perf_counter()
+    tab = _Tables(prob)
+    if prob.n_stages == 1:
+        if budget is not None and not _fits(max(tab.evaluate((0,))[1]), budget):
+            _raise_infeasible(prob, tab, budget, time_limit_s)
+        return _result(tab, (0,), "optimal", "dp", t0)
+    incumbent, bounds = None, _Bounds()
+    if strengthen:
+        relaxed = _relaxed_bottleneck(prob, tab, budget)
+        if relaxed is None:  # not even each stage alone fits, so no rank can
+            assert budget is not None
+            return _raise_infeasible(prob, tab, budget, time_limit_s)
+        incumbent = _incumbent(prob, tab, budget, relaxed[1])
+        bounds = _bounds(prob, tab, budget, relaxed[0], incumbent[0] if incumbent else math.inf)
+    mip: tuple[tuple[int, ...], str, str] | None = None
+    for tighten in (0.0, _RETRY_TIGHTEN):
+        try:
+            found = _run_mip(lambda s, tg=tighten: _cut_model(s, prob, budget, tg, bounds), prob, time_limit_s, t0)
+        except SolverTimeoutError:
+            if incumbent is None:
+                raise
+            break
+        if found is None:
+            break
+        model, status, backend = found
+        starts = _check_starts(prob, _read_starts(model, prob))
+        if budget is None or _fits(max(tab.evaluate(starts)[1]), budget):
+            mip = (starts, status, backend)
+            break
+    inc_obj = incumbent[0] if incumbent is not None else math.inf
+    if mip is not None and tab.evaluate(mip[0])[2] <= inc_obj:
+        return _result(tab, mip[0], mip[1], mip[2], t0)
+    if incumbent is not None:
+        # v = 1: the relaxed bottleneck is exact, so the incumbent is the DP optimum.  Otherwise it is
+        # optimal only when the MIP proved that nothing beats it.
+        proven = prob.v == 1 or (mip is not None and mip[1] == "optimal")
+        return _result(tab, incumbent[1], "optimal" if proven else "feasible", "dp" if prob.v == 1 else "heuristic", t0)
+    if budget is None:
+        raise SolverError("the stage-cut MIP was reported infeasible without a memory budget; this is a solver "
+                          "failure, please report the problem instance.")
+    return _raise_infeasible(prob, tab, budget, time_limit_s)
 
 
 def solve_cuts(
@@ -759,34 +964,17 @@ def solve_cuts(
     ``memory_budget_bytes`` (no limit when None).  ``in_flight`` gives each
     stage's in-flight microbatches (default ``min(p - j % p, m)``).  Ties
     between optimal cuts are broken by the backend (deterministically).
+
+    When the MIP cannot prove optimality in ``time_limit_s`` the best cut known
+    is returned with status ``"feasible"`` (the MIP's, or the local-search
+    incumbent's with backend ``"heuristic"``); for ``virtual_stages == 1`` the
+    DP-derived incumbent is optimal and is returned as ``"optimal"``/``"dp"``.
     Raises :class:`InfeasibleMemoryError` when no cut fits the budget (with the
     smallest budget that would), :class:`SolverTimeoutError` when the time limit
-    passes with no cut found, and ``ValueError`` for malformed inputs.
+    passes with no cut known, and ``ValueError`` for malformed inputs.
     """
-    t0 = time.perf_counter()
     prob = _problem(layers, ranks, microbatches, virtual_stages, in_flight, bubble_weight)
     budget = _budget(memory_budget_bytes)
     if not time_limit_s > 0:
         raise ValueError(f"time_limit_s={time_limit_s!r}; required: a positive number of seconds.")
-    tab = _Tables(prob)
-    if prob.n_stages == 1:
-        starts: tuple[int, ...] = (0,)
-        if budget is not None and not _fits(max(tab.evaluate(starts)[1]), budget):
-            raise _infeasible_error(prob, budget, max(tab.evaluate(starts)[1]), starts)
-        return _result(tab, starts, "optimal", "dp", t0)
-    for tighten in (0.0, _RETRY_TIGHTEN):
-        found = _run_mip(lambda s, tg=tighten: _build_cut_model(s, prob, budget, tg), prob, time_limit_s, t0)
-        if found is None:
-            break
-        model, status, backend = found
-        starts = _read_starts(model, prob)
-        _check_starts(prob, starts)
-        if budget is None or _fits(max(tab.evaluate(starts)[1]), budget):
-            return _result(tab, starts, status, backend, t0)
-    assert budget is not None
-    left = max(time_limit_s - (time.perf_counter() - t0), 0.1 * time_limit_s)
-    required, min_starts, min_backend = _min_memory_cut(prob, tab, left)
-    if not _fits(required, budget):
-        raise _infeasible_error(prob, budget, required, min_starts)
-    # Only reachable through backend tolerances: a fitting cut exists but the MIP did not return one.
-    return _result(tab, min_starts, "feasible", min_backend, t0)
+    return _solve_cuts_ilp(prob, budget, float(time_limit_s), strengthen=True)
