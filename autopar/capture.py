@@ -103,6 +103,12 @@ def capture(model: nn.Module, example_inputs: Any) -> TracedGraph:
     control flow. If its parameters are fake tensors, inputs may be real or fake; nothing is
     materialised. Raises :class:`CaptureError` naming the module and source line on failure.
     """
+    return capture_with_export(model, example_inputs)[0]
+
+
+def capture_with_export(model: nn.Module, example_inputs: Any) -> tuple[TracedGraph, Any]:
+    """:func:`capture`, also returning ``torch.export``'s program of the loss wrapper (the
+    forward graph that pipeline stages are cut from), so the model is exported once."""
     start = time.perf_counter()
     args, kwargs = normalize_inputs(example_inputs)
     _check_signature(model, args, kwargs)
@@ -125,7 +131,7 @@ def capture(model: nn.Module, example_inputs: Any) -> TracedGraph:
     gm = joint.graph_module
     _strip_input_grads(gm)
     _strip_assertions(gm)
-    return _build(gm, wrapper, in_spec, fake_mode is not None, time.perf_counter() - start)
+    return _build(gm, wrapper, in_spec, fake_mode is not None, time.perf_counter() - start), ep
 
 
 def _check_signature(model: nn.Module, args: tuple, kwargs: dict) -> None:

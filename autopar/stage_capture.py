@@ -20,14 +20,14 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autopar import _torch_private as private
 from autopar.capture import (
-    _LossModule, _build, _check_signature, _export, _fake_mode_of, _first_line, _refuse_meta,
+    _LossModule, _build, _check_signature, capture_with_export, _export, _fake_mode_of, _first_line, _refuse_meta,
     _strip_assertions, _strip_input_grads, _to_fake, normalize_inputs,
 )
 from autopar.errors import CaptureError
 from autopar.graph import TracedGraph
 from autopar.passes.stages import StageGraph, block_prefix, layer_units, node_stages, split_stages
 
-__all__ = ["ForwardGraph", "export_forward", "capture_stages", "microbatch_inputs"]
+__all__ = ["ForwardGraph", "export_forward", "capture_with_forward", "capture_stages", "microbatch_inputs"]
 
 _WRAP = "model."
 
@@ -73,17 +73,30 @@ def microbatch_inputs(example_inputs: Any, microbatches: int) -> tuple[list[Any]
     return chunks, spec
 
 
-def export_forward(model: nn.Module, example_inputs: Any) -> ForwardGraph:
-    """Export ``model`` (wrapped to return its loss) on ``example_inputs``; find its layer units."""
+def capture_with_forward(model: nn.Module, example_inputs: Any) -> tuple[TracedGraph, ForwardGraph]:
+    """The joint graph (:func:`autopar.capture.capture`) and the forward graph with its layer
+    units, from one export of the model."""
+    traced, ep = capture_with_export(model, example_inputs)
+    return traced, export_forward(model, example_inputs, ep)
+
+
+def export_forward(model: nn.Module, example_inputs: Any, ep: Any = None) -> ForwardGraph:
+    """Export ``model`` (wrapped to return its loss) on ``example_inputs``; find its layer units.
+
+    ``ep``: an export of the wrapped model on these inputs, if one was already made.
+    """
     args, kwargs = normalize_inputs(example_inputs)
     _check_signature(model, args, kwargs)
     _refuse_meta(model)
     fake_mode = _fake_mode_of(model)
     if fake_mode is not None:
         args, kwargs = _to_fake((args, kwargs), fake_mode)
-    wrapper = _LossModule(model)
-    with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        ep = _export(wrapper, args, kwargs)
+    output_type = None
+    if ep is None:
+        wrapper = _LossModule(model)
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            ep = _export(wrapper, args, kwargs)
+        output_type = wrapper.take_output_type()
     gm = ep.module()
     for n in list(gm.graph.nodes):
         if n.op == "call_module" and not n.users:  # export's input guard
@@ -99,7 +112,7 @@ def export_forward(model: nn.Module, example_inputs: Any) -> ForwardGraph:
     for name, p in model.named_parameters(remove_duplicate=False):
         canonical[name] = owner.setdefault(id(p), name)
     _, spec = tree_flatten((args, kwargs))
-    return ForwardGraph(gm, units, unit_of, canonical, fake_mode, spec, wrapper.take_output_type())
+    return ForwardGraph(gm, units, unit_of, canonical, fake_mode, spec, output_type)
 
 
 def capture_stages(fwd: ForwardGraph, stage_of_unit: Sequence[int], mb_inputs: Sequence[Any]

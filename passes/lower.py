@@ -88,13 +88,13 @@ class _Interpreter:
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
 
     def run(self, *locals_: torch.Tensor) -> list[torch.Tensor | None]:
-        env: dict[str, Any] = {}
         moved: dict[tuple[str, tuple], DTensor] = {}
-        for n, t in zip(self.placeholders, locals_):
-            p = placements_of(self.plan.nodes[n.name].outputs[0])
-            val = n.meta["val"]
-            env[n.name] = DTensor.from_local(t, self.mesh, p, run_check=False,
-                                             shape=val.shape, stride=val.stride())
+        out_node = next(n for n in self.gm.graph.nodes if n.op == "output")
+        # forward outputs (the loss, a pipeline stage's activations) are moved to their output
+        # placement as soon as they exist, in the forward: a backward consumer may share the move
+        early = {a.name: i for i, a in enumerate(out_node.args[0])
+                 if isinstance(a, fx.Node) and a.meta.get("partitioner_tag") == "is_forward"}
+        env: dict[str, Any] = _LazyInputs(self, dict(zip((n.name for n in self.placeholders), locals_)))
         for n in self.gm.graph.nodes:
             if n.op == "get_attr":
                 env[n.name] = DTensor.from_local(getattr(self.gm, n.target), self.mesh,
@@ -104,7 +104,13 @@ class _Interpreter:
                 env[n.name] = env[n.args[0].name][n.args[1]]
             elif n.op == "call_function":
                 try:
-                    env[n.name] = self._call(n, env, moved)
+                    # the local nodes (and the collectives feeding them) keep the joint node's
+                    # metadata, "partitioner_tag" included: the forward/backward split needs it
+                    with torch.fx.traceback.set_current_meta(n):
+                        env[n.name] = self._call(n, env, moved)
+                        if n.name in early:
+                            dst = placements_of(self.plan.output_placements[early[n.name]])
+                            self._get(n, dst, env, moved)
                 except Exception as e:
                     choice = self.plan.nodes[n.name]
                     raise RuntimeError(
@@ -164,6 +170,30 @@ class _Interpreter:
             target = placements_of(self.plan.output_placements[i])
             res.append(self._get(a, target, env, moved).to_local())
         return res
+
+
+class _LazyInputs(dict):
+    """The interpreter's values; an input becomes a DTensor where it is first read.
+
+    Wrapping every input up front would put the wrapping of the loss's tangent before the
+    forward, where the forward/backward partitioner (which splits by position) takes it for
+    forward work that depends on the tangent.
+    """
+
+    def __init__(self, interp: "_Interpreter", inputs: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.interp, self.inputs = interp, inputs
+        self.nodes = {n.name: n for n in interp.placeholders}
+
+    def __missing__(self, name: str) -> DTensor:
+        if name not in self.inputs:
+            raise KeyError(name)
+        n = self.nodes[name]
+        p = placements_of(self.interp.plan.nodes[name].outputs[0])
+        val = n.meta["val"]
+        self[name] = DTensor.from_local(self.inputs[name], self.interp.mesh, p, run_check=False,
+                                        shape=val.shape, stride=val.stride())
+        return self[name]
 
 
 def _local_view(n: fx.Node, x: DTensor, out_placements: tuple, mesh: Any) -> DTensor:

@@ -78,6 +78,7 @@ class StageModule(nn.Module):
         order = [n.name for n in traced.gm.graph.nodes if n.op == "placeholder"]
         nfwd = traced.num_forward_outputs
         self.fwd, self.bwd = split_forward_backward(local_program, order, nfwd)
+        self.local_program = local_program
         by_node = {p.node: canonical.get(p.name, p.name) for p in traced.params}
         self._order = [name for name in order if name not in traced.tangent_nodes]
         self._param_names = [by_node.get(name) for name in self._order]

@@ -20,7 +20,6 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from autopar.capture import capture
 from autopar.config import SCHEDULES, Config
 from autopar.cost_models.comm import axis_collective_time
 from autopar.cost_models.pipeline import check_schedule, in_flight, simulate
@@ -32,7 +31,9 @@ from autopar.plan import Collective, PipelinePlan, Plan
 from autopar.solver.ilp import InfeasibleMemoryError
 from autopar.solver.planner import _Candidate, mesh_candidates, solve_candidate, solve_space
 from autopar.solver.stage_cuts import LayerCost, solve_cuts
-from autopar.stage_capture import ForwardGraph, capture_stages, export_forward, microbatch_inputs
+from autopar.stage_capture import (
+    ForwardGraph, capture_stages, capture_with_forward, export_forward, microbatch_inputs,
+)
 
 __all__ = ["PipelineSetup", "search_pipeline", "build_pipeline_plan", "unit_costs"]
 
@@ -185,7 +186,8 @@ def _search_point(model: Any, example_inputs: Any, mesh: Mesh, config: Config,
     if m not in cache:
         chunks, _ = microbatch_inputs(example_inputs, m)
         mb = _unflatten(example_inputs, chunks[0])
-        cache[m] = (export_forward(model, mb), capture(model, mb))
+        traced, fwd = capture_with_forward(model, mb)
+        cache[m] = (fwd, traced)
     fwd, traced = cache[m]
     if len(fwd.units) < pp:
         raise PlanError(f"the model has {len(fwd.units)} layer units, fewer than pp={pp} stages")
@@ -232,15 +234,33 @@ def _unflatten(example_inputs: Any, flat: Sequence[Any]) -> Any:
     return tuple(flat)
 
 
+# The stages traced for the last plan made in this process, reused by parallelize (tracing is
+# most of the time of planning a small model). Keyed by the model object and the cut.
+_LAST_STAGES: dict[tuple, tuple[ForwardGraph, list]] = {}
+
+
+def _traced_stages(model: Any, example_inputs: Any, microbatches: int,
+                   stage_of_unit: tuple[int, ...]) -> tuple[ForwardGraph, list]:
+    key = (id(model), microbatches, tuple(stage_of_unit))
+    if key not in _LAST_STAGES:
+        chunks, _ = microbatch_inputs(example_inputs, microbatches)
+        fwd = export_forward(model, _unflatten(example_inputs, chunks[0]))
+        if len(fwd.units) != len(stage_of_unit):
+            raise PlanError(f"the model has {len(fwd.units)} layer units {fwd.units}; the plan "
+                            f"cuts {len(stage_of_unit)}: re-plan for this model.")
+        _LAST_STAGES.clear()
+        _LAST_STAGES[key] = (fwd, capture_stages(fwd, stage_of_unit, chunks[0]))
+    return _LAST_STAGES[key]
+
+
 def forward_for_plan(model: Any, example_inputs: Any, pipe: PipelinePlan) -> tuple[ForwardGraph, list]:
-    """Trace the stages of ``pipe`` again (at parallelize time): the forward graph and, per stage,
+    """The stages of ``pipe`` traced for ``model``: the forward graph and, per stage,
     ``(StageGraph, TracedGraph)``."""
-    chunks, _ = microbatch_inputs(example_inputs, pipe.microbatches)
-    fwd = export_forward(model, _unflatten(example_inputs, chunks[0]))
+    fwd, stages = _traced_stages(model, example_inputs, pipe.microbatches, pipe.stage_of_unit)
     if fwd.units != pipe.units:
         raise PlanError(f"the model's layer units {fwd.units} differ from the plan's {pipe.units}; "
                         f"re-plan for this model.")
-    return fwd, capture_stages(fwd, pipe.stage_of_unit, chunks[0])
+    return fwd, stages
 
 
 def build_pipeline_plan(model: Any, example_inputs: Any, whole: TracedGraph, mesh: Mesh,
@@ -248,9 +268,7 @@ def build_pipeline_plan(model: Any, example_inputs: Any, whole: TracedGraph, mes
                         cost_passes: Sequence[Callable[..., Any]], budget: float | None) -> Plan:
     """Plan every stage of ``setup`` with the intra-operator ILP and assemble the Plan."""
     t0 = time.perf_counter()
-    chunks, _ = microbatch_inputs(example_inputs, setup.microbatches)
-    fwd = export_forward(model, _unflatten(example_inputs, chunks[0]))
-    stages = capture_stages(fwd, setup.stage_of_unit, chunks[0])
+    fwd, stages = _traced_stages(model, example_inputs, setup.microbatches, setup.stage_of_unit)
     plans: list[Plan] = []
     placed: dict[str, tuple[str, ...]] = {}  # a tied weight takes the first stage's placement
     for st, traced in stages:
@@ -291,6 +309,7 @@ def _assemble(whole: TracedGraph, mesh: Mesh, config: Config, setup: PipelineSet
         collectives.append(Collective("all_reduce", "pp", int(nbytes), "backward", "", name, None))
         tied_s += axis_collective_time("all_reduce", nbytes, pp, stride, mesh.topology)
     collectives.append(Collective("all_reduce", "pp", 4, "forward", "", "loss", None))
+    collectives += _point_to_point(stages, cand, m)
     memory = _rank_memory(plans, setup, pp)
     inputs = _input_placements(whole, stages, plans)
     pipe = PipelinePlan(
@@ -317,6 +336,24 @@ def _assemble(whole: TracedGraph, mesh: Mesh, config: Config, setup: PipelineSet
                 "capture_time_s": whole.capture_time_s},
         warnings=warnings, topology=mesh.topology.name, config=config.to_dict(),
         input_shapes=tuple(i.shape for i in whole.inputs), pipeline=pipe)
+
+
+def _point_to_point(stages: list, cand: _Candidate, m: int) -> list[Collective]:
+    """The sends and receives of boundary activations (forward) and their gradients (backward),
+    for every microbatch, tagged with the stage whose ranks issue them."""
+    dp = math.prod(cand.shape[a] for a in cand.dp_axes)
+    out: list[Collective] = []
+    for st, traced in stages:
+        nodes = {n.name: n for n in traced.gm.graph.nodes}
+        for names, fwd_kind in ((traced.boundary_inputs, "recv"), (traced.boundary_tangents, "send")):
+            for name in names:
+                val = nodes[name].meta["val"]
+                nbytes = int(val.numel() * val.element_size() // dp)
+                bwd_kind = "send" if fwd_kind == "recv" else "recv"
+                for _ in range(m):
+                    out.append(Collective(fwd_kind, "pp", nbytes, "forward", "", name, st.index))
+                    out.append(Collective(bwd_kind, "pp", nbytes, "backward", "", name, st.index))
+    return out
 
 
 def _shards(placements: Sequence[str], cand: _Candidate) -> int:

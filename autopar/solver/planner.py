@@ -294,10 +294,15 @@ def _collectives(traced: TracedGraph, cand: _Candidate, nodes: dict[str, NodePla
             total += t
             forward += t if phase == "forward" else 0.0
 
+    out_node = next(n for n in traced.gm.graph.nodes if n.op == "output")
+    early = {a.name: i for i, a in enumerate(out_node.args[0])  # as the lowering does
+             if a is not None and a.meta.get("partitioner_tag") == "is_forward"}
     for n in traced.gm.graph.nodes:
         if n.op == "call_function" and n.target is not operator.getitem:
             for a, dst in zip(_tensor_inputs(n), nodes[n.name].inputs):
                 move(a, dst, _phase(n), traced.node_layer.get(n.name, ""), n.name)
+            if n.name in early:
+                move(n, outputs[early[n.name]], "forward", traced.node_layer.get(n.name, ""), "output")
         elif n.op == "output":
             for i, a in enumerate(n.args[0]):
                 if a is not None:

@@ -45,19 +45,48 @@ lies in a stage ``<= j``, for ``j = 0 .. S - 2`` (``z[l, -1] = 0`` and
 Stages are ordered, so there is no symmetry to break; the "last layer"
 indicator is linear in ``z`` (no extra variables) and ``x``, ``c`` are
 substituted, leaving ``(S - 1)(L - S)`` binaries.  Time rows are scaled by the
-largest ``a_l + send_l``, memory rows by ``B``.  The MIP runs with a relative
-gap of 1e-9 and absolute gap 0 (the result is exact for the tests' 1e-9
-comparisons), HiGHS first and CBC with the rest of the time when HiGHS ends
-without a solution (OR-Tools' HiGHS interface exposes no incumbent at its time
-limit).  The chosen cut is re-evaluated exactly with :func:`evaluate_cuts`; a
-cut that breaks the budget by more than the 1e-9 relative tolerance (possible
-only through the backend's feasibility tolerance) is re-solved once with a
-slightly tighter row, then replaced by the minimum-memory cut.
+largest ``a_l + send_l``, memory rows by ``B``.
+
+Strengthening.  The bare model above is exact but its LP relaxation balances
+fractional layers, so proving a bottleneck optimum is pigeonhole-hard: on 96
+layers (GPT-like chain) HiGHS needs ~2-5 s for p = 8, 16 and does not finish
+p = 32 within 30 s.  Three valid additions fix v = 1:
+
+* ``T >= T_lb``, where ``T_lb`` is the smallest bottleneck over cuts whose
+  *stages* each fit the budget (the DP of :func:`solve_cuts_dp`).  A rank holds
+  at least its stages, so this relaxes every ``v``; for ``v = 1`` it is exact.
+  ``Rmax >= max(T_lb, (sum_l a_l + the S - 1 cheapest sends) / p)``.
+* An incumbent cut with objective ``U`` (v = 1: the DP cut; v > 1: local search
+  from the DP cut, from the sum-of-squares DP cut and, with a budget, from the
+  smallest-memory cut).  Every cut at least as good has
+  ``T <= tau = min(U / (m + w), (U - m Rmax_lb) / w, Rmax_ub)`` and
+  ``Rmax <= Rmax_ub = (U - w T_lb) / m`` (both widened by 1e-9 so ties stay).
+* Interval exclusions ``z[e - 1, j] <= z[k, j - 1]`` ("stage j does not contain
+  layers [k, e)") for the shortest ``[k, e)`` whose smallest possible stage time
+  exceeds ``tau`` or whose stage memory exceeds ``B``: one row per (j, k).
+
+With them every v = 1 instance is solved at the root.  For v > 1 the rank sums
+remain pigeonhole-hard (96 layers, p = 8, v = 2 does not close its ~2-4 % gap
+in 30 s); the result is then the better of the MIP's and the incumbent's cut
+with status ``"feasible"`` (backend ``"heuristic"`` for the incumbent).
+
+Solve: relative gap 1e-9 and absolute gap 0 (exact for 1e-9 comparisons),
+HiGHS first with 2/3 of the time, CBC with the rest when HiGHS ends without a
+solution (OR-Tools' HiGHS interface exposes no incumbent at its time limit; it
+also crashes on solution hints, so none are given).  The limit is approximate
+(CBC can overrun it by about a second).  Model construction is ordered, so a
+solve that finishes is deterministic; one cut short by the time limit can
+depend on machine speed.  The chosen cut is re-evaluated exactly with
+:func:`evaluate_cuts`; a cut that breaks the budget by more than the 1e-9
+relative tolerance (possible only through the backend's feasibility
+tolerance) is re-solved once with a slightly tighter row.
 
 Exact references: :func:`solve_cuts_dp` (``v = 1``, dynamic programming over
 (stage, first layer), O(S L^2)) and :func:`brute_force_cuts` (every one of the
 ``C(L - 1, S - 1)`` cuts, any ``v``).  :func:`min_feasible_memory` is the
-smallest budget any cut fits (DP for ``v = 1``, a min-max-memory ILP otherwise).
+smallest budget any cut fits: the same DP with stage memory for ``v = 1``; for
+``v > 1`` a min-max-memory MIP (same ``z`` rows, ``mem_r <= M``, min ``M``)
+between the stage-memory DP bound and a local-search cut.
 
 A cut fits the budget when every rank's memory is ``<= B * (1 + 1e-9)``.  All
 sums are ``math.fsum`` over layers in order, so every solver reports identical
@@ -98,7 +127,6 @@ _FIRST_BACKEND_SHARE = 2 / 3  # of the remaining time, when a second backend can
 _LAST_BACKEND_SHARE = 0.75  # CBC overruns its limit by up to a few seconds
 _RETRY_TIGHTEN = 1e-6  # relative tightening of the memory rows when a result broke the budget
 _BRUTE_FORCE_MAX = 200_000
-EXP = {}
 
 
 @dataclass(frozen=True)
@@ -128,7 +156,8 @@ class CutResult:
     ``S``); ``stage_time_s`` has one entry per stage, ``rank_memory_bytes`` one
     per rank; ``objective_s`` is the predicted step time.  ``status`` is
     ``"optimal"`` or ``"feasible"`` (time limit hit before optimality was
-    proven); ``backend`` is ``"HiGHS"``, ``"CBC"``, ``"dp"`` or ``"brute-force"``.
+    proven); ``backend`` is ``"HiGHS"``, ``"CBC"``, ``"dp"``, ``"brute-force"`` or
+    ``"heuristic"`` (the local-search incumbent, v > 1, when the MIP did not beat it).
     """
 
     starts: tuple[int, ...]
@@ -381,8 +410,12 @@ def _gib(x: float) -> str:
     return f"{x:.0f} bytes ({x / 2**30:.3f} GiB)"
 
 
-def _infeasible_error(prob: _Problem, budget: float, required: float, starts: Sequence[int]) -> InfeasibleMemoryError:
-    """Error naming the budget, the smallest budget any cut fits, and the fixes."""
+def _infeasible_error(prob: _Problem, budget: float, required: float, starts: Sequence[int],
+                      proven: bool = True) -> InfeasibleMemoryError:
+    """Error naming the budget, the smallest budget any cut fits, and the fixes.
+
+    ``proven=False``: ``required`` is the smallest found within the time limit (an upper bound).
+    """
     tab_note = ""
     flight = min(prob.in_flight) if prob.in_flight else 0.0
     floor = max((st + flight * ac, i) for i, (st, ac) in enumerate(zip(prob.state, prob.act)))
@@ -392,8 +425,10 @@ def _infeasible_error(prob: _Problem, budget: float, required: float, starts: Se
                     "or recompute its activations.")
     msg = (
         f"no cut of the {prob.n_layers} layers into {prob.n_stages} pipeline stages (ranks={prob.p} x "
-        f"virtual_stages={prob.v}) fits the per-device memory budget: given {_gib(budget)}, the smallest budget "
-        f"any cut fits is {_gib(required)} (cut starts {tuple(starts)}).{tab_note} Fix: use more pipeline stages "
+        f"virtual_stages={prob.v}) fits the per-device memory budget: given {_gib(budget)}, "
+        + ("the smallest budget any cut fits is " if proven else
+           "the smallest budget found within the time limit (the exact minimum may be lower) is ")
+        + f"{_gib(required)} (cut starts {tuple(starts)}).{tab_note} Fix: use more pipeline stages "
         "(more ranks), tensor parallelism to split each layer's parameters and activations, activation "
         "recomputation (or fewer microbatches in flight) to shrink the saved activations, or a device with "
         "more memory (raise the budget)."
@@ -504,44 +539,102 @@ def _relaxed_bottleneck(prob: _Problem, tab: _Tables, budget: float | None) -> t
                           _stage_memory_mask(prob, tab, budget))
 
 
-def _local_search(prob: _Problem, starts: tuple[int, ...], key) -> tuple[float, tuple[int, ...]]:
-    """First-improvement descent moving one cut by one layer at a time (deterministic).
+def _moves(prob: _Problem, cur: tuple[int, ...]):
+    """Neighbouring cuts: one boundary moved by 1 or 2 layers, or one stage shifted by one layer."""
+    n, s = prob.n_layers, prob.n_stages
 
-    ``key(starts)`` is the value to minimise, or None for an infeasible cut.
+    def valid(c: tuple[int, ...]) -> bool:
+        return c[0] == 0 and all(x < y for x, y in zip(c, c[1:])) and c[-1] < n
+
+    for i in range(1, s):
+        for delta in (-1, 1, -2, 2):
+            cand = (*cur[:i], cur[i] + delta, *cur[i + 1:])
+            if valid(cand):
+                yield cand
+        if i + 1 < s:
+            for delta in (-1, 1):  # stage i keeps its size and slides
+                cand = (*cur[:i], cur[i] + delta, cur[i + 1] + delta, *cur[i + 2:])
+                if valid(cand):
+                    yield cand
+
+
+def _local_search(prob: _Problem, starts: tuple[int, ...], key) -> tuple[tuple, tuple[int, ...]]:
+    """First-improvement descent over :func:`_moves` (deterministic).
+
+    ``key(starts)`` is a tuple to minimise (the objective first, then tie-breakers
+    that steer the search across plateaus of the max), or None for an infeasible cut.
     """
-    best = key(starts)
+    best, cur = key(starts), tuple(starts)
     assert best is not None
-    cur = list(starts)
     improved = True
     while improved:
         improved = False
-        for i in range(1, prob.n_stages):
-            for delta in (-1, 1):
-                pos = cur[i] + delta
-                lo = cur[i - 1] + 1
-                hi = cur[i + 1] - 1 if i + 1 < prob.n_stages else prob.n_layers - 1
-                if not lo <= pos <= hi:
-                    continue
-                cand = (*cur[:i], pos, *cur[i + 1:])
-                value = key(cand)
-                if value is not None and value < best:
-                    best, cur, improved = value, list(cand), True
-    return best, tuple(cur)
+        for cand in _moves(prob, cur):
+            value = key(cand)
+            if value is not None and value < best:
+                best, cur, improved = value, cand, True
+                break
+    return best, cur
+
+
+def _sum_of_squares_dp(prob: _Problem, tab: _Tables, budget: float | None) -> tuple[int, ...] | None:
+    """The cut minimising sum_j t_j^2 with every stage within the budget (balanced chunks)."""
+    n, s = prob.n_layers, prob.n_stages
+    mask = _stage_memory_mask(prob, tab, budget)
+    best = np.full(n + 1, math.inf)
+    choice: list[np.ndarray] = [np.zeros(n + 1, dtype=int)] * s
+    costs = []
+    for j in range(s):
+        c = tab.time_matrix(j) ** 2
+        c = np.where(np.isnan(c), math.inf, c)
+        if mask is not None:
+            c = np.where(mask[j], c, math.inf)
+        costs.append(c)
+    best[:n] = costs[s - 1][:n, n]
+    for j in range(s - 2, -1, -1):
+        cand = costs[j] + best[None, :]
+        choice[j] = np.argmin(cand, axis=1)
+        best = cand.min(axis=1)
+    if not math.isfinite(float(best[0])):
+        return None
+    starts, k = [0], 0
+    for j in range(s - 1):
+        k = int(choice[j][k])
+        starts.append(k)
+    return tuple(starts)
 
 
 def _incumbent(prob: _Problem, tab: _Tables, budget: float | None, start: tuple[int, ...]
                ) -> tuple[float, tuple[int, ...]] | None:
-    """A good cut to start from: the relaxed bottleneck cut, improved by local search (v > 1)."""
+    """A good cut to start from.
 
-    def key(starts: tuple[int, ...]) -> float | None:
-        _, mems, objective = tab.evaluate(starts)
-        return objective if _fits(max(mems), budget) else None
+    v = 1: the relaxed bottleneck cut ``start`` (optimal).  v > 1: local search
+    on the objective (ties broken by sum R_r^2, then sum t_j^2) from ``start``,
+    from the sum-of-squares cut and, with a budget, from the local-search
+    minimum-memory cut; the best result, or None when no start fits the budget.
+    """
 
-    if key(start) is None:
-        return None
+    def key(starts: tuple[int, ...]) -> tuple[float, float, float] | None:
+        times, mems, objective = tab.evaluate(starts)
+        if not _fits(max(mems), budget):
+            return None
+        ranks = [math.fsum(times[r::prob.p]) for r in range(prob.p)]
+        return objective, math.fsum(x * x for x in ranks), math.fsum(x * x for x in times)
+
     if prob.v == 1:
-        return key(start), start  # type: ignore[return-value]
-    return _local_search(prob, start, key)
+        return (tab.evaluate(start)[2], start) if key(start) is not None else None
+    found = []
+    starts = [start, _sum_of_squares_dp(prob, tab, budget)]
+    if budget is not None:
+        starts.append(_min_memory_cut(prob, tab, 0.0, exact=False).starts)
+    for cut in starts:
+        if cut is not None and key(cut) is not None:
+            value, cut = _local_search(prob, cut, key)
+            found.append((value, cut))
+    if not found:
+        return None
+    value, cut = min(found)
+    return value[0], cut
 
 
 def _min_sends(prob: _Problem) -> float:
@@ -834,11 +927,12 @@ class _MinMemory:
     backend: str
 
 
-def _min_memory_cut(prob: _Problem, tab: _Tables, time_limit_s: float) -> _MinMemory:
+def _min_memory_cut(prob: _Problem, tab: _Tables, time_limit_s: float, exact: bool = True) -> _MinMemory:
     """The smallest peak rank memory over all cuts and a cut attaining it.
 
     v = 1: DP.  v > 1: the relaxed DP (max stage memory) is a lower bound, local
-    search from its cut an upper bound, and the min-max-memory MIP closes the gap.
+    search from its cut an upper bound, and the min-max-memory MIP closes the gap
+    (skipped when ``exact`` is False: then the local-search cut is returned).
     """
     t0 = time.perf_counter()
     found = _bottleneck_dp(prob, [tab.memory_matrix(j) for j in range(prob.n_stages)], None)
@@ -846,9 +940,16 @@ def _min_memory_cut(prob: _Problem, tab: _Tables, time_limit_s: float) -> _MinMe
     lower, start = found  # the largest *stage* memory: exact for v = 1, a lower bound for v > 1
     if prob.v == 1:
         return _MinMemory(max(tab.evaluate(start)[1]), start, True, "dp")
-    upper, best = _local_search(prob, start, lambda s: max(tab.evaluate(s)[1]))
+
+    def key(starts: tuple[int, ...]) -> tuple[float, float]:
+        mems = tab.evaluate(starts)[1]
+        return max(mems), math.fsum(x * x for x in mems)
+
+    (upper, _), best = _local_search(prob, start, key)
     if upper <= lower * (1.0 + _MIP_RELATIVE_GAP):
         return _MinMemory(upper, best, True, "dp")
+    if not exact:
+        return _MinMemory(upper, best, False, "heuristic")
     excl = _exclusions(prob, tab, upper, math.inf)
     try:
         found = _run_mip(lambda s: _memory_model(s, prob, lower, upper, excl), prob, time_limit_s, t0)
@@ -893,12 +994,12 @@ def min_feasible_memory(
     return found.value
 
 
-def _raise_infeasible(prob: _Problem, tab: _Tables, budget: float, time_limit_s: float) -> CutResult:
+def _raise_infeasible(prob: _Problem, tab: _Tables, budget: float, time_limit_s: float, t0: float) -> CutResult:
     """Raise InfeasibleMemoryError; returns the minimum-memory cut when it does fit after all (tolerances)."""
-    t0 = time.perf_counter()
-    found = _min_memory_cut(prob, tab, time_limit_s)
+    left = max(time_limit_s - (time.perf_counter() - t0), 0.1 * time_limit_s)
+    found = _min_memory_cut(prob, tab, left)
     if not _fits(found.value, budget):
-        raise _infeasible_error(prob, budget, found.value, found.starts)
+        raise _infeasible_error(prob, budget, found.value, found.starts, found.proven)
     return _result(tab, found.starts, "feasible", found.backend, t0)
 
 
@@ -908,24 +1009,31 @@ def _solve_cuts_ilp(prob: _Problem, budget: float | None, time_limit_s: float, s
     tab = _Tables(prob)
     if prob.n_stages == 1:
         if budget is not None and not _fits(max(tab.evaluate((0,))[1]), budget):
-            _raise_infeasible(prob, tab, budget, time_limit_s)
+            return _raise_infeasible(prob, tab, budget, time_limit_s, t0)
         return _result(tab, (0,), "optimal", "dp", t0)
     incumbent, bounds = None, _Bounds()
     if strengthen:
         relaxed = _relaxed_bottleneck(prob, tab, budget)
         if relaxed is None:  # not even each stage alone fits, so no rank can
             assert budget is not None
-            return _raise_infeasible(prob, tab, budget, time_limit_s)
+            return _raise_infeasible(prob, tab, budget, time_limit_s, t0)
         incumbent = _incumbent(prob, tab, budget, relaxed[1])
         bounds = _bounds(prob, tab, budget, relaxed[0], incumbent[0] if incumbent else math.inf)
     mip: tuple[tuple[int, ...], str, str] | None = None
     for tighten in (0.0, _RETRY_TIGHTEN):
         try:
             found = _run_mip(lambda s, tg=tighten: _cut_model(s, prob, budget, tg, bounds), prob, time_limit_s, t0)
-        except SolverTimeoutError:
-            if incumbent is None:
+        except SolverTimeoutError as err:
+            if incumbent is not None:
+                break
+            if budget is None:
                 raise
-            break
+            least = _min_memory_cut(prob, tab, 0.0, exact=False)
+            raise SolverTimeoutError(
+                f"{err} No cut within the budget of {_gib(budget)} was found either way; the smallest-memory cut "
+                f"found needs {_gib(least.value)} (starts {least.starts}): the budget may be infeasible. Fix: raise "
+                "time_limit_s or the budget, or see min_feasible_memory."
+            ) from None
         if found is None:
             break
         model, status, backend = found
@@ -934,8 +1042,12 @@ def _solve_cuts_ilp(prob: _Problem, budget: float | None, time_limit_s: float, s
             mip = (starts, status, backend)
             break
     inc_obj = incumbent[0] if incumbent is not None else math.inf
-    if mip is not None and tab.evaluate(mip[0])[2] <= inc_obj:
-        return _result(tab, mip[0], mip[1], mip[2], t0)
+    if mip is not None:
+        # A proven MIP optimum is kept unless the incumbent beats it by more than the gap (float ties
+        # between equally good cuts are not a reason to switch); an unproven one only when no worse.
+        mip_obj = tab.evaluate(mip[0])[2]
+        if mip_obj <= inc_obj * (1.0 + (_MIP_RELATIVE_GAP if mip[1] == "optimal" else 0.0)):
+            return _result(tab, mip[0], mip[1], mip[2], t0)
     if incumbent is not None:
         # v = 1: the relaxed bottleneck is exact, so the incumbent is the DP optimum.  Otherwise it is
         # optimal only when the MIP proved that nothing beats it.
@@ -944,7 +1056,7 @@ def _solve_cuts_ilp(prob: _Problem, budget: float | None, time_limit_s: float, s
     if budget is None:
         raise SolverError("the stage-cut MIP was reported infeasible without a memory budget; this is a solver "
                           "failure, please report the problem instance.")
-    return _raise_infeasible(prob, tab, budget, time_limit_s)
+    return _raise_infeasible(prob, tab, budget, time_limit_s, t0)
 
 
 def solve_cuts(

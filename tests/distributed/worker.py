@@ -1,8 +1,8 @@
 """Runs many parallel-vs-single-process checks in one torchrun job (one process group for all).
 
 Usage: torchrun --nproc_per_node=N worker.py OUT.json CHECK [CHECK ...]
-A CHECK is ``kind:key=value,key=value`` (kind in mlp, gpt, gpt2, llama; keys: dp, tp for the
-Config, dim/batch/seq/layers/heads for the model, topo for the topology preset). Rank 0 writes
+A CHECK is ``kind:key=value,key=value`` (kind in mlp, gpt, gpt2, llama; keys: dp, tp, pp,
+schedule, virtual_stages, microbatch_size for the Config, dim/batch/seq/layers/heads for the model, topo for the topology preset). Rank 0 writes
 one JSON record per check; an exception in a check is recorded, not raised, so one failure does
 not hide the others.
 """
@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar.capture import extract_loss  # noqa: E402
@@ -41,7 +42,7 @@ def _parse(check: str) -> tuple[str, dict, dict, str]:
         elif k in _MODEL_KEYS:
             mk[k] = int(v)
         else:
-            cfg[k] = int(v)
+            cfg[k] = v if k == "schedule" else int(v)
     return kind, cfg, mk, topo
 
 
@@ -77,6 +78,8 @@ def run_check(check: str) -> dict:
         for p in pm.parameters():
             p.grad = None
     setup_s = time.perf_counter() - t0
+    if pm.plan.pipeline is not None:
+        return _pipeline_record(pm, ref, inputs, ref_loss, setup_s)
     with CommDebugMode() as cdm:
         loss = _call(pm.step, inputs) if not isinstance(inputs, dict) else pm.step(**inputs)
     ref_grads = dict(ref.named_parameters())
@@ -112,6 +115,71 @@ def run_check(check: str) -> dict:
         "collectives": [[c.kind, c.phase, c.bytes, c.node] for c in plan.collectives],
         "param_bytes": [p.numel() * p.element_size() for p in ref.parameters()],
         "n_params": len(list(pm.named_parameters())), "ref_n_params": len(ref_grads),
+    }
+
+
+class CountCollectives(TorchDispatchMode):
+    """Counts collective and point-to-point ops as they are dispatched (CommDebugMode's module
+    tracker cannot follow the pipeline schedule's calls into stage modules)."""
+
+    NAMES = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
+             "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all",
+             "send": "send", "recv_": "recv"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional") and func._opname in self.NAMES:
+            name = self.NAMES[func._opname]
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _max_over_ranks(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _pipeline_record(pm, ref, inputs, ref_loss, setup_s: float) -> dict:
+    """Loss and every gradient (each rank checks the parameters it holds) and the collectives
+    of one step against the plan's, per pipeline rank."""
+    step = (lambda: pm.step(**inputs)) if isinstance(inputs, dict) else (lambda: pm.step(*inputs))
+    loss = step()
+    ref_grads = dict(ref.named_parameters())
+    abs_err, scale, missing = 0.0, 0.0, 0
+    for name, p in pm.named_parameters():
+        if p.grad is None:
+            missing += 1
+            continue
+        abs_err = max(abs_err, (p.grad.full_tensor() - ref_grads[name].grad).abs().max().item())
+        scale = max(scale, ref_grads[name].grad.abs().max().item())
+    held = torch.tensor([len(list(pm.named_parameters()))])
+    for p in pm.parameters():
+        p.grad = None
+    with CountCollectives() as counter:  # the second step: the first also exchanges metadata
+        loss2 = step()
+    plan = pm.plan
+    expected = dict(plan.collective_counts(pp_rank=pm.pp_rank))
+    mismatch = torch.tensor([float(counter.counts != expected)])
+    dist.all_reduce(mismatch)
+    names = {n for n, _ in pm.named_parameters()}
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, sorted(names))
+    pipe = plan.pipeline
+    return {
+        "loss": loss.item(), "ref_loss": ref_loss.item(), "loss_again": loss2.item(),
+        "grad_abs_err": _max_over_ranks(abs_err), "grad_scale": _max_over_ranks(scale),
+        "missing_grads": int(_max_over_ranks(missing)), "degrees": plan.degrees,
+        "params_covered": len(set().union(*map(set, gathered))), "ref_n_params": len(ref_grads),
+        "held_params": int(held.item()), "runtime_counts": counter.counts, "plan_counts": expected,
+        "count_mismatch_ranks": int(mismatch.item()), "schedule": pipe.schedule,
+        "microbatches": pipe.microbatches, "virtual_stages": pipe.virtual_stages,
+        "stage_of_unit": list(pipe.stage_of_unit), "units": list(pipe.units),
+        "mesh_shape": list(plan.mesh_shape), "setup_s": setup_s,
+        "predicted_step_s": plan.predicted["step_time_s"],
     }
 
 
