@@ -201,6 +201,21 @@ class Plan:
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
 
     # ---- views -------------------------------------------------------------------------------
+    def _stage_table(self) -> str:
+        pipe = self.pipeline
+        times = pipe.predicted.get("stage_time_s", [])
+        memory = pipe.predicted.get("peak_memory_bytes", [])
+        pp = self.degrees.get("pp", 1)
+        rows = []
+        for j in range(pipe.num_stages):
+            units = pipe.stage_units(j)
+            span = units[0] if len(units) == 1 else f"{units[0]} .. {units[-1]} ({len(units)})"
+            rows.append([j, j % pp, span,
+                         f"{times[j] * 1e3:.3f}" if j < len(times) else "",
+                         f"{memory[j % pp] / 2**20:.1f}" if j % pp < len(memory) else ""])
+        return tabulate(rows, headers=["stage", "pp rank", "layers", "ms / microbatch",
+                                       "rank peak MiB"])
+
     def collective_counts(self, phase: str | None = None, axis: str | None = None,
                           pp_rank: int | None = None) -> Counter:
         """Count collectives by kind, optionally for one phase, axis and/or pipeline rank.
@@ -229,7 +244,15 @@ class Plan:
             ["solver", f"{self.solver.get('status')} ({self.solver.get('backend')}, gap "
                        f"{self.solver.get('gap', 0):.2g}, {self.solver.get('solve_time_s', 0):.2f} s)"],
         ]
+        if self.pipeline is not None:
+            pipe = self.pipeline
+            head += [["pipeline", f"{pipe.schedule}, {pipe.num_stages} stages ({pipe.virtual_stages} "
+                                  f"per rank), {pipe.microbatches} microbatches of "
+                                  f"{pipe.microbatch_size}"],
+                     ["  bubble", f"{pipe.predicted.get('bubble_fraction', 0):.1%} of the step"]]
         parts = ["autopar plan", tabulate(head, tablefmt="simple")]
+        if self.pipeline is not None:
+            parts += ["", "pipeline stages", self._stage_table()]
         prm = [[name, "[" + ", ".join(p) + "]"] for name, p in self.params.items()]
         parts += ["", "parameters", tabulate(prm, headers=["name", "placement per axis"])]
         counts: Counter = Counter((c.layer or "-", c.phase, c.kind, c.axis) for c in self.collectives)

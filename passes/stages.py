@@ -88,8 +88,10 @@ def layer_units(nodes: Sequence[fx.Node], prefix: str | None,
 
     A node inside block ``i`` (by module path) is in unit ``i + 1``. Other nodes go by their
     top-level module (a module first used before the blocks is ``pre``, else ``post``) or, with no
-    module, by position: in the forward, before the first block is ``pre``; in the backward
-    (``partitioner_tag == "is_backward"``), before the first block's gradient is ``post``.
+    module, by position: in the forward, before the first block is ``pre`` and after it the unit
+    of its latest input (glue between blocks, such as an activation applied by the parent); in
+    the backward (``partitioner_tag == "is_backward"``), before the first block's gradient is
+    ``post``, after it ``pre``.
     """
     units = (PRE, *(f"{prefix}.{i}" for i in range(num_blocks)), POST)
     pat = re.compile(rf"^{re.escape(prefix)}\.(\d+)(\.|$)") if prefix else None
@@ -116,6 +118,8 @@ def layer_units(nodes: Sequence[fx.Node], prefix: str | None,
         tops = [p.split(".")[0] for p in _paths(n) if p]
         if tops and phase == "fwd":
             top_unit.setdefault(tops[0], positional)
+        if not tops and after and phase == "fwd":  # glue between blocks: with its latest input
+            positional = max((out[a.name] for a in n.all_input_nodes if a.name in out), default=positional)
         out[n.name] = top_unit.get(tops[0], positional) if tops else positional
     return units, out
 

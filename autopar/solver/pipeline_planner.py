@@ -161,7 +161,12 @@ def search_pipeline(model: Any, example_inputs: Any, mesh: Mesh, config: Config,
     for pp in pps:
         if mesh.size % pp:
             raise PlanError(f"Config(pp={pp}) does not divide the {mesh.size} devices of the mesh.")
-        for cand in mesh_candidates(mesh.size // pp, dataclasses.replace(config, pp=None)):
+        try:
+            cands = mesh_candidates(mesh.size // pp, dataclasses.replace(config, pp=None))
+        except PlanError as e:  # the fixed dp/tp degrees leave no room for this pp
+            failures.append(f"pp={pp}: {e}")
+            continue
+        for cand in cands:
             dp = math.prod(cand.shape[a] for a in cand.dp_axes)
             for m in _microbatch_counts(batch, pp, dp, config):
                 try:
@@ -189,11 +194,20 @@ def _search_point(model: Any, example_inputs: Any, mesh: Mesh, config: Config,
         traced, fwd = capture_with_forward(model, mb)
         cache[m] = (fwd, traced)
     fwd, traced = cache[m]
-    if len(fwd.units) < pp:
-        raise PlanError(f"the model has {len(fwd.units)} layer units, fewer than pp={pp} stages")
-    space, costs, res = solve_space(traced, mesh, config, cand, cost_passes, None)
+    active = sorted(set(fwd.unit_of.values()))  # units holding computation
+    if len(active) < pp:
+        raise PlanError(
+            f"pipelining cuts a model between its repeated blocks (an nn.ModuleList of layers); "
+            f"{type(model).__name__} has {len(active)} layer unit(s) with computation "
+            f"({', '.join(fwd.units[i] for i in active)}), fewer than pp={pp} stages. Use pp=1 "
+            f"or a model built from repeated blocks.")
+    # every stage fits the device only if the whole model fits pp devices (a relaxation: it
+    # counts each activation once, the stages hold several microbatches in flight)
+    space, costs, res = solve_space(traced, mesh, config, cand, cost_passes,
+                                    budget * pp if budget is not None else None)
     prefix = fwd.units[1].rsplit(".", 1)[0] if len(fwd.units) > 2 else None
-    layers = unit_costs(traced, fwd.units, prefix, space, costs, res.choice, fwd, cand, pp, mesh)
+    every = unit_costs(traced, fwd.units, prefix, space, costs, res.choice, fwd, cand, pp, mesh)
+    layers = _merge_empty(every, active)
     out = []
     for schedule, v in _schedules(pp, len(fwd.units), config):
         try:
@@ -207,11 +221,9 @@ def _search_point(model: Any, example_inputs: Any, mesh: Mesh, config: Config,
         except InfeasibleMemoryError as e:
             infeasible.append(e)
             continue
-        stage_of_unit = _stage_of_unit(cut.starts, len(layers))
-        fw = [sum(layers[i].forward_s for i in range(len(layers)) if stage_of_unit[i] == j)
-              for j in range(pp * v)]
-        bw = [sum(layers[i].backward_s for i in range(len(layers)) if stage_of_unit[i] == j)
-              for j in range(pp * v)]
+        stage_of_unit = _expand(_stage_of_unit(cut.starts, len(layers)), active, len(every))
+        fw = [sum(c.forward_s for c, s in zip(every, stage_of_unit) if s == j) for j in range(pp * v)]
+        bw = [sum(c.backward_s for c, s in zip(every, stage_of_unit) if s == j) for j in range(pp * v)]
         p2p = max(layers[cut.starts[j] - 1].send_s for j in range(1, pp * v)) / 2
         sim = simulate(schedule, fw, bw, m, pp, p2p_s=p2p,
                        weight_fraction=_WEIGHT_FRACTION.get(schedule, 0.5))
@@ -219,6 +231,32 @@ def _search_point(model: Any, example_inputs: Any, mesh: Mesh, config: Config,
                                  max(cut.rank_memory_bytes)))
     _ = batch
     return out
+
+
+def _merge_empty(every: list[LayerCost], active: list[int]) -> list[LayerCost]:
+    """The cut solver's chain: units with computation; an empty unit's costs (parameters that
+    are read elsewhere, say) go to the previous active unit."""
+    out: list[LayerCost] = []
+    for i, c in enumerate(every):
+        if i in active or not out:
+            out.append(c)
+        else:
+            last = out[-1]
+            out[-1] = LayerCost(last.name, last.forward_s + c.forward_s, last.backward_s + c.backward_s,
+                                last.state_bytes + c.state_bytes,
+                                last.activation_bytes + c.activation_bytes, c.send_s)
+    return out[:len(active)]
+
+
+def _expand(stages: tuple[int, ...], active: list[int], n: int) -> tuple[int, ...]:
+    """Stage of every unit from the stages of the active ones (an empty unit follows the
+    previous active unit, or the first one)."""
+    out, j = [], 0
+    for i in range(n):
+        if j < len(active) - 1 and i >= active[j + 1]:
+            j += 1
+        out.append(stages[j])
+    return tuple(out)
 
 
 def _stage_of_unit(starts: Sequence[int], n: int) -> tuple[int, ...]:
@@ -271,11 +309,15 @@ def build_pipeline_plan(model: Any, example_inputs: Any, whole: TracedGraph, mes
     fwd, stages = _traced_stages(model, example_inputs, setup.microbatches, setup.stage_of_unit)
     plans: list[Plan] = []
     placed: dict[str, tuple[str, ...]] = {}  # a tied weight takes the first stage's placement
+    flight = in_flight(setup.schedule, setup.pp, setup.virtual_stages, setup.microbatches)
+    v = setup.virtual_stages
     for st, traced in stages:
         fixed = {p.name: placed[fwd.canonical.get(p.name, p.name)] for p in traced.params
                  if fwd.canonical.get(p.name, p.name) in placed}
-        plan = solve_candidate(traced, mesh, config, setup.cand, cost_passes, budget,
-                               stage=st.index, fixed=fixed)
+        # the stage's share of its rank's memory: the device split evenly over its v stages
+        plan = solve_candidate(traced, mesh, config, setup.cand, cost_passes,
+                               budget / v if budget is not None else None, stage=st.index,
+                               fixed=fixed, activation_scale=flight[st.index])
         for p in traced.params:
             placed.setdefault(fwd.canonical.get(p.name, p.name), plan.params[p.name])
         plans.append(plan)
@@ -365,13 +407,11 @@ def _shards(placements: Sequence[str], cand: _Candidate) -> int:
 
 
 def _rank_memory(plans: list[Plan], setup: PipelineSetup, pp: int) -> list[float]:
-    """Per pipeline rank: its stages' training state, plus one microbatch's saved activations
-    times the microbatches each stage holds in flight (from the schedule)."""
-    flight = in_flight(setup.schedule, pp, setup.virtual_stages, setup.microbatches)
+    """Per pipeline rank: the sum over its stages of training state plus saved activations
+    times the microbatches each holds in flight (the stage plans are priced that way)."""
     out = [0.0] * pp
     for j, plan in enumerate(plans):
-        state = plan.predicted["state_bytes"]
-        out[j % pp] += state + (plan.predicted["peak_memory_bytes"] - state) * flight[j]
+        out[j % pp] += plan.predicted["peak_memory_bytes"]
     return out
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import time
 from dataclasses import dataclass
@@ -82,7 +83,7 @@ def make_plan(traced: TracedGraph, mesh: Mesh, config: Config,
             progress(f"mesh {dict(zip(cand.names, cand.shape))}: predicted "
                      f"{plan.predicted['step_time_s'] * 1e3:.3f} ms")
         results.append(plan)
-    if model is not None and config.pp != 1 and mesh.size > 1:
+    if model is not None and _search_pipelines(config, mesh, results):
         _add_pipeline(traced, mesh, config, cost_passes, progress, model, example_inputs, budget,
                       results, infeasible, unplaceable)
     elif config.pp not in (None, 1):
@@ -102,6 +103,17 @@ def make_plan(traced: TracedGraph, mesh: Mesh, config: Config,
     alts = tuple({"degrees": p.degrees, "mesh_shape": p.mesh_shape, "axis_names": p.axis_names,
                   "step_time_s": p.predicted["step_time_s"]} for p in results[1:])
     return _replace(best, alternatives=alts)
+
+
+def _search_pipelines(config: Config, mesh: Mesh, flat_plans: list[Plan]) -> bool:
+    """Whether to search pipelined plans: when asked (``Config.pp > 1``), when no plan without
+    a pipeline fits, or when the mesh spans nodes (where Megatron-LM puts pipeline stages, to
+    keep tensor parallelism on the fast links inside a node). On one node with a plan that fits,
+    tensor and data parallelism over the node's links beat a pipeline bubble and the search
+    (a trace per microbatch size) is skipped."""
+    if mesh.size == 1 or config.pp == 1:
+        return False
+    return config.pp is not None or not flat_plans or mesh.nodes > 1
 
 
 def _add_pipeline(traced: TracedGraph, mesh: Mesh, config: Config, cost_passes: Sequence,
@@ -129,12 +141,13 @@ def _add_pipeline(traced: TracedGraph, mesh: Mesh, config: Config, cost_passes: 
 
 def solve_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidate,
                 cost_passes: Sequence[Callable[..., SpaceCosts]], budget: float | None,
-                fixed: dict[str, tuple[str, ...]] | None = None
+                fixed: dict[str, tuple[str, ...]] | None = None, activation_scale: int = 1
                 ) -> tuple[StrategySpace, SpaceCosts, IntraOpResult]:
     """Strategy space, its prices and the intra-operator ILP's choice on the logical mesh.
 
     ``fixed`` pins parameters (by name) to a placement, e.g. a tied weight already placed by an
-    earlier pipeline stage.
+    earlier pipeline stage. ``activation_scale`` multiplies the memory of saved activations: a
+    pipeline stage holds that many microbatches in flight.
     """
     with planning_device_mesh(cand.shape, cand.names) as dm:
         space = build_space(traced, dm, cand.names, cand.dp_axes, config.unknown_op)
@@ -143,6 +156,10 @@ def solve_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
             _pin(space, p.node, p.name, fixed[p.name])
     costs = run_cost_passes(price_space(traced, space, mesh.topology, config.optimizer),
                             space, mesh.topology, cost_passes)
+    if activation_scale != 1:
+        params = {p.node for p in traced.params}
+        costs = dataclasses.replace(costs, memory={
+            n: m if n in params else m * activation_scale for n, m in costs.memory.items()})
     return space, costs, solve_intra_op(traced, space, costs, budget, config.solver_time_limit_s)
 
 
@@ -159,14 +176,16 @@ def _pin(space: StrategySpace, node: str, name: str, placement: tuple[str, ...])
 
 def solve_candidate(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidate,
                     cost_passes: Sequence[Callable[..., SpaceCosts]], budget: float | None,
-                    stage: int | None = None, fixed: dict[str, tuple[str, ...]] | None = None) -> Plan:
+                    stage: int | None = None, fixed: dict[str, tuple[str, ...]] | None = None,
+                    activation_scale: int = 1) -> Plan:
     """Solve the intra-operator ILP of ``traced`` on the logical mesh ``cand``.
 
     Raises :class:`PlanError` when the graph cannot be placed on it and
     :class:`InfeasibleMemoryError` when nothing fits ``budget``. ``stage`` tags the collectives
     of a pipeline stage.
     """
-    space, costs, res = solve_space(traced, mesh, config, cand, cost_passes, budget, fixed)
+    space, costs, res = solve_space(traced, mesh, config, cand, cost_passes, budget, fixed,
+                                    activation_scale)
     plan = _build_plan(traced, mesh, config, cand, space, costs, res)
     if stage is not None:
         plan = _replace(plan, collectives=tuple(_replace(c, stage=stage) for c in plan.collectives))

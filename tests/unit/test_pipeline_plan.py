@@ -1,0 +1,143 @@
+"""The stage pass and the pipeline search, in one process (the runtime is in tests/distributed).
+
+- the stage split computes the same loss, holds a tied weight in two stages, recomputes pure
+  values and passes long skips through every stage between producer and consumer;
+- large-vocabulary models get cuts that balance time rather than layer counts;
+- the search picks pp > 1 when nothing without a pipeline fits the device, pp = 1 when it fits;
+- a pipelined plan shows its pipeline in the tables and survives a JSON round trip.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import autopar
+from autopar.stage_capture import capture_stages, export_forward, microbatch_inputs
+from models import GPT, build
+
+FOUR = autopar.Mesh.virtual("a100-dgx", nodes=1, gpus_per_node=4)
+
+
+def _run_stages(stages, flat):
+    boundary: tuple = ()
+    for st in stages:
+        boundary = st.gm(*boundary, *(flat[i] for i in st.user_inputs))
+    return boundary[0]
+
+
+def test_split_stages_compute_the_same_loss_and_share_the_tied_weight():
+    model, inputs = build("gpt", layers=4, batch=4)
+    fwd = export_forward(model, inputs)
+    assert fwd.units == ("pre", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "post")
+    assert fwd.canonical["head.weight"] == "wte.weight"  # tied: one tensor, two names
+    stages = capture_stages(fwd, (0, 0, 1, 1, 2, 2), list(inputs))
+    graphs = [st for st, _ in stages]
+    # exact: the same ops on the same inputs in the same order
+    assert torch.equal(_run_stages(graphs, list(inputs)), model(*inputs))
+    first, last = stages[0][1], stages[-1][1]
+    assert "head.weight" in {p.name for p in first.params}  # the embedding's use of the tie
+    assert "head.weight" in {p.name for p in last.params}  # the LM head's
+    # every non-first stage receives activations and sends their gradients back
+    for st, traced in stages[1:]:
+        assert len(traced.boundary_inputs) == st.num_boundary >= 1
+        assert len(traced.boundary_grad_outputs) == st.num_boundary
+    # the targets are read by the last stage only (reshaped there: a pure node, recomputed)
+    assert graphs[0].user_inputs == (0,) and graphs[-1].user_inputs == (1,)
+
+
+class _Skip(nn.Module):
+    """The embedding feeds the last layer directly: a value crossing two cuts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 16)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.out = nn.Linear(16, 32)
+
+    def forward(self, ids: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        x0 = self.emb(ids)
+        x = x0
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return F.cross_entropy(self.out(x + x0).flatten(0, 1), tgt.flatten())
+
+
+def test_a_value_skipping_stages_is_passed_through_each_of_them():
+    torch.manual_seed(0)
+    model = _Skip()
+    ids, tgt = torch.randint(0, 32, (2, 5)), torch.randint(0, 32, (2, 5))
+    fwd = export_forward(model, (ids, tgt))
+    stages = capture_stages(fwd, (0, 0, 1, 2, 2), [ids, tgt])
+    graphs = [st for st, _ in stages]
+    assert torch.equal(_run_stages(graphs, [ids, tgt]), model(ids, tgt))
+    # stage 1 carries the embedding on to stage 2 next to its own output
+    assert graphs[1].num_boundary == 2 and graphs[1].num_outputs == 2
+    # and the gradient of the skip reaches stage 0 through stage 1
+    assert len(stages[1][1].boundary_grad_outputs) == 2
+
+
+def test_microbatches_must_divide_the_batch():
+    _, inputs = build("gpt", batch=4)
+    chunks, _ = microbatch_inputs(inputs, 2)
+    assert len(chunks) == 2 and chunks[0][0].shape[0] == 2
+    with pytest.raises(ValueError, match="microbatch"):
+        microbatch_inputs(inputs, 3)
+
+
+def _fake_gpt(**kw):
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        return GPT(**kw)
+
+
+def test_large_vocabulary_gets_time_balanced_cuts():
+    # the LM head over an 8k vocabulary costs about three blocks (2*V*d vs 24*d^2 FLOPs per
+    # token): the last stage must take fewer blocks than the middle ones, not an equal share
+    model = _fake_gpt(vocab=8192, dim=256, heads=4, layers=8, seq=64)
+    ids = torch.randint(0, 8192, (8, 64))
+    plan = autopar.plan(model, FOUR, (ids, ids), config=autopar.Config(
+        pp=4, schedule="1f1b", microbatch_size=2))
+    pipe = plan.pipeline
+    blocks = [sum(1 for u in pipe.stage_units(j) if u.startswith("blocks.")) for j in range(4)]
+    assert blocks[-1] < min(blocks[1:-1]), blocks
+    assert blocks != [2, 2, 2, 2]  # not the equal-layer-count split
+    times = pipe.predicted["stage_time_s"]
+    # the equal split would put two blocks on top of the head in the last stage; the chosen
+    # cut keeps every stage below the head plus one block
+    head_and_block = times[-1] + (times[1] / max(blocks[1], 1))
+    assert max(times) < head_and_block, times
+
+
+def test_pipeline_is_chosen_only_when_nothing_else_fits():
+    model = _fake_gpt(vocab=512, dim=256, heads=4, layers=4, seq=32)
+    ids = torch.randint(0, 512, (8, 32))
+    fits = autopar.plan(model, FOUR, (ids, ids), config=autopar.Config(tp=2))
+    assert fits.degrees["pp"] == 1 and fits.pipeline is None
+    with pytest.raises(autopar.PlanError) as err:  # the smallest plan without a pipeline
+        autopar.plan(model, FOUR, (ids, ids), config=autopar.Config(tp=2, pp=1, memory_bytes=1.0))
+    smallest = err.value.required_bytes
+    budget = 0.8 * smallest
+    plan = autopar.plan(model, FOUR, (ids, ids), config=autopar.Config(tp=2, memory_bytes=budget))
+    assert plan.degrees["pp"] == 2 and plan.degrees["tp"] == 2
+    assert plan.pipeline is not None
+    assert plan.predicted["peak_memory_bytes"] <= budget
+
+
+def test_pipelined_plan_tables_json_and_digest():
+    model, inputs = build("gpt", layers=2, batch=8)
+    plan = autopar.plan(model, FOUR, inputs, config=autopar.Config(
+        pp=2, tp=2, schedule="interleaved-1f1b", virtual_stages=2, microbatch_size=2))
+    text = str(plan)
+    assert "pp=2" in text and "interleaved-1f1b" in text and "4 microbatches of 2" in text
+    assert "pipeline stages" in text and "blocks.0" in text
+    data = json.loads(plan.to_json())
+    assert data["pipeline"]["schedule"] == "interleaved-1f1b"
+    assert data["pipeline"]["stage_of_unit"] == list(plan.pipeline.stage_of_unit)
+    again = autopar.Plan.from_dict(data)
+    assert again.digest() == plan.digest() and again.pipeline.stages[1].params == plan.pipeline.stages[1].params
+    assert again.collective_counts(pp_rank=1) == plan.collective_counts(pp_rank=1)
