@@ -84,6 +84,9 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: Any = None, *,
     _check_same_plan(the_plan)
     dm = _device_mesh(the_plan, mesh)
     if the_plan.pipeline is not None:
+        if compile:
+            raise PlanError("compile=True is not available for pipelined plans yet: use "
+                            "compile=False, or Config(pp=1) for a compiled plan without a pipeline.")
         return _pipelined(model, example_inputs, traced, the_plan, dm)
     local = lower_to_local(traced.gm, the_plan, dm)
     return ParallelModule(model, traced, the_plan, dm, local, compile=compile)

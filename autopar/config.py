@@ -6,10 +6,11 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from autopar.cost_models.pipeline import SCHEDULES
+
 __all__ = ["Config"]
 
 _UNKNOWN_OP = ("replicate", "error")
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,15 @@ from autopar.cost_models.memory import (
     training_state_bytes_per_param,
     zero_sharded_bytes_per_param,
 )
+from autopar.cost_models.pipeline import (
+    SCHEDULES,
+    ScheduleResult,
+    action_order,
+    check_schedule,
+    closed_form_bubble,
+    in_flight,
+    simulate,
+)
 from autopar.cost_models.topology import PRESETS, AxisLink, Topology, custom, get_preset
 
 __all__ = [
@@ -58,4 +67,12 @@ __all__ = [
     "adam_state_bytes_per_param",
     "optimizer_state_bytes_per_param",
     "zero_sharded_bytes_per_param",
+    # pipeline schedules
+    "SCHEDULES",
+    "ScheduleResult",
+    "simulate",
+    "in_flight",
+    "action_order",
+    "check_schedule",
+    "closed_form_bubble",
 ]

@@ -29,6 +29,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_flatten
 
+from autopar.cost_models.pipeline import TORCH_SCHEDULE_CLASSES
 from autopar.errors import InputMismatchError, PlanError
 from autopar.graph import TracedGraph
 from autopar.passes.lower import placements_of
@@ -39,12 +40,7 @@ from autopar.strategies.reshard import local_shape
 
 __all__ = ["PipelineModule", "StageModule", "SCHEDULE_CLASSES"]
 
-SCHEDULE_CLASSES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved-1f1b": "ScheduleInterleaved1F1B",
-    "zero-bubble": "ScheduleInterleavedZeroBubble",
-}
+SCHEDULE_CLASSES = TORCH_SCHEDULE_CLASSES  # schedule name -> torch.distributed.pipelining class
 _MULTI_STAGE = ("interleaved-1f1b", "zero-bubble")
 _Stages = Sequence[tuple[StageGraph, TracedGraph, Any]]
 

@@ -216,8 +216,11 @@ def _search_point(model: Any, example_inputs: Any, mesh: Mesh, config: Config,
             continue
         flight = in_flight(schedule, pp, v, m)
         try:
+            # v > 1 is proved optimal only slowly (96 layers, pp=8: > 30 s); its local-search
+            # start is already good, so the search spends at most a few seconds on it
+            limit = config.solver_time_limit_s if v == 1 else min(config.solver_time_limit_s, 5.0)
             cut = solve_cuts(layers, pp, m, virtual_stages=v, in_flight=flight,
-                             memory_budget_bytes=budget, time_limit_s=config.solver_time_limit_s)
+                             memory_budget_bytes=budget, time_limit_s=limit)
         except InfeasibleMemoryError as e:
             infeasible.append(e)
             continue
@@ -275,12 +278,18 @@ def _unflatten(example_inputs: Any, flat: Sequence[Any]) -> Any:
 # The stages traced for the last plan made in this process, reused by parallelize (tracing is
 # most of the time of planning a small model). Keyed by the model object and the cut.
 _LAST_STAGES: dict[tuple, tuple[ForwardGraph, list]] = {}
+_LAST_MODEL: list[Any] = []  # a weak reference to the model the cache was made for
 
 
 def _traced_stages(model: Any, example_inputs: Any, microbatches: int,
                    stage_of_unit: tuple[int, ...]) -> tuple[ForwardGraph, list]:
-    key = (id(model), microbatches, tuple(stage_of_unit))
-    if key not in _LAST_STAGES:
+    import weakref
+
+    shapes = tuple(tuple(x.shape) for x in microbatch_inputs(example_inputs, 1)[0][0]
+                   if hasattr(x, "shape"))
+    key = (id(model), microbatches, tuple(stage_of_unit), shapes)
+    same_model = bool(_LAST_MODEL) and _LAST_MODEL[0]() is model
+    if key not in _LAST_STAGES or not same_model:
         chunks, _ = microbatch_inputs(example_inputs, microbatches)
         fwd = export_forward(model, _unflatten(example_inputs, chunks[0]))
         if len(fwd.units) != len(stage_of_unit):
@@ -288,6 +297,7 @@ def _traced_stages(model: Any, example_inputs: Any, microbatches: int,
                             f"cuts {len(stage_of_unit)}: re-plan for this model.")
         _LAST_STAGES.clear()
         _LAST_STAGES[key] = (fwd, capture_stages(fwd, stage_of_unit, chunks[0]))
+        _LAST_MODEL[:] = [weakref.ref(model)]
     return _LAST_STAGES[key]
 
 
