@@ -11,8 +11,8 @@ parameters and talk only to its neighbours. The split here is a plain node copy 
 
 - a parameter (``get_attr``) is copied into every stage that reads it, so a tied embedding/LM head
   lives in the first and the last stage (the runtime sums the two gradients);
-- a *pure* node (computed from user inputs and constants only: positions, masks, reshaped labels)
-  is recomputed in every stage that needs it rather than sent;
+- a *pure* node (computed from user inputs, buffers and constants only: positions, masks,
+  rotary tables, reshaped labels) is recomputed in every stage that needs it rather than sent;
 - every other value crossing a cut is an output of each stage between producer and consumer
   (a pass-through is a ``clone``, so no stage output aliases its input).
 
@@ -125,11 +125,13 @@ def layer_units(nodes: Sequence[fx.Node], prefix: str | None,
 
 
 def _pure_nodes(gm: fx.GraphModule) -> set[str]:
-    """Nodes computed from user inputs and constants only (no parameter, no activation)."""
+    """Nodes computed from user inputs, buffers and constants only (no parameter, no activation)."""
     pure: set[str] = set()
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             pure.add(n.name)
+        elif n.op == "get_attr" and not isinstance(_get_attr(gm, n.target), nn.Parameter):
+            pure.add(n.name)  # a buffer or constant (rotary tables): each stage has its copy
         elif n.op == "call_function" and all(a.name in pure for a in n.all_input_nodes):
             pure.add(n.name)
     return pure
@@ -198,7 +200,8 @@ def _build_stage(gm: fx.GraphModule, s: int, num_stages: int, nodes: list[fx.Nod
             _set_attr(root, n.target, _get_attr(gm, n.target))
             env[n.name] = g.get_attr(n.target)
             env[n.name].meta = dict(n.meta)
-            params.append(n.target[len(_WRAP):] if n.target.startswith(_WRAP) else n.target)
+            if isinstance(_get_attr(gm, n.target), nn.Parameter):
+                params.append(n.target[len(_WRAP):] if n.target.startswith(_WRAP) else n.target)
         elif n.op == "call_function" and (stage_of.get(n.name) == s or (n.name in pure and n.name in needed)):
             env[n.name] = g.node_copy(n, lambda a: env[a.name])
     results = []
@@ -244,6 +247,8 @@ def _set_attr(root: nn.Module, target: str, value: torch.Tensor) -> None:
         mod = getattr(mod, part)
     if isinstance(value, nn.Parameter):
         mod.register_parameter(leaf, value)
+    elif isinstance(value, nn.Module):  # the body of a higher-order op (autocast, no_grad regions)
+        mod.add_module(leaf, value)
     else:
         mod.register_buffer(leaf, value)
 

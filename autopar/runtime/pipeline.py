@@ -67,7 +67,7 @@ class StageModule(nn.Module):
 
     def __init__(self, stage: StageGraph, traced: TracedGraph, local_program: fx.GraphModule,
                  params: dict[str, nn.Parameter], canonical: dict[str, str], feeder: _Feeder,
-                 split_backward: bool) -> None:
+                 split_backward: bool, buffers: dict[str, torch.Tensor]) -> None:
         super().__init__()
         self.stage, self.traced = stage, traced
         self.feeder, self.split_backward = feeder, split_backward
@@ -86,8 +86,9 @@ class StageModule(nn.Module):
         # registered too, so that pipelining finds the stage's weights (zero-bubble's weight step)
         for i, name in enumerate(dict.fromkeys(n for n in self._param_names if n is not None)):
             self.register_parameter(f"param_{i}", params[name])
-        if traced.buffers:
-            raise PlanError("buffers in pipelined models are not supported yet; please report it.")
+        # buffers are replicated (as planned): every rank feeds the whole tensor; constants that
+        # export lifted out of the code (``lifted_tensor_N``) live in the stage graph itself
+        self._buffers_by_node = {b.node: _buffer(b.name, buffers, stage.gm) for b in traced.buffers}
 
     def forward(self, *args: torch.Tensor) -> Any:
         """The stage's forward on one microbatch: boundary shards in, boundary shards (or the
@@ -105,10 +106,24 @@ class StageModule(nn.Module):
                 primals.append(self._params[pname].to_local())
             elif name in self.traced.boundary_inputs:
                 primals.append(next(boundary))
+            elif name in self._buffers_by_node:
+                primals.append(self._buffers_by_node[name])
             else:
                 primals.append(next(users))
         return JointFunction.apply(self.fwd, self.bwd, self._slots,
                                    self.traced.num_forward_outputs, self.split_backward, *primals)
+
+
+def _buffer(name: str, buffers: dict[str, torch.Tensor], stage_gm: fx.GraphModule) -> torch.Tensor:
+    if name in buffers:
+        return buffers[name].detach()
+    obj: Any = stage_gm
+    for part in ("model." + name).split("."):
+        if not hasattr(obj, part):
+            raise PlanError(f"a pipeline stage reads the tensor {name!r}, which is neither a buffer "
+                            f"of the model nor a constant of its graph; please report it.")
+        obj = getattr(obj, part)
+    return obj.detach()
 
 
 def _local(shape: Sequence[int], placements: Sequence[str], mesh: Any) -> tuple[int, ...]:
@@ -138,6 +153,7 @@ class PipelineModule(nn.Module):
         self._spec, self._output_type = input_spec, output_type
         self._feeder = _Feeder()
         originals = dict(model.named_parameters(remove_duplicate=False))
+        buffers = dict(model.named_buffers(remove_duplicate=False))
         self._params: dict[str, nn.Parameter] = {}
         self._stage_modules: dict[int, StageModule] = {}
         for st, traced, local in stages:
@@ -149,7 +165,7 @@ class PipelineModule(nn.Module):
                 self._add_param(name, originals[name], splan.params[p.name])
             self._stage_modules[st.index] = StageModule(
                 st, traced, local, self._params, canonical, self._feeder,
-                pipe.schedule == "zero-bubble")
+                pipe.schedule == "zero-bubble", buffers)
         self._traced = {st.index: traced for st, traced, _ in stages}
         self._tied = self._tied_params(stages, canonical)
         self._schedule = self._build_schedule(stages)
@@ -216,14 +232,16 @@ class PipelineModule(nn.Module):
         traced = self._traced[j]
         nodes = {n.name: n for n in traced.gm.graph.nodes}
 
-        def boundary(names: Sequence[str]) -> tuple[torch.Tensor, ...]:
-            return tuple(torch.empty(_local(nodes[n].meta["val"].shape, edge, self._submesh),
-                                     dtype=nodes[n].meta["val"].dtype, requires_grad=True)
-                         for n in names)
+        def boundary(vals: Sequence[Any]) -> tuple[torch.Tensor, ...]:
+            return tuple(torch.empty(_local(v.shape, edge, self._submesh), dtype=v.dtype,
+                                     requires_grad=v.dtype.is_floating_point) for v in vals)
 
-        ins = (torch.zeros(1, dtype=torch.long),) if j == 0 else boundary(traced.boundary_inputs)
+        ins = (torch.zeros(1, dtype=torch.long),) if j == 0 else boundary(
+            [nodes[n].meta["val"] for n in traced.boundary_inputs])
         last = j == len(pipe.stages) - 1
-        outs = (torch.empty(()),) if last else boundary(traced.boundary_tangents)
+        out_node = next(n for n in traced.gm.graph.nodes if n.op == "output")
+        outs = (torch.empty(()),) if last else boundary(
+            [out_node.args[0][i].meta["val"] for i in traced.boundary_outputs])
         return ins, outs
 
     def _load_inputs(self, args: tuple, kwargs: dict) -> None:

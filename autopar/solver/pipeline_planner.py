@@ -208,11 +208,19 @@ def _search_point(model: Any, example_inputs: Any, mesh: Mesh, config: Config,
     prefix = fwd.units[1].rsplit(".", 1)[0] if len(fwd.units) > 2 else None
     every = unit_costs(traced, fwd.units, prefix, space, costs, res.choice, fwd, cand, pp, mesh)
     layers = _merge_empty(every, active)
-    out = []
-    for schedule, v in _schedules(pp, len(fwd.units), config):
+    out: list[PipelineSetup] = []
+    refused: list[str] = []
+    options = _schedules(pp, len(active), config)
+    if not options:
+        refused.append(f"Config(schedule={config.schedule!r}, virtual_stages="
+                       f"{config.virtual_stages!r}) allows no schedule with {len(active)} layer "
+                       f"units on pp={pp} (gpipe and 1f1b take one stage per rank; pp * v must "
+                       f"not exceed the layer units)")
+    for schedule, v in options:
         try:
             check_schedule(schedule, pp, v, m)
-        except ValueError:
+        except ValueError as e:
+            refused.append(str(e))
             continue
         flight = in_flight(schedule, pp, v, m)
         try:
@@ -232,6 +240,8 @@ def _search_point(model: Any, example_inputs: Any, mesh: Mesh, config: Config,
                        weight_fraction=_WEIGHT_FRACTION.get(schedule, 0.5))
         out.append(PipelineSetup(pp, cand, m, schedule, v, stage_of_unit, sim.step_time_s,
                                  max(cut.rank_memory_bytes)))
+    if not out and refused:
+        raise PlanError("; ".join(dict.fromkeys(refused)))
     _ = batch
     return out
 

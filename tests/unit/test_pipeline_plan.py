@@ -141,3 +141,22 @@ def test_pipelined_plan_tables_json_and_digest():
     again = autopar.Plan.from_dict(data)
     assert again.digest() == plan.digest() and again.pipeline.stages[1].params == plan.pipeline.stages[1].params
     assert again.collective_counts(pp_rank=1) == plan.collective_counts(pp_rank=1)
+
+
+def test_config_pipeline_fields_are_checked():
+    with pytest.raises(ValueError, match="schedule"):
+        autopar.Config(schedule="1f2b")
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="virtual_stages"):
+            autopar.Config(virtual_stages=bad)
+        with pytest.raises(ValueError, match="microbatch_size"):
+            autopar.Config(microbatch_size=bad)
+    cfg = autopar.Config(pp=2, schedule="zero-bubble", virtual_stages=2, microbatch_size=4)
+    assert autopar.Config.from_dict(cfg.to_dict()) == cfg
+
+
+def test_impossible_pipeline_settings_say_why():
+    model, inputs = build("gpt", layers=2, batch=8)
+    with pytest.raises(autopar.PlanError, match="one stage per rank"):  # 1F1B has no chunks
+        autopar.plan(model, FOUR, inputs, config=autopar.Config(
+            pp=2, tp=2, schedule="1f1b", virtual_stages=2, microbatch_size=2))
