@@ -17,7 +17,9 @@ import torch.fx as fx
 
 from autopar import _torch_private as private
 
-__all__ = ["split_forward_backward", "JointFunction"]
+__all__ = ["split_forward_backward", "split_weight_backward", "WeightSplit", "JointFunction"]
+
+_WAIT = "wait_tensor"
 
 
 def split_forward_backward(local: fx.GraphModule, placeholder_names: Sequence[str],
@@ -38,6 +40,68 @@ def split_forward_backward(local: fx.GraphModule, placeholder_names: Sequence[st
     return private.partition_joint(gm, num_fwd_outputs=num_fwd_outputs)
 
 
+class WeightSplit(torch.nn.Module):
+    """A backward graph cut in two (zero-bubble pipelines, Qi et al., ICLR'24, section 2):
+    ``input_part`` computes the gradients of the positions in ``input_positions`` and the
+    ``num_stash`` values the rest needs; ``weight_part`` takes the backward's inputs and those
+    values and computes every other gradient."""
+
+    def __init__(self, input_part: fx.GraphModule, weight_part: fx.GraphModule,
+                 input_positions: tuple[int, ...], num_outputs: int, num_stash: int) -> None:
+        super().__init__()
+        self.input_part, self.weight_part = input_part, weight_part
+        self.input_positions, self.num_outputs, self.num_stash = input_positions, num_outputs, num_stash
+
+
+def _ancestors(roots: Sequence[fx.Node]) -> set[fx.Node]:
+    seen: set[fx.Node] = set()
+    stack = list(roots)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
+
+
+def split_weight_backward(bwd: fx.GraphModule, input_positions: Sequence[int]) -> WeightSplit:
+    """Cut ``bwd`` into the part computing the outputs at ``input_positions`` (the gradients of
+    a stage's boundary inputs) and the part computing the others (weight gradients).
+
+    Every node runs once: nodes the input gradients need go to the first part (a collective's
+    wait goes with it), the rest to the second, and the values the second reads from the first
+    are passed on. The two parts together compute exactly ``bwd``.
+    """
+    out = next(n for n in bwd.graph.nodes if n.op == "output")
+    outs = list(out.args[0])
+    in_pos = tuple(i for i in input_positions if outs[i] is not None)
+    first = _ancestors([outs[i] for i in in_pos])
+    for n in list(first):  # a collective's wait stays with the collective
+        first.update(u for u in n.users if getattr(u.target, "__name__", "").startswith(_WAIT))
+    w_roots = [o for i, o in enumerate(outs) if o is not None and i not in in_pos]
+    second = _ancestors(w_roots)
+    order = [n for n in bwd.graph.nodes if n.op != "output"]
+    stash = [n for n in order if n in first and n.op != "placeholder" and n in second and
+             (any(u in second and u not in first for u in n.users) or n in w_roots)]
+    g1, env1 = fx.Graph(), {}
+    for n in order:
+        if n in first or n.op == "placeholder":
+            env1[n] = g1.node_copy(n, lambda a: env1[a])
+    g1.output(tuple(env1[outs[i]] for i in in_pos) + tuple(env1[n] for n in stash))
+    g2, env2 = fx.Graph(), {}
+    for n in order:
+        if n.op == "placeholder":
+            env2[n] = g2.node_copy(n, lambda a: env2[a])
+    for k, n in enumerate(stash):
+        env2[n] = g2.placeholder(f"stash_{k}")
+        env2[n].meta = dict(n.meta)
+    for n in order:
+        if n in second and n not in first and n.op != "placeholder":
+            env2[n] = g2.node_copy(n, lambda a: env2[a])
+    g2.output(tuple(env2[o] if o is not None and i not in in_pos else None for i, o in enumerate(outs)))
+    return WeightSplit(fx.GraphModule(bwd, g1), fx.GraphModule(bwd, g2), in_pos, len(outs), len(stash))
+
+
 class JointFunction(torch.autograd.Function):
     """Runs the forward graph; its backward runs the backward graph.
 
@@ -46,10 +110,11 @@ class JointFunction(torch.autograd.Function):
     ``grad_slots[j]`` is the position of primal ``j``'s gradient among the backward graph's
     outputs, or ``None``.
 
-    The backward computes every gradient at once. A zero-bubble pipeline schedule calls it twice
-    (input gradients first, weight gradients later, with the graph retained): with
-    ``split_backward`` the second call returns the gradients kept from the first instead of
-    recomputing them.
+    The backward computes every gradient at once, unless ``bwd`` is a :class:`WeightSplit`
+    (``split_backward``): a zero-bubble pipeline schedule then calls it twice with the graph
+    retained, first for the input gradients only (the parameters' autograd nodes will not run),
+    later for the weight gradients; each call runs its part once. A single call (an ordinary
+    backward) runs both parts.
     """
 
     @staticmethod
@@ -69,14 +134,34 @@ class JointFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> Any:
-        if ctx.kept is not None:  # second call of a split (zero-bubble) backward
-            grads, ctx.kept = ctx.kept, None
-            return grads
+        if ctx.split_backward:
+            return JointFunction._split_backward(ctx, grad_outputs)
         tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
         saved = [next(tensors) if is_t else next(others) for is_t in ctx.saved_layout]
         grads = ctx.bwd(*saved, *grad_outputs)
-        result = (None, None, None, None, None,
-                  *(grads[k] if k is not None else None for k in ctx.grad_slots))
-        if ctx.split_backward:
-            ctx.kept = result
-        return result
+        return (None, None, None, None, None,
+                *(grads[k] if k is not None else None for k in ctx.grad_slots))
+
+    @staticmethod
+    def _split_backward(ctx: Any, grad_outputs: tuple) -> tuple:
+        split: WeightSplit = ctx.bwd
+        grads: list[Any] = [None] * split.num_outputs
+        if ctx.kept is None:  # input-gradient part; keep what the weight part needs
+            tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
+            saved = [next(tensors) if is_t else next(others) for is_t in ctx.saved_layout]
+            res = split.input_part(*saved, *grad_outputs)
+            for pos, g in zip(split.input_positions, res):
+                grads[pos] = g
+            ctx.kept = (saved, grad_outputs, res[len(split.input_positions):])
+        # one autograd edge per tensor argument of forward: the primals, in order
+        nexts = ctx.next_functions[-len(ctx.grad_slots):]
+        weights = [nexts[j][0] for j, k in enumerate(ctx.grad_slots)
+                   if k is not None and k not in split.input_positions]
+        if ctx.kept != () and any(f is not None and private.will_engine_execute(f) for f in weights):
+            saved, outs, stash = ctx.kept
+            for pos, g in enumerate(split.weight_part(*saved, *outs, *stash)):
+                if g is not None:
+                    grads[pos] = g
+            ctx.kept = ()  # done: a third call would be a bug
+        return (None, None, None, None, None,
+                *(grads[k] if k is not None else None for k in ctx.grad_slots))

@@ -35,7 +35,7 @@ from autopar.graph import TracedGraph
 from autopar.passes.lower import placements_of
 from autopar.passes.stages import StageGraph
 from autopar.plan import Plan
-from autopar.runtime.autograd import JointFunction, split_forward_backward
+from autopar.runtime.autograd import JointFunction, split_forward_backward, split_weight_backward
 from autopar.strategies.reshard import local_shape
 
 __all__ = ["PipelineModule", "StageModule", "SCHEDULE_CLASSES"]
@@ -82,6 +82,10 @@ class StageModule(nn.Module):
         grad_of.update(zip(traced.boundary_inputs, traced.boundary_grad_outputs))
         self._slots = tuple(grad_of[n] - nfwd if grad_of.get(n) is not None else None
                             for n in self._order)
+        if split_backward:  # zero-bubble: input and weight gradients as two steps
+            positions = [slot for name, slot in zip(self._order, self._slots)
+                         if name in traced.boundary_inputs and slot is not None]
+            self.bwd = split_weight_backward(self.bwd, positions)
         self._params = params
         # registered too, so that pipelining finds the stage's weights (zero-bubble's weight step)
         for i, name in enumerate(dict.fromkeys(n for n in self._param_names if n is not None)):

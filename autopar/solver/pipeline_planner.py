@@ -38,9 +38,9 @@ from autopar.stage_capture import (
 __all__ = ["PipelineSetup", "search_pipeline", "build_pipeline_plan", "unit_costs"]
 
 _MAX_MICROBATCH_CANDIDATES = 3
-# autopar's zero-bubble stages compute weight and input gradients in one backward (the weight
-# step reuses it, see JointFunction), so the simulator prices it with no separate W.
-_WEIGHT_FRACTION = {"zero-bubble": 0.0}
+# Share of a backward that computes weight gradients, for zero-bubble's separate W step: about
+# half for matmul-dominated layers (Qi et al., ICLR'24, section 2: T_B ~ T_W).
+_WEIGHT_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -237,7 +237,7 @@ def _search_point(model: Any, example_inputs: Any, mesh: Mesh, config: Config,
         bw = [sum(c.backward_s for c, s in zip(every, stage_of_unit) if s == j) for j in range(pp * v)]
         p2p = max(layers[cut.starts[j] - 1].send_s for j in range(1, pp * v)) / 2
         sim = simulate(schedule, fw, bw, m, pp, p2p_s=p2p,
-                       weight_fraction=_WEIGHT_FRACTION.get(schedule, 0.5))
+                       weight_fraction=_WEIGHT_FRACTION)
         out.append(PipelineSetup(pp, cand, m, schedule, v, stage_of_unit, sim.step_time_s,
                                  max(cut.rank_memory_bytes)))
     if not out and refused:
@@ -353,7 +353,7 @@ def _assemble(whole: TracedGraph, mesh: Mesh, config: Config, setup: PipelineSet
     starts = [i for i in range(1, len(setup.stage_of_unit)) if setup.stage_of_unit[i] != setup.stage_of_unit[i - 1]]
     p2p = max((sends[i - 1] for i in starts), default=0.0) / 2
     sim = simulate(setup.schedule, fw, bw, m, pp, p2p_s=p2p,
-                   weight_fraction=_WEIGHT_FRACTION.get(setup.schedule, 0.5))
+                   weight_fraction=_WEIGHT_FRACTION)
     collectives: list[Collective] = []
     params: dict[str, tuple[str, ...]] = {}
     holders: dict[str, set[int]] = {}

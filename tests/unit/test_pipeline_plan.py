@@ -160,3 +160,53 @@ def test_impossible_pipeline_settings_say_why():
     with pytest.raises(autopar.PlanError, match="one stage per rank"):  # 1F1B has no chunks
         autopar.plan(model, FOUR, inputs, config=autopar.Config(
             pp=2, tp=2, schedule="1f1b", virtual_stages=2, microbatch_size=2))
+
+
+def test_zero_bubble_backward_runs_input_and_weight_parts_once_each():
+    """The split backward: input gradients first (weights untouched), weight gradients later;
+    every gradient equals the unsplit backward's."""
+    from autopar.runtime.autograd import JointFunction, split_forward_backward, split_weight_backward
+
+    model, inputs = build("gpt", layers=2, batch=2)
+    fwd = export_forward(model, inputs)
+    (st0, _), (st1, traced) = capture_stages(fwd, (0, 0, 1, 1), list(inputs))
+    order = [n.name for n in traced.gm.graph.nodes if n.op == "placeholder"]
+    f, b = split_forward_backward(traced.gm, order, traced.num_forward_outputs)
+    params = {p.node: p for p in traced.params}
+    grad_of = {p.node: p.grad_output_index for p in traced.params}
+    grad_of.update(zip(traced.boundary_inputs, traced.boundary_grad_outputs))
+    names = [n for n in order if n not in traced.tangent_nodes]
+    slots = tuple(grad_of[n] - 1 if grad_of.get(n) is not None else None for n in names)
+    x = st0.gm(inputs[0])[0].detach()
+
+    def primals():
+        out = []
+        for n in names:
+            if n in params:
+                out.append(dict(st1.gm.named_parameters())["model." + params[n].name].detach().clone().requires_grad_())
+            elif n in traced.boundary_inputs:
+                out.append(x.clone().requires_grad_())
+            else:
+                out.append(inputs[1])
+        return out
+
+    ref_in = primals()
+    JointFunction.apply(f, b, slots, 1, False, *ref_in).backward()
+    split = split_weight_backward(b, [s for n, s in zip(names, slots) if n in traced.boundary_inputs])
+    calls = {"input": 0, "weight": 0}
+    for part in ("input", "weight"):
+        gm = getattr(split, f"{part}_part")
+        gm.register_forward_pre_hook(lambda *_, p=part: calls.__setitem__(p, calls[p] + 1))
+    got_in = primals()
+    loss = JointFunction.apply(f, split, slots, 1, True, *got_in)
+    boundary = [t for n, t in zip(names, got_in) if n in traced.boundary_inputs]
+    (dx,) = torch.autograd.grad(loss, boundary, retain_graph=True)
+    assert calls == {"input": 1, "weight": 0}  # weights not touched yet
+    loss.backward()  # the weight step (and the boundary's gradient again: already kept)
+    assert calls == {"input": 1, "weight": 1}
+    ref_boundary = [t for n, t in zip(names, ref_in) if n in traced.boundary_inputs][0]
+    # the same graph nodes evaluated in the same order: equal to the last bit
+    assert torch.equal(dx, ref_boundary.grad)
+    for a, r in zip(got_in, ref_in):
+        if r.requires_grad and r.grad is not None and a is not boundary[0]:
+            assert torch.equal(a.grad, r.grad)
