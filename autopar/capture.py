@@ -278,6 +278,28 @@ def _build(
     loss_index = forward_outs[0] if has_loss and forward_outs else None
     if has_loss and loss_index is None:
         raise CaptureError("the traced graph has no loss output; the model must return a loss.")
+    params, inputs, tangents, buffers, boundary = _placeholders(gm, grad_index, tied, stage)
+    if len(input_grad) != len(boundary):
+        raise CaptureError(f"pipeline stage {stage.index}: gradients of {len(input_grad)} of its "
+                           f"{len(boundary)} boundary activations were traced; each must require grad.")
+    node_layer, layers = _layers(gm, params)
+    return TracedGraph(
+        gm=gm, params=tuple(params), inputs=tuple(inputs), buffers=tuple(buffers),
+        tangent_nodes=tuple(tangents),
+        loss_output_index=loss_index, num_outputs=len(out_descs), layers=layers,
+        node_layer=node_layer, is_fake=is_fake, input_spec=in_spec, capture_time_s=elapsed,
+        output_type=wrapper.take_output_type() if hasattr(wrapper, "take_output_type") else None,
+        boundary_inputs=tuple(boundary),
+        boundary_outputs=tuple(forward_outs) if not has_loss else (),
+        boundary_tangents=tuple(tangents) if not has_loss else (),
+        boundary_grad_outputs=tuple(input_grad[i] for i in range(nb)),
+    )
+
+
+def _placeholders(gm: fx.GraphModule, grad_index: dict[str, int], tied: dict[str, str],
+                  stage: Any) -> tuple[list, list, list, list, list]:
+    """Parameters, user inputs, tangents, buffers and boundary activations, by descriptor."""
+    nb = stage.num_boundary if stage is not None else 0
     params, inputs, tangents, buffers, boundary = [], [], [], [], []
     for n in gm.graph.nodes:
         if n.op != "placeholder":
@@ -300,21 +322,7 @@ def _build(
             buffers.append(InputInfo(-1, n.name, tuple(val.shape), val.dtype, _short(desc.target)))
         else:
             raise CaptureError(f"unsupported graph input {n.name} ({desc}); please report it.")
-    if len(input_grad) != len(boundary):
-        raise CaptureError(f"pipeline stage {stage.index}: gradients of {len(input_grad)} of its "
-                           f"{len(boundary)} boundary activations were traced; each must require grad.")
-    node_layer, layers = _layers(gm, params)
-    return TracedGraph(
-        gm=gm, params=tuple(params), inputs=tuple(inputs), buffers=tuple(buffers),
-        tangent_nodes=tuple(tangents),
-        loss_output_index=loss_index, num_outputs=len(out_descs), layers=layers,
-        node_layer=node_layer, is_fake=is_fake, input_spec=in_spec, capture_time_s=elapsed,
-        output_type=wrapper.take_output_type() if hasattr(wrapper, "take_output_type") else None,
-        boundary_inputs=tuple(boundary),
-        boundary_outputs=tuple(forward_outs) if not has_loss else (),
-        boundary_tangents=tuple(tangents) if not has_loss else (),
-        boundary_grad_outputs=tuple(input_grad[i] for i in range(nb)),
-    )
+    return params, inputs, tangents, buffers, boundary
 
 
 def _short(target: str) -> str:
