@@ -187,7 +187,7 @@ def search_pipeline(model: Any, example_inputs: Any, mesh: Mesh, config: Config,
 def _search_point(model: Any, example_inputs: Any, mesh: Mesh, config: Config,
                   cost_passes: Sequence[Callable[..., Any]], budget: float | None, pp: int,
                   cand: _Candidate, m: int, cache: dict, infeasible: list) -> list[PipelineSetup]:
-    batch = _batch(example_inputs)
+    """The setups of one (pp, stage mesh, microbatch count): a cut per schedule and v."""
     if m not in cache:
         chunks, _ = microbatch_inputs(example_inputs, m)
         mb = _unflatten(example_inputs, chunks[0])
@@ -242,7 +242,6 @@ def _search_point(model: Any, example_inputs: Any, mesh: Mesh, config: Config,
                                  max(cut.rank_memory_bytes)))
     if not out and refused:
         raise PlanError("; ".join(dict.fromkeys(refused)))
-    _ = batch
     return out
 
 
