@@ -3,8 +3,9 @@
     python benchmarks/plan_scale.py [--nodes 1 2]
 
 Builds the model under FakeTensorMode (no weights allocated), captures the joint graph once and
-plans it for each cluster; prints capture time, plan time, the chosen degrees, the ILP size
-before and after linking identical layers, and the peak RSS of the process.
+plans it for each cluster (pipelined plans are searched on clusters of more than one node);
+prints capture time, plan time, the chosen degrees, the ILP size before and after linking
+identical layers, and the peak RSS of the process (``--print-plan``: the last plan too).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--print-plan", action="store_true", help="print the last plan")
     args = parser.parse_args()
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = GPT(vocab=50304, dim=1600, heads=25, layers=48, seq=1024)
@@ -43,7 +45,7 @@ def main() -> None:
     for nodes in args.nodes:
         mesh = autopar.Mesh.virtual("h100-dgx", nodes=nodes, gpus_per_node=8)
         t0 = time.perf_counter()
-        plan = make_plan(traced, mesh, autopar.Config())
+        plan = make_plan(traced, mesh, autopar.Config(), model=model, example_inputs=(ids, ids))
         rows.append([f"{nodes} x 8 h100-dgx", f"{capture_s:.1f}", f"{time.perf_counter() - t0:.1f}",
                      plan.degrees, plan.solver["ilp_variables_unlinked"], plan.solver["ilp_variables"],
                      f"{plan.predicted['step_time_s'] * 1e3:.1f}"])
@@ -51,6 +53,8 @@ def main() -> None:
     print(tabulate(rows, headers=["cluster", "capture s", "plan s", "degrees", "ILP vars unlinked",
                                   "ILP vars linked", "predicted step ms"]))
     print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+    if args.print_plan:
+        print(plan)
 
 
 if __name__ == "__main__":

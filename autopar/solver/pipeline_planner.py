@@ -383,17 +383,24 @@ def _assemble(whole: TracedGraph, mesh: Mesh, config: Config, setup: PipelineSet
         cut_solver={"search_estimate_s": setup.predicted_s, "stage_planning_s": elapsed})
     degrees = dict(plans[0].degrees, pp=pp)
     warnings = tuple(dict.fromkeys(w for p in plans for w in p.warnings))
-    compute = sum(p.predicted["compute_s"] for p in plans) * m
+    # per device: the busiest pipeline rank's stages, every microbatch
+    compute = max(sum(p.predicted["compute_s"] for j, p in enumerate(plans) if j % pp == r)
+                  for r in range(pp)) * m
+    comm = max(sum(p.predicted["comm_s"] for j, p in enumerate(plans) if j % pp == r)
+               for r in range(pp)) * m
     return Plan(
         model_fingerprint=whole.fingerprint(), mesh_shape=(pp, *cand.shape),
         axis_names=("pp", *cand.names), degrees=degrees, params=params, inputs=inputs,
         output_placements=(), nodes={}, collectives=tuple(collectives),
         predicted={"step_time_s": sim.step_time_s + tied_s, "compute_s": compute,
-                   "comm_s": sum(p.predicted["comm_s"] for p in plans) * m + tied_s,
+                   "comm_s": comm + tied_s,
                    "peak_memory_bytes": max(memory), "bubble_fraction": sim.bubble_fraction},
         solver={"status": "optimal" if all(p.solver["status"] == "optimal" for p in plans) else "feasible",
                 "backend": plans[0].solver["backend"], "gap": max(p.solver["gap"] for p in plans),
                 "solve_time_s": sum(p.solver["solve_time_s"] for p in plans),
+                "ilp_variables": sum(p.solver["ilp_variables"] for p in plans),
+                "ilp_variables_unlinked": sum(p.solver["ilp_variables_unlinked"] for p in plans),
+                "ilp_groups": sum(p.solver["ilp_groups"] for p in plans),
                 "capture_time_s": whole.capture_time_s},
         warnings=warnings, topology=mesh.topology.name, config=config.to_dict(),
         input_shapes=tuple(i.shape for i in whole.inputs), pipeline=pipe)
