@@ -107,5 +107,4 @@ def _pipelined(model: nn.Module, example_inputs: Any, traced: Any, the_plan: Pla
         local = (lower_to_local(stage_traced.gm, pipe.stages[st.index], submesh)
                  if st.index % pp == rank else None)
         built.append((st, stage_traced, local))
-    return PipelineModule(model, the_plan, dm, built, fwd.canonical, traced.input_spec,
-                          traced.output_type)
+    return PipelineModule(model, the_plan, dm, built, fwd.canonical, traced.input_spec)

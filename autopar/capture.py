@@ -110,12 +110,7 @@ def capture_with_export(model: nn.Module, example_inputs: Any) -> tuple[TracedGr
     """:func:`capture`, also returning ``torch.export``'s program of the loss wrapper (the
     forward graph that pipeline stages are cut from), so the model is exported once."""
     start = time.perf_counter()
-    args, kwargs = normalize_inputs(example_inputs)
-    _check_signature(model, args, kwargs)
-    _refuse_meta(model)
-    fake_mode = _fake_mode_of(model)
-    if fake_mode is not None:
-        args, kwargs = _to_fake((args, kwargs), fake_mode)
+    args, kwargs, fake_mode = prepare_inputs(model, example_inputs)
     wrapper = _LossModule(model)
     ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
     with ctx, contextlib.ExitStack() as stack:
@@ -132,6 +127,18 @@ def capture_with_export(model: nn.Module, example_inputs: Any) -> tuple[TracedGr
     _strip_input_grads(gm)
     _strip_assertions(gm)
     return _build(gm, wrapper, in_spec, fake_mode is not None, time.perf_counter() - start), ep
+
+
+def prepare_inputs(model: nn.Module, example_inputs: Any) -> tuple[tuple, dict, FakeTensorMode | None]:
+    """``(args, kwargs, fake_mode)`` to trace ``model`` with: inputs checked against its
+    signature, the meta device refused, and inputs made fake when the model is fake."""
+    args, kwargs = normalize_inputs(example_inputs)
+    _check_signature(model, args, kwargs)
+    _refuse_meta(model)
+    fake_mode = _fake_mode_of(model)
+    if fake_mode is not None:
+        args, kwargs = _to_fake((args, kwargs), fake_mode)
+    return args, kwargs, fake_mode
 
 
 def _check_signature(model: nn.Module, args: tuple, kwargs: dict) -> None:

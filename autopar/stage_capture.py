@@ -20,8 +20,8 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autopar import _torch_private as private
 from autopar.capture import (
-    _LossModule, _build, _check_signature, capture_with_export, _export, _fake_mode_of, _first_line, _refuse_meta,
-    _strip_assertions, _strip_input_grads, _to_fake, normalize_inputs,
+    _LossModule, _build, _export, _first_line, _strip_assertions, _strip_input_grads, _to_fake,
+    capture_with_export, normalize_inputs, prepare_inputs,
 )
 from autopar.errors import CaptureError
 from autopar.graph import TracedGraph
@@ -46,7 +46,6 @@ class ForwardGraph:
     canonical: dict[str, str] = field(repr=False)
     fake_mode: Any = field(repr=False)
     in_spec: Any = field(repr=False)
-    output_type: Any = None
 
 
 def microbatch_inputs(example_inputs: Any, microbatches: int) -> tuple[list[Any], Any]:
@@ -85,18 +84,10 @@ def export_forward(model: nn.Module, example_inputs: Any, ep: Any = None) -> For
 
     ``ep``: an export of the wrapped model on these inputs, if one was already made.
     """
-    args, kwargs = normalize_inputs(example_inputs)
-    _check_signature(model, args, kwargs)
-    _refuse_meta(model)
-    fake_mode = _fake_mode_of(model)
-    if fake_mode is not None:
-        args, kwargs = _to_fake((args, kwargs), fake_mode)
-    output_type = None
+    args, kwargs, fake_mode = prepare_inputs(model, example_inputs)
     if ep is None:
-        wrapper = _LossModule(model)
         with fake_mode if fake_mode is not None else contextlib.nullcontext():
-            ep = _export(wrapper, args, kwargs)
-        output_type = wrapper.take_output_type()
+            ep = _export(_LossModule(model), args, kwargs)
     gm = ep.module()
     for n in list(gm.graph.nodes):
         if n.op == "call_module" and not n.users:  # export's input guard
@@ -112,7 +103,7 @@ def export_forward(model: nn.Module, example_inputs: Any, ep: Any = None) -> For
     for name, p in model.named_parameters(remove_duplicate=False):
         canonical[name] = owner.setdefault(id(p), name)
     _, spec = tree_flatten((args, kwargs))
-    return ForwardGraph(gm, units, unit_of, canonical, fake_mode, spec, output_type)
+    return ForwardGraph(gm, units, unit_of, canonical, fake_mode, spec)
 
 
 def capture_stages(fwd: ForwardGraph, stage_of_unit: Sequence[int], mb_inputs: Sequence[Any]

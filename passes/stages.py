@@ -32,7 +32,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-__all__ = ["PRE", "POST", "StageGraph", "block_prefix", "layer_units", "split_stages"]
+__all__ = ["PRE", "POST", "StageGraph", "block_prefix", "layer_units", "node_stages", "set_module_attr",
+           "split_stages"]
 
 PRE = "pre"
 POST = "post"
@@ -197,7 +198,7 @@ def _build_stage(gm: fx.GraphModule, s: int, num_stages: int, nodes: list[fx.Nod
     params: list[str] = []
     for n in nodes:
         if n.op == "get_attr" and n.name in needed:
-            _set_attr(root, n.target, _get_attr(gm, n.target))
+            set_module_attr(root, n.target, _get_attr(gm, n.target))
             env[n.name] = g.get_attr(n.target)
             env[n.name].meta = dict(n.meta)
             if isinstance(_get_attr(gm, n.target), nn.Parameter):
@@ -238,7 +239,9 @@ def _get_attr(gm: nn.Module, target: str) -> torch.Tensor:
     return obj
 
 
-def _set_attr(root: nn.Module, target: str, value: torch.Tensor) -> None:
+def set_module_attr(root: nn.Module, target: str, value: torch.Tensor | nn.Module) -> None:
+    """Register ``value`` under the dotted ``target`` of ``root`` (creating empty modules on the
+    way): a Parameter as a parameter, a module as a submodule, any other tensor as a buffer."""
     *path, leaf = target.split(".")
     mod = root
     for part in path:

@@ -21,18 +21,9 @@ from autopar.errors import InputMismatchError
 from autopar.graph import TracedGraph
 from autopar.plan import Plan
 from autopar.passes.lower import placements_of
+from autopar.passes.stages import set_module_attr
 
 __all__ = ["ParallelModule"]
-
-
-def _set_param(root: nn.Module, name: str, param: nn.Parameter) -> None:
-    *path, leaf = name.split(".")
-    mod = root
-    for part in path:
-        if not hasattr(mod, part):
-            mod.add_module(part, nn.Module())
-        mod = getattr(mod, part)
-    mod.register_parameter(leaf, param)
 
 
 class ParallelModule(nn.Module):
@@ -58,7 +49,7 @@ class ParallelModule(nn.Module):
                 full = originals[p.name].detach()
                 dt = distribute_tensor(full, mesh, placements_of(plan.params[p.name]))
                 by_name[p.name] = nn.Parameter(dt, requires_grad=originals[p.name].requires_grad)
-            _set_param(self, p.name, by_name[p.name])
+            set_module_attr(self, p.name, by_name[p.name])
             self._names.append(p.name)
         self._by_name = by_name
         owned = dict(model.named_buffers(remove_duplicate=False))

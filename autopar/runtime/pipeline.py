@@ -33,7 +33,7 @@ from autopar.cost_models.pipeline import TORCH_SCHEDULE_CLASSES
 from autopar.errors import InputMismatchError, PlanError
 from autopar.graph import TracedGraph
 from autopar.passes.lower import placements_of
-from autopar.passes.stages import StageGraph
+from autopar.passes.stages import StageGraph, set_module_attr
 from autopar.plan import Plan
 from autopar.runtime.autograd import JointFunction, split_forward_backward, split_weight_backward
 from autopar.strategies.reshard import local_shape
@@ -144,7 +144,7 @@ class PipelineModule(nn.Module):
     """
 
     def __init__(self, model: nn.Module, plan: Plan, device_mesh: Any, stages: _Stages,
-                 canonical: dict[str, str], input_spec: Any, output_type: Any) -> None:
+                 canonical: dict[str, str], input_spec: Any) -> None:
         super().__init__()
         pipe = plan.pipeline
         if pipe is None:
@@ -154,7 +154,7 @@ class PipelineModule(nn.Module):
         self.pp_rank = device_mesh.get_local_rank("pp")
         self._submesh = device_mesh[tuple(plan.axis_names[1:])]
         self._pp_group = device_mesh.get_group("pp")
-        self._spec, self._output_type = input_spec, output_type
+        self._spec = input_spec
         self._feeder = _Feeder()
         originals = dict(model.named_parameters(remove_duplicate=False))
         buffers = dict(model.named_buffers(remove_duplicate=False))
@@ -183,13 +183,7 @@ class PipelineModule(nn.Module):
         dt = distribute_tensor(original.detach(), self._submesh, placements_of(placements))
         param = nn.Parameter(dt, requires_grad=original.requires_grad)
         self._params[name] = param
-        *path, leaf = name.split(".")
-        mod: nn.Module = self
-        for part in path:
-            if not hasattr(mod, part):
-                mod.add_module(part, nn.Module())
-            mod = getattr(mod, part)
-        mod.register_parameter(leaf, param)
+        set_module_attr(self, name, param)
 
     def _tied_params(self, stages: _Stages, canonical: dict[str, str]
                      ) -> list[tuple[str, tuple[str, ...], tuple[int, ...]]]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.linear_solver import pywraplp
 
-from autopar.solver.ilp import SolverError, SolverTimeoutError
+from autopar.solver.ilp import SolverError, SolverTimeoutError, mip_solvers
 
 from autopar.solver._cut_core import (  # noqa: F401
     _check_starts,
@@ -386,27 +386,13 @@ def _read_starts(model: _Model, prob: _Problem) -> tuple[int, ...]:
     return (0, *counts)
 
 
-def _mip_solvers() -> list[tuple[pywraplp.Solver, str]]:
-    found = []
-    for name, label in _MIP_BACKENDS:
-        solver = pywraplp.Solver.CreateSolver(name)
-        if solver is not None:
-            if name == "HIGHS":
-                solver.SetSolverSpecificParametersAsString(_HIGHS_OPTIONS)
-            found.append((solver, label))
-    if not found:
-        raise SolverError("neither HiGHS nor CBC is available in this OR-Tools build (required: at least one); "
-                          "install an OR-Tools wheel that bundles them (pip install -U ortools).")
-    return found
-
-
 def _run_mip(build, prob: _Problem, time_limit_s: float, t0: float) -> tuple[_Model, str, str] | None:
     """Solve with HiGHS, then CBC with the remaining time if HiGHS found nothing.
 
     Returns ``(model, status, backend)``, or None when the model is infeasible.
     Raises SolverTimeoutError / SolverError when no backend produced a solution.
     """
-    attempts = _mip_solvers()
+    attempts = mip_solvers(_MIP_BACKENDS, _HIGHS_OPTIONS)
     tried: list[str] = []
     code = pywraplp.Solver.NOT_SOLVED
     for i, (solver, backend) in enumerate(attempts):

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,7 +64,7 @@ from autopar.errors import AutoparError, PlanError
 
 __all__ = [
     "ILPEdge", "ILPProblem", "ILPSolution", "InfeasibleMemoryError", "SolverError", "SolverTimeoutError",
-    "solve_ilp", "brute_force", "evaluate_choice", "min_memory_bytes",
+    "solve_ilp", "brute_force", "evaluate_choice", "min_memory_bytes", "mip_solvers",
 ]
 
 _INTEGRALITY_TOL = 1e-6
@@ -456,19 +457,22 @@ def _rounding_solution(
     return _solution(problem, choice, status, gap, t0, "lp-rounding", lp.model.solver)
 
 
-def _mip_solvers() -> list[tuple[pywraplp.Solver, str]]:
-    """Up to two MIP backends in preference order (the second only runs if the first finds nothing)."""
+def mip_solvers(backends: Sequence[tuple[str, str]] = _MIP_BACKENDS,
+                highs_options: str = "output_flag=false") -> list[tuple[pywraplp.Solver, str]]:
+    """Up to two MIP backends of ``backends`` ((OR-Tools id, reported name), in preference order;
+    the second only runs if the first finds nothing). HiGHS gets ``highs_options`` (by default
+    only: no banner on stdout)."""
     found = []
-    for name, label in _MIP_BACKENDS:
+    for name, label in backends:
         solver = pywraplp.Solver.CreateSolver(name)
         if solver is not None:
             if name == "HIGHS":
-                solver.SetSolverSpecificParametersAsString("output_flag=false")  # no banner on stdout
+                solver.SetSolverSpecificParametersAsString(highs_options)
             found.append((solver, label))
     if not found:
         raise SolverError(
-            f"none of the MIP backends {', '.join(label for _, label in _MIP_BACKENDS)} is available in this OR-Tools "
-            "build (required: at least one); install an OR-Tools wheel that bundles HiGHS, CBC or SCIP "
+            f"none of the MIP backends {', '.join(label for _, label in backends)} is available in this "
+            "OR-Tools build (required: at least one); install an OR-Tools wheel that bundles them "
             "(pip install -U ortools)."
         )
     return found[:2]
@@ -495,7 +499,7 @@ def _solve_mip(
 
     Returns the solution (None when no backend found one), the last status code and the backends tried.
     """
-    attempts = _mip_solvers()
+    attempts = mip_solvers()
     tried: list[str] = []
     code = pywraplp.Solver.NOT_SOLVED
     for i, (solver, backend) in enumerate(attempts):

@@ -164,8 +164,6 @@ def solve_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
 
 
 def _pin(space: StrategySpace, node: str, name: str, placement: tuple[str, ...]) -> None:
-    import dataclasses
-
     ns = space.nodes[node]
     keep = tuple(s for s in ns.strategies if tuple(to_str(p) for p in s.outputs[0]) == tuple(placement))
     if not keep:
@@ -193,8 +191,6 @@ def solve_candidate(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Cand
 
 
 def _replace(plan: Plan, **kw: Any) -> Plan:
-    import dataclasses
-
     return dataclasses.replace(plan, **kw)
 
 
