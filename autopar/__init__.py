@@ -5,7 +5,7 @@
     loss = pmodel.step(ids, labels)
 """
 
-from autopar.api import parallelize, plan
+from autopar.api import parallelize, plan, search
 from autopar.config import Config
 from autopar.cost_models.passes import cost_pass
 from autopar.errors import (
@@ -25,7 +25,7 @@ from autopar.strategies.rules import register_op_rule
 __all__ = [
     "AutoparError", "CaptureError", "Collective", "Config", "InfeasibleMemoryError",
     "InputMismatchError", "Mesh", "MeshError", "ParallelModule", "Plan", "PlanError",
-    "UnsupportedOpError", "cost_pass", "parallelize", "plan", "register_op_rule",
+    "UnsupportedOpError", "cost_pass", "parallelize", "plan", "register_op_rule", "search",
 ]
 
 __version__ = "0.1.0"

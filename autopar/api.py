@@ -17,7 +17,7 @@ from autopar.plan import Plan
 from autopar.runtime.module import ParallelModule
 from autopar.solver.planner import make_plan
 
-__all__ = ["plan", "parallelize"]
+__all__ = ["plan", "parallelize", "search"]
 
 
 def plan(model: nn.Module, mesh: Mesh, example_inputs: Any, *, config: Config | None = None,
@@ -32,6 +32,27 @@ def plan(model: nn.Module, mesh: Mesh, example_inputs: Any, *, config: Config | 
     config = config or Config()
     traced = capture(model, example_inputs)
     return make_plan(traced, mesh, config, cost_passes, progress, model, example_inputs)
+
+
+def search(model: nn.Module, mesh: Mesh, example_inputs: Any, *, config: Config | None = None,
+           cost_passes: Sequence[Callable[..., Any]] = (),
+           progress: Callable[[str], None] | None = None, top_k: int = 5) -> Plan:
+    """Search the whole setup space for ``model`` on a (typically virtual) cluster ``mesh``.
+
+    Degrees (dp, tp inside a node, pp), microbatch size, schedule (1F1B, interleaved with v
+    chunks), recomputation, ZeRO-1 and sequence parallelism; see :mod:`autopar.solver.search`.
+    The model must be built from identical blocks (an ``nn.ModuleList``); build it under
+    ``FakeTensorMode`` for sizes beyond this machine. Returns the planning view of the best
+    setup (``plan.alternatives`` holds the next ``top_k``); per-operator placements are made
+    when the job itself is planned with :func:`plan`.
+    """
+    from autopar.solver.search import LayerSolver, to_plan
+    from autopar.solver.search import search as run_search
+
+    config = config or Config()
+    layers = LayerSolver(model, example_inputs, mesh, config, cost_passes)
+    result = run_search(model, example_inputs, mesh, config, cost_passes, progress, layers)
+    return to_plan(result, layers, config, top_k)
 
 
 def _device_mesh(p: Plan, mesh: Mesh) -> Any:
@@ -65,13 +86,19 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: Any = None, *,
     """
     from autopar.passes.lower import lower_to_local
 
-    mesh.check_world()
     config = config or Config()
+    if plan is not None and not isinstance(plan, Plan):
+        plan = Plan.load(plan)
+    if plan is not None and plan.solver.get("status") == "search":
+        raise PlanError("this plan is the planning view of autopar.search (no per-operator "
+                        "placements); plan the job with autopar.plan(model, mesh, inputs, "
+                        "config=Config(dp=..., tp=..., pp=...)) using its degrees, and run that.")
+    mesh.check_world()
     traced = capture(model, example_inputs)
     if plan is None:
         the_plan = make_plan(traced, mesh, config, cost_passes, None, model, example_inputs)
     else:
-        the_plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+        the_plan = plan
         if the_plan.model_fingerprint != traced.fingerprint():
             raise PlanError(
                 f"the plan was made for another model or input shapes (fingerprint "

@@ -11,6 +11,7 @@ from autopar.cost_models.pipeline import SCHEDULES
 __all__ = ["Config"]
 
 _UNKNOWN_OP = ("replicate", "error")
+_RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,11 @@ class Config:
             zero-bubble schedules take more than 1), or ``None`` to search.
         microbatch_size: samples per microbatch (the global batch is the example inputs'
             batch), or ``None`` to search.
+        recompute: activation recomputation, ``"none"``, ``"selective"`` (attention core) or
+            ``"full"`` (each block's forward re-run in the backward), or ``None`` to search.
+        zero: ZeRO stage, 0 or 1 (optimizer state sharded over dp), or ``None`` to search.
+        sequence_parallel: shard layer norms and dropouts on the sequence dim over the tp axis
+            (Megatron-LM's sequence parallelism), or ``None`` to search.
     """
 
     dp: int | None = None
@@ -44,6 +50,9 @@ class Config:
     schedule: str | None = None
     virtual_stages: int | None = None
     microbatch_size: int | None = None
+    recompute: str | None = None
+    zero: int | None = None
+    sequence_parallel: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "virtual_stages", "microbatch_size"):
@@ -60,6 +69,15 @@ class Config:
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise ValueError(f"Config.schedule={self.schedule!r}: use one of {SCHEDULES}, or None "
                              f"to let the search choose.")
+        if self.recompute is not None and self.recompute not in _RECOMPUTE:
+            raise ValueError(f"Config.recompute={self.recompute!r}: use one of {_RECOMPUTE}, or "
+                             f"None to let the search choose.")
+        if self.zero is not None and self.zero not in (0, 1):
+            raise ValueError(f"Config.zero={self.zero!r}: autopar supports ZeRO stage 0 or 1, or "
+                             f"None to let the search choose.")
+        if self.sequence_parallel not in (None, True, False):
+            raise ValueError(f"Config.sequence_parallel={self.sequence_parallel!r}: use True, "
+                             f"False or None.")
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"Config.optimizer={self.optimizer!r}: use 'adam' or 'sgd'.")
         if self.memory_bytes is not None and not 0 < self.memory_bytes < math.inf:  # and NaN

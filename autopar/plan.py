@@ -80,7 +80,7 @@ class PipelinePlan:
     @property
     def num_stages(self) -> int:
         """Number of stages (pipeline ranks times virtual stages)."""
-        return len(self.stages)
+        return max(self.stage_of_unit) + 1 if self.stage_of_unit else len(self.stages)
 
     def stage_units(self, stage: int) -> tuple[str, ...]:
         """The layer units of ``stage``."""
@@ -115,6 +115,10 @@ class Plan:
         pipeline: stages, schedule and microbatches when ``degrees["pp"] > 1`` (then
             ``mesh_shape`` starts with the ``pp`` axis, ``nodes`` is empty and each stage's
             per-node choices are in ``pipeline.stages``), else ``None``.
+        techniques: ``recompute``, ``zero``, ``sequence_parallel`` and ``microbatch_size`` as
+            chosen by the cluster search (empty for plans made without it).
+        alternatives: the next best setups the search found, each with its predicted
+            ``step_time_s``.
     """
 
     model_fingerprint: str
@@ -134,6 +138,7 @@ class Plan:
     input_shapes: tuple[tuple[int, ...], ...] = ()
     alternatives: tuple[dict[str, Any], ...] = ()
     pipeline: PipelinePlan | None = None
+    techniques: dict[str, Any] = field(default_factory=dict)
 
     # ---- persistence -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -171,6 +176,7 @@ class Plan:
                 input_shapes=tuple(tuple(s) for s in d.get("input_shapes", ())),
                 alternatives=tuple(_alternative(a) for a in d.get("alternatives", ())),
                 pipeline=PipelinePlan.from_dict(d["pipeline"]) if d.get("pipeline") else None,
+                techniques=dict(d.get("techniques", {})),
             )
         except PlanError:
             raise
@@ -205,6 +211,7 @@ class Plan:
         pipe = self.pipeline
         times = pipe.predicted.get("stage_time_s", [])
         memory = pipe.predicted.get("peak_memory_bytes", [])
+        stage_memory = pipe.predicted.get("stage_memory_bytes", [])
         pp = self.degrees.get("pp", 1)
         rows = []
         for j in range(pipe.num_stages):
@@ -212,9 +219,10 @@ class Plan:
             span = units[0] if len(units) == 1 else f"{units[0]} .. {units[-1]} ({len(units)})"
             rows.append([j, j % pp, span,
                          f"{times[j] * 1e3:.3f}" if j < len(times) else "",
+                         f"{stage_memory[j] / 2**20:.1f}" if j < len(stage_memory) else "",
                          f"{memory[j % pp] / 2**20:.1f}" if j % pp < len(memory) else ""])
         return tabulate(rows, headers=["stage", "pp rank", "layers", "ms / microbatch",
-                                       "rank peak MiB"])
+                                       "stage peak MiB", "rank peak MiB"])
 
     def collective_counts(self, phase: str | None = None, axis: str | None = None,
                           pp_rank: int | None = None) -> Counter:
@@ -244,6 +252,8 @@ class Plan:
             ["solver", f"{self.solver.get('status')} ({self.solver.get('backend')}, gap "
                        f"{self.solver.get('gap', 0):.2g}, {self.solver.get('solve_time_s', 0):.2f} s)"],
         ]
+        if self.techniques:
+            head += [["techniques", ", ".join(f"{k}={v}" for k, v in self.techniques.items())]]
         if self.pipeline is not None:
             pipe = self.pipeline
             head += [["pipeline", f"{pipe.schedule}, {pipe.num_stages} stages ({pipe.virtual_stages} "

@@ -51,12 +51,18 @@ class SpaceCosts:
     outputs: dict[int, tuple[tuple[str, int], str | None, np.ndarray]]
 
 
-def state_bytes_per_element(optimizer: str) -> int:
-    """Bytes per fp32 parameter element held across a step: param + grad + optimizer state.
+def state_bytes_per_element(optimizer: str, itemsize: int = 4) -> int:
+    """Bytes per parameter element held across a step: param + grad + optimizer state.
 
-    Adam keeps two fp32 moments (Kingma & Ba 2015): 4 + 4 + 8 = 16 bytes; SGD (no momentum) 8.
+    fp32 parameters (``itemsize`` 4): Adam keeps two fp32 moments (Kingma & Ba 2015):
+    4 + 4 + 8 = 16 bytes; SGD (no momentum) 4 + 4 = 8. 16-bit parameters are trained in mixed
+    precision as Megatron-LM does (megatron/training/theoretical_memory_usage.py, in
+    reference/calibration.json): 16-bit param 2 + fp32 gradient 4 + fp32 master 4, plus Adam's
+    two fp32 moments 8 = 18 bytes; SGD 10.
     """
-    return 16 if optimizer == "adam" else 8
+    if itemsize >= 4:
+        return 16 if optimizer == "adam" else 8
+    return 18 if optimizer == "adam" else 10
 
 
 def _strides(mesh_shape: Sequence[int]) -> list[int]:
@@ -113,7 +119,8 @@ def _meta_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(tuple(shape), dtype=dtype, device="meta")
 
 
-def _compute_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: Topology) -> float:
+def _compute_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: Topology,
+                  fused: frozenset = frozenset()) -> float:
     name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
     if name in _FREE:
         return 0.0
@@ -124,13 +131,13 @@ def _compute_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: To
         v = a.meta["val"]
         shp = local_shape(v.shape, p, mesh_shape)
         local_in[a] = _meta_tensor(shp, v.dtype)
-        nbytes += _numel(shp) * v.element_size()
+        nbytes += 0 if a.name in fused else _numel(shp) * v.element_size()
     outs = []
     for v, p in zip(_val_list(n.meta.get("val")), s.outputs):
         if isinstance(v, torch.Tensor) and p is not None:
             shp = local_shape(v.shape, p, mesh_shape)
             outs.append(_meta_tensor(shp, v.dtype))
-            nbytes += _numel(shp) * v.element_size()
+            nbytes += 0 if "" in fused else _numel(shp) * v.element_size()
     args = fx.node.map_arg(n.args, lambda a: local_in.get(a, a))
     kwargs = fx.node.map_arg(n.kwargs, lambda a: local_in.get(a, a))
     try:
@@ -138,7 +145,9 @@ def _compute_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: To
     except (RuntimeError, TypeError, ValueError, IndexError, AssertionError):
         # a FLOP formula that cannot take these (local, meta) arguments: price by traffic alone
         flops = 0.0
-    return op_time(flops, float(nbytes), topo, "fp32", is_matmul=flops > 0)
+    # matmuls run at the peak of their dtype (16-bit tensor cores or fp32)
+    dtype = "bf16" if inputs and inputs[0].meta["val"].element_size() == 2 else "fp32"
+    return op_time(flops, float(nbytes), topo, dtype, is_matmul=flops > 0)
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -163,21 +172,23 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
     saved = _saved_for_backward(traced)
     tied = {p.node for p in traced.params if p.tied_to is not None}
     params = {p.node for p in traced.params}
-    per_elem = state_bytes_per_element(optimizer)
+    fusion = _fused_edges(traced)
     for name, ns in space.nodes.items():
         n = traced.node(name)
         sig = _signature(n)
-        key = ("c", id(ns.strategies), sig)
+        fused = fusion.get(name, frozenset())
+        key = ("c", id(ns.strategies), sig, _fused_key(n, fused))
         if key not in cache:
             if n.op in ("placeholder", "get_attr"):
                 cache[key] = np.zeros(len(ns.strategies))
             else:
-                cache[key] = np.array([_compute_time(n, s, mesh_shape, topology) for s in ns.strategies])
+                cache[key] = np.array([_compute_time(n, s, mesh_shape, topology, fused)
+                                       for s in ns.strategies])
         compute[name] = cache[key]
         mkey = ("m", id(ns.strategies), sig, name in params, name in tied, name in saved)
         if mkey not in cache:
             cache[mkey] = _memory(n, ns.strategies, mesh_shape, name in params, name in tied,
-                                  saved.get(name, ()), per_elem)
+                                  saved.get(name, ()), optimizer)
         memory[name] = cache[mkey]
         for k, (src, idx) in enumerate(ns.inputs):
             val = _val_list(traced.node(src).meta["val"])[idx]
@@ -188,6 +199,54 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
             edges[(name, k)] = cache[ekey]
     outputs = _output_costs(traced, space, mesh_shape, topology)
     return SpaceCosts(compute, memory, edges, outputs)
+
+
+# Ops a fusing compiler (inductor; Megatron-LM's fused kernels) merges with the pointwise ops
+# around them, besides those torch tags pointwise.
+_FUSIBLE = {"native_dropout", "_softmax", "_softmax_backward_data", "native_layer_norm",
+            "native_layer_norm_backward", "_log_softmax", "_log_softmax_backward_data", "sum",
+            "_to_copy"}
+
+
+def _fusible(n: fx.Node) -> bool:
+    if n.op != "call_function":
+        return False
+    name = getattr(n.target, "__name__", "").split(".")[0]
+    return name in _FUSIBLE or torch.Tag.pointwise in getattr(n.target, "tags", ())
+
+
+def _fused_edges(traced: TracedGraph) -> dict[str, frozenset]:
+    """Memory traffic a fusing compiler removes: per node, the names of the inputs it reads from
+    a fused producer (``""`` stands for its own output, when every reader fuses it). A value
+    passes between two fusible ops without a round trip to memory when its producer has that
+    one reader, through views (Williams et al.'s roofline counts the traffic of the fused
+    kernel; inductor and Megatron-LM's fused bias-GeLU, bias-dropout-add and scaled masked
+    softmax kernels fuse exactly such chains)."""
+    out: dict[str, set] = {}
+    for n in traced.gm.graph.nodes:
+        if not _fusible(n):
+            continue
+        for a in _tensor_inputs(n):
+            src, _ = _alias_root(a)
+            if _fusible(src) and len(_leaf_readers(src)) == 1:
+                out.setdefault(n.name, set()).add(a.name)
+                out.setdefault(src.name, set()).add("")
+    return {k: frozenset(v) for k, v in out.items()}
+
+
+def _leaf_readers(n: fx.Node) -> list[fx.Node]:
+    """The nodes that read ``n``'s memory, looking through views and getitems."""
+    out = []
+    for u in n.users:
+        name = getattr(u.target, "__name__", "").split(".")[0] if u.op == "call_function" else ""
+        out += _leaf_readers(u) if name in _FREE else [u]
+    return out
+
+
+def _fused_key(n: fx.Node, fused: frozenset) -> tuple:
+    """The fused inputs by position (node names differ between identical layers)."""
+    return tuple(i for i, a in enumerate(_tensor_inputs(n)) if a.name in fused) + (
+        ("out",) if "" in fused else ())
 
 
 def _signature(n: fx.Node) -> tuple:
@@ -213,24 +272,40 @@ def _edge_matrix(src: Sequence[Strategy], idx: int, dst: Sequence[Strategy], k: 
 
 
 def _saved_for_backward(traced: TracedGraph) -> dict[str, tuple[int, ...]]:
-    """Forward nodes (by value index) whose outputs a backward node reads."""
+    """Forward nodes (by value index) whose outputs a backward node reads, directly or through
+    views (a view of a saved tensor keeps its base alive: the base is what is counted)."""
     saved: dict[str, set[int]] = {}
     for n in traced.gm.graph.nodes:
         if n.op != "call_function" or n.meta.get("partitioner_tag") != "is_backward":
             continue
         for a in n.all_input_nodes:
-            src, idx = a, 0
-            if a.op == "call_function" and a.target.__name__ == "getitem":
-                src, idx = a.args[0], a.args[1]
+            src, idx = _alias_root(a)
             if src.op == "call_function" and src.meta.get("partitioner_tag") != "is_backward":
-                name = getattr(src.target, "__name__", "").split(".")[0]
-                if name not in _FREE:
-                    saved.setdefault(src.name, set()).add(idx)
+                saved.setdefault(src.name, set()).add(idx)
     return {k: tuple(sorted(v)) for k, v in saved.items()}
 
 
+def _alias_root(a: fx.Node) -> tuple[fx.Node, int]:
+    """The node (and output index) that owns the memory ``a`` reads: ``a`` itself, or the base
+    of the views, detaches and getitems that lead to it."""
+    idx = 0
+    while a.op == "call_function":
+        name = getattr(a.target, "__name__", "").split(".")[0]
+        if name not in _FREE or not a.all_input_nodes:
+            return a, idx
+        if name == "getitem":
+            src = a.args[0]
+            src_name = getattr(src.target, "__name__", "").split(".")[0]
+            if src.op == "call_function" and src_name not in _FREE:
+                return src, a.args[1]
+            a, idx = src, 0
+            continue
+        a = a.all_input_nodes[0]
+    return a, idx
+
+
 def _memory(n: fx.Node, strategies: Sequence[Strategy], mesh_shape: tuple[int, ...],
-            is_param: bool, is_tied: bool, saved_outputs: Sequence[int], per_elem: int) -> np.ndarray:
+            is_param: bool, is_tied: bool, saved_outputs: Sequence[int], optimizer: str) -> np.ndarray:
     out = np.zeros(len(strategies))
     vals = _val_list(n.meta.get("val"))
     for j, s in enumerate(strategies):
@@ -238,7 +313,7 @@ def _memory(n: fx.Node, strategies: Sequence[Strategy], mesh_shape: tuple[int, .
             v = vals[0]
             local = _numel(local_shape(v.shape, s.outputs[0], mesh_shape))
             if is_param:
-                out[j] = 0.0 if is_tied else local * per_elem * v.element_size() / 4
+                out[j] = 0.0 if is_tied else local * state_bytes_per_element(optimizer, v.element_size())
             else:
                 out[j] = local * v.element_size()
             continue

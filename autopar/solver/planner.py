@@ -67,6 +67,7 @@ def make_plan(traced: TracedGraph, mesh: Mesh, config: Config,
     With ``model`` and ``example_inputs`` given, pipelined plans (``pp > 1``) are searched too
     (see :mod:`autopar.solver.pipeline_planner`).
     """
+    _check_executable(config)
     budget = config.memory_bytes if config.memory_bytes is not None else mesh.topology.memory_bytes
     results, infeasible, unplaceable = [], [], []
     cands = mesh_candidates(mesh.size, config) if config.pp in (None, 1) else []
@@ -105,6 +106,16 @@ def make_plan(traced: TracedGraph, mesh: Mesh, config: Config,
     return _replace(best, alternatives=alts)
 
 
+def _check_executable(config: Config) -> None:
+    """Refuse the techniques the runtime cannot run yet instead of silently ignoring them."""
+    if config.recompute not in (None, "none") or config.zero not in (None, 0):
+        raise PlanError(
+            f"Config(recompute={config.recompute!r}, zero={config.zero!r}): plans that run "
+            f"(autopar.plan / parallelize) do not recompute activations or shard the optimizer "
+            f"yet; autopar.search prices these techniques for cluster planning. Use "
+            f"recompute='none' (or None) and zero=0 (or None) here.")
+
+
 def _search_pipelines(config: Config, mesh: Mesh, flat_plans: list[Plan]) -> bool:
     """Whether to search pipelined plans: when asked (``Config.pp > 1``), when no plan without
     a pipeline fits, or when the mesh spans nodes (where Megatron-LM puts pipeline stages, to
@@ -141,19 +152,29 @@ def _add_pipeline(traced: TracedGraph, mesh: Mesh, config: Config, cost_passes: 
 
 def solve_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidate,
                 cost_passes: Sequence[Callable[..., SpaceCosts]], budget: float | None,
-                fixed: dict[str, tuple[str, ...]] | None = None, activation_scale: int = 1
+                fixed: dict[str, tuple[str, ...]] | None = None, activation_scale: int = 1,
+                sequence_parallel: bool | None = None, base_space: StrategySpace | None = None
                 ) -> tuple[StrategySpace, SpaceCosts, IntraOpResult]:
     """Strategy space, its prices and the intra-operator ILP's choice on the logical mesh.
 
     ``fixed`` pins parameters (by name) to a placement, e.g. a tied weight already placed by an
     earlier pipeline stage. ``activation_scale`` multiplies the memory of saved activations: a
-    pipeline stage holds that many microbatches in flight.
+    pipeline stage holds that many microbatches in flight. ``sequence_parallel`` True makes
+    every layer norm take its input sharded on the sequence dim (dim 1) over the ``tp`` axis
+    (Korthikanti et al., MLSys'23, sec. 4.2.2), False makes it take it replicated there; None
+    leaves the choice to the ILP. ``base_space``: the unpinned space of this graph and mesh,
+    built earlier (it is copied, not changed).
     """
-    with planning_device_mesh(cand.shape, cand.names) as dm:
-        space = build_space(traced, dm, cand.names, cand.dp_axes, config.unknown_op)
+    if base_space is None:
+        base_space = unpinned_space(traced, cand, config)
+    space = dataclasses.replace(base_space, nodes=dict(base_space.nodes))
     for p in traced.params:
         if fixed and p.name in fixed:
             _pin(space, p.node, p.name, fixed[p.name])
+    if sequence_parallel is None:
+        sequence_parallel = config.sequence_parallel
+    if sequence_parallel is not None and "tp" in cand.names:
+        _pin_norms(traced, space, cand.names.index("tp"), sequence_parallel)
     costs = run_cost_passes(price_space(traced, space, mesh.topology, config.optimizer),
                             space, mesh.topology, cost_passes)
     if activation_scale != 1:
@@ -163,6 +184,12 @@ def solve_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
     return space, costs, solve_intra_op(traced, space, costs, budget, config.solver_time_limit_s)
 
 
+def unpinned_space(traced: TracedGraph, cand: _Candidate, config: Config) -> StrategySpace:
+    """Every node's strategies on the logical mesh ``cand``, before any pinning."""
+    with planning_device_mesh(cand.shape, cand.names) as dm:
+        return build_space(traced, dm, cand.names, cand.dp_axes, config.unknown_op)
+
+
 def _pin(space: StrategySpace, node: str, name: str, placement: tuple[str, ...]) -> None:
     ns = space.nodes[node]
     keep = tuple(s for s in ns.strategies if tuple(to_str(p) for p in s.outputs[0]) == tuple(placement))
@@ -170,6 +197,25 @@ def _pin(space: StrategySpace, node: str, name: str, placement: tuple[str, ...])
         raise PlanError(f"parameter {name!r} cannot take the placement {placement} that another "
                         f"pipeline stage gave it (it shares the tensor); choose other degrees.")
     space.nodes[node] = dataclasses.replace(ns, strategies=keep)
+
+
+_NORMS = {"native_layer_norm", "native_rms_norm", "_fused_rms_norm"}
+
+
+def _pin_norms(traced: TracedGraph, space: StrategySpace, axis: int, sharded: bool) -> None:
+    """Keep the layer-norm strategies whose input on ``axis`` is ``Shard(1)`` (``sharded``) or
+    ``Replicate`` (not ``sharded``)."""
+    want = Shard(1) if sharded else Replicate()
+    for n in traced.gm.graph.nodes:
+        name = getattr(n.target, "__name__", "").split(".")[0]
+        if n.op != "call_function" or name not in _NORMS or n.name not in space.nodes:
+            continue
+        ns = space.nodes[n.name]
+        keep = tuple(s for s in ns.strategies if s.inputs and s.inputs[0][axis] == want)
+        if not keep:
+            raise PlanError(f"layer norm {n.name} has no strategy with its input {want} on the tp "
+                            f"axis; use sequence_parallel={not sharded} or None for this model.")
+        space.nodes[n.name] = dataclasses.replace(ns, strategies=keep)
 
 
 def solve_candidate(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidate,

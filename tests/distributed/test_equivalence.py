@@ -18,6 +18,8 @@ MESHES = {2: ("tp=2", "dp=2", ""), 4: ("tp=4", "dp=2,tp=2", "")}
 # Megatron's regime (a100-dgx costs): small batch, wide layers -> column/row tensor parallelism.
 MEGATRON = {n: [f"{k}:tp={n},dim=512,batch=2,seq=64,heads=8,topo=a100-dgx" for k in ("gpt", "gpt2")]
             for n in (2, 4)}
+# Sequence parallelism forced on (2 processes): layer norms sharded on the sequence dim.
+SEQUENCE_PARALLEL = "gpt:tp=2,sequence_parallel=1,dim=512,batch=2,seq=64,heads=8,topo=a100-dgx"
 # Large batch, narrow layers, solver free -> data parallelism.
 DATA_PARALLEL = {n: f"gpt:dim=64,batch={128 * n},seq=128,topo=a100-dgx" for n in (2, 4)}
 
@@ -31,6 +33,7 @@ def _pairs(n: int) -> list[tuple[str, str]]:
 
 def _checks(n: int) -> list[str]:
     checks = [f"{m}:{mesh}" for m, mesh in _pairs(n)] + MEGATRON[n] + [DATA_PARALLEL[n]]
+    checks += [SEQUENCE_PARALLEL] if n == 2 else []
     return checks + (["errors"] if n == 4 else [])
 
 
@@ -103,6 +106,19 @@ def test_megatron_layout_rediscovered(world, model):
     expected = {f"{layer}|{phase}|tp|all_reduce": 2 for layer in layers for phase in ("forward", "backward")}
     assert r["per_layer"] == expected
     assert r["runtime_counts"] == {"all_reduce": 4 * len(layers)}
+
+
+def test_sequence_parallel_plan_runs_and_matches_one_process(world):
+    n, results = world
+    if n != 2:
+        pytest.skip("sequence parallelism is checked on 2 processes")
+    r = _ok(results[SEQUENCE_PARALLEL])
+    # same fp32 tolerance argument as test_loss_and_gradients_match_single_process
+    assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * max(1.0, abs(r["ref_loss"]))
+    assert r["grad_abs_err"] <= 1e-5 * max(1.0, r["grad_scale"])
+    # the layer norms' sequence shards are gathered back on the tp axis inside every block
+    for layer in ("blocks.0", "blocks.1"):
+        assert r["per_layer"].get(f"{layer}|forward|tp|all_gather", 0) >= 1, r["per_layer"]
 
 
 def test_large_batch_small_hidden_is_data_parallel(world):

@@ -2,7 +2,7 @@
 
 Usage: torchrun --nproc_per_node=N worker.py OUT.json CHECK [CHECK ...]
 A CHECK is ``kind:key=value,key=value`` (kind in mlp, gpt, gpt2, llama; keys: dp, tp, pp,
-schedule, virtual_stages, microbatch_size for the Config, dim/batch/seq/layers/heads for the model, topo for the topology preset). Rank 0 writes
+schedule, virtual_stages, microbatch_size, sequence_parallel (0/1) for the Config, dim/batch/seq/layers/heads for the model, topo for the topology preset). Rank 0 writes
 one JSON record per check; an exception in a check is recorded, not raised, so one failure does
 not hide the others.
 """
@@ -41,6 +41,8 @@ def _parse(check: str) -> tuple[str, dict, dict, str]:
             mk["_" + k] = bool(int(v))
         elif k in _MODEL_KEYS:
             mk[k] = int(v)
+        elif k == "sequence_parallel":
+            cfg[k] = bool(int(v))
         else:
             cfg[k] = v if k == "schedule" else int(v)
     return kind, cfg, mk, topo

@@ -1,0 +1,399 @@
+"""The whole-plan search at cluster scale (DESIGN §6, outer search).
+
+Candidates: every factorisation of the devices into (dp, tp, pp) with tp inside a node, every
+microbatch size (and so microbatch count), schedule (1F1B; interleaved 1F1B with v chunks),
+activation recomputation (none, selective, full), ZeRO stage (0, 1) and sequence parallelism.
+
+The model is not traced whole. Its repeated blocks are checked to be identical, and a copy with
+only two of them (``pre``, ``blocks.0``, ``blocks.1``, ``post``) is traced per microbatch size
+with autopar's own capture; its intra-operator ILP is solved once per distinct
+(tensor-parallel degree, microbatch size, sequence parallelism) on the ``tp`` submesh and cached
+(the same ILP, strategies and cost model the runtime's plans use). The per-layer costs of that
+solution price every candidate in closed form (:mod:`autopar.cost_models.training_step`);
+candidates that do not fit the device memory are pruned with the reason kept. The data-parallel
+degree only splits the batch and adds the gradient reduction, priced per step.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.nn as nn
+
+from autopar.config import Config
+from autopar.cost_models.sharding import state_bytes_per_element
+from autopar.cost_models.training_step import (
+    RECOMPUTE, LayerCosts, Setup, StepCost, UnitCosts, price_setup,
+)
+from autopar.errors import PlanError
+from autopar.mesh import Mesh
+from autopar.passes.stages import block_prefix
+from autopar.plan import PipelinePlan, Plan
+from autopar.solver.pipeline_planner import _batch, _unflatten
+from autopar.solver.planner import _Candidate, solve_space, unpinned_space
+from autopar.stage_capture import capture_with_forward, microbatch_inputs
+
+__all__ = ["LayerSolver", "SearchResult", "search", "layer_costs", "candidate_setups", "to_plan"]
+
+_MAX_MICROBATCH = 8
+_MAX_VIRTUAL = 8
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """The search's answer: feasible setups best first, and the pruned ones with their reason.
+
+    ``ranked[0]`` is the best. ``timings``: seconds spent tracing, solving the per-layer ILPs and
+    pricing candidates; ``layer_solves``: distinct per-layer ILPs solved.
+    """
+
+    ranked: tuple[StepCost, ...]
+    pruned: tuple[StepCost, ...]
+    evaluated: int
+    layer_solves: int
+    timings: dict[str, float]
+    num_devices: int
+
+    @property
+    def best(self) -> StepCost:
+        """The setup with the lowest predicted step time."""
+        return self.ranked[0]
+
+
+class LayerSolver:
+    """A model's copy with two blocks, traced per microbatch size and solved per (tp, b, sp);
+    pass one to several :func:`search` calls on the same model and mesh to share the work."""
+
+    def __init__(self, model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config,
+                 cost_passes: Sequence[Callable[..., Any]]) -> None:
+        self.mesh, self.config, self.cost_passes = mesh, config, cost_passes
+        self.example_inputs = example_inputs
+        self.batch = _batch(example_inputs)
+        self.model, self.prefix, self.num_blocks = _two_block_copy(model)
+        block = repr(_fingerprint(model.get_submodule(self.prefix)[0])).encode()
+        self.fingerprint = (f"{type(model).__name__}:{self.num_blocks}x"
+                            f"{hashlib.sha256(block).hexdigest()[:12]}")
+        self.traces: dict[int, tuple[Any, Any]] = {}
+        self.solved: dict[tuple[int, int, bool], LayerCosts] = {}
+        self.spaces: dict[tuple[int, int], Any] = {}
+        self.trace_s = self.solve_s = 0.0
+
+    def costs(self, tp: int, b: int, sp: bool) -> LayerCosts:
+        """Per-layer costs at tensor-parallel degree ``tp``, ``b`` samples per microbatch."""
+        key = (tp, b, sp)
+        if key not in self.solved:
+            traced, fwd = self._trace(b)
+            t0 = time.perf_counter()
+            cand = _Candidate((tp,), ("tp",), ())
+            if (b, tp) not in self.spaces:  # shared by the sp on/off solves
+                self.spaces[(b, tp)] = unpinned_space(traced, cand, self.config)
+            space, costs, res = solve_space(traced, self.mesh, self.config, cand,
+                                            self.cost_passes, None,
+                                            sequence_parallel=sp if tp > 1 else None,
+                                            base_space=self.spaces[(b, tp)])
+            self.solved[key] = layer_costs(traced, fwd, space, costs, res.choice, self.num_blocks,
+                                           self.config.optimizer, tp if sp else 1)
+            self.solve_s += time.perf_counter() - t0
+        return self.solved[key]
+
+    def price(self, setup: Setup, budget_bytes: float | None = None) -> StepCost:
+        """Price one ``setup`` (e.g. a hand-tuned configuration) with this model's layer costs."""
+        topo = self.mesh.topology
+        budget = budget_bytes if budget_bytes is not None else (
+            self.config.memory_bytes if self.config.memory_bytes is not None else topo.memory_bytes)
+        lc = self.costs(setup.tp, setup.microbatch_size, setup.sequence_parallel)
+        return price_setup(lc, setup, topo, budget)
+
+    def _trace(self, b: int) -> tuple[Any, Any]:
+        if b not in self.traces:
+            t0 = time.perf_counter()
+            chunks, _ = microbatch_inputs(self.example_inputs, self.batch // b)
+            self.traces[b] = capture_with_forward(self.model, _unflatten(self.example_inputs,
+                                                                         chunks[0]))
+            self.trace_s += time.perf_counter() - t0
+        return self.traces[b]
+
+
+def _fingerprint(block: nn.Module) -> tuple:
+    """What makes two blocks cost the same: their structure (``repr`` shows every submodule and
+    its sizes) and the shapes and dtypes of their parameters and buffers."""
+    tensors = tuple((n, tuple(t.shape), str(t.dtype))
+                    for n, t in (*block.named_parameters(), *block.named_buffers()))
+    return (repr(block), tensors)
+
+
+def _two_block_copy(model: nn.Module) -> tuple[nn.Module, str, int]:
+    """A shallow copy of ``model`` whose block list holds its first two blocks (the weights are
+    shared, not copied), the list's path and the model's number of blocks."""
+    prefix = block_prefix([n for n, _ in model.named_parameters(remove_duplicate=False)])
+    if prefix is None:
+        raise PlanError(f"the cluster search prices a model by its repeated blocks (an "
+                        f"nn.ModuleList of layers); {type(model).__name__} has none. Plan it with "
+                        f"autopar.plan(model, mesh, example_inputs) instead.")
+    blocks = model.get_submodule(prefix)
+    prints = {_fingerprint(b) for b in blocks}
+    if len(prints) > 1:
+        raise PlanError(f"the blocks of {prefix!r} differ ({len(prints)} kinds); the cluster "
+                        f"search needs identical blocks. Plan it with autopar.plan(...) instead.")
+    parts = prefix.split(".")
+    root = _shallow(model)
+    parent = root
+    for name in parts[:-1]:
+        child = _shallow(parent._modules[name])
+        parent._modules[name] = child
+        parent = child
+    parent._modules[parts[-1]] = nn.ModuleList(list(blocks)[:2])
+    return root, prefix, len(blocks)
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    out = copy.copy(module)
+    out._modules = dict(module._modules)  # so replacing a child leaves the original intact
+    return out
+
+
+def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str, int],
+                num_blocks: int, optimizer: str, seq_shards: int) -> LayerCosts:
+    """Per-unit costs of a two-block trace's ILP solution (unit 2, the second block, stands for
+    every block); ``seq_shards``: the tp degree when the block input is sequence-sharded."""
+    from autopar.passes.stages import layer_units
+
+    nodes = list(traced.gm.graph.nodes)
+    units, unit_of = layer_units(nodes, fwd.units[1].rsplit(".", 1)[0], 2)
+    backward = {n.name for n in nodes if n.meta.get("partitioner_tag") == "is_backward"}
+    acc = [dict(f=0.0, b=0.0, fc=0.0, bc=0.0, state=0.0, act=0.0, elems=0.0, attn_f=0.0,
+                attn_b=0.0) for _ in units]
+    seq = _seq_len(traced)
+    params = {p.node: p for p in traced.params}
+    by_name = {p.name: p for p in traced.params}
+    tied_state = tied_elems = 0.0
+    for n in nodes:
+        if n.name not in choice:
+            continue
+        i = choice[n.name]
+        if n.name in params:
+            p = params[n.name]
+            # a tied alias holds no state of its own in the ILP; its holder's state is counted
+            # again in the units that read the alias (a pipeline stage there holds a copy)
+            src = by_name[p.tied_to] if p.tied_to is not None else p
+            state = costs.memory[src.node][choice[src.node]]
+            elems = state / state_bytes_per_element(optimizer, p.dtype.itemsize)
+            users = {unit_of[u.name] for u in n.users if u.name in unit_of and u.name not in backward}
+            for u in users or {0}:
+                acc[u]["state"] += state
+                acc[u]["elems"] += elems
+            if p.tied_to is not None or len(users) > 1:  # held by two units
+                tied_state, tied_elems = tied_state + state, tied_elems + elems
+            continue
+        a = acc[unit_of.get(n.name, len(units) - 1)]
+        a["b" if n.name in backward else "f"] += costs.compute[n.name][i]
+        a["act"] += costs.memory[n.name][i]
+        if n.name not in backward and _is_attention_core(n, seq):
+            a["attn_f"] += costs.compute[n.name][i]
+            a["attn_b"] += costs.memory[n.name][i]
+    for (name, k), mat in costs.edges.items():
+        src = space.nodes[name].inputs[k][0]
+        side = "bc" if name in backward else "fc"
+        acc[unit_of.get(name, len(units) - 1)][side] += mat[choice[src], choice[name]]
+    for value, param, mat in costs.outputs.values():
+        t = mat[choice[value[0]]] if param is None else mat[choice[value[0]], choice[param]]
+        acc[unit_of.get(value[0], len(units) - 1)]["bc" if param is not None else "fc"] += t
+    unit = lambda a: UnitCosts(a["f"] + a["fc"], a["b"] + a["bc"], a["fc"], a["bc"],  # noqa: E731
+                               a["state"], a["act"], a["elems"], a["attn_f"], a["attn_b"])
+    boundary = _boundary_bytes(fwd)
+    itemsize = traced.params[0].dtype.itemsize if traced.params else 4
+    return LayerCosts(unit(acc[0]), unit(acc[2]), unit(acc[-1]), num_blocks, tied_state, tied_elems,
+                      boundary, boundary / seq_shards, itemsize, optimizer)
+
+
+def _seq_len(traced: Any) -> int | None:
+    shapes = [i.shape for i in traced.inputs if len(i.shape) >= 2]
+    return shapes[0][1] if shapes else None
+
+
+def _is_attention_core(n: Any, seq: int | None) -> bool:
+    """A forward node whose output ends in (seq, seq): attention scores, softmax, dropout ([SEL])."""
+    vals = n.meta.get("val")
+    vals = vals if isinstance(vals, (tuple, list)) else [vals]
+    return seq is not None and any(isinstance(v, torch.Tensor) and v.dim() >= 2
+                                   and tuple(v.shape[-2:]) == (seq, seq) for v in vals)
+
+
+def _boundary_bytes(fwd: Any) -> float:
+    """Bytes crossing from the first block to the second per microbatch (one pipeline cut)."""
+    total = 0
+    for n in fwd.gm.graph.nodes:
+        if fwd.unit_of.get(n.name) != 1:
+            continue
+        val = n.meta.get("val")
+        if hasattr(val, "numel") and any(fwd.unit_of.get(u.name, 0) >= 2 for u in n.users):
+            total += val.numel() * val.element_size()
+    return float(total)
+
+
+def candidate_setups(num_devices: int, gpus_per_node: int, batch: int, num_blocks: int,
+                     config: Config, tp_max: int | None = None) -> Iterator[Setup]:
+    """Every setup allowed by ``config``: (dp, tp, pp) with tp dividing a node, microbatch size
+    ``b`` a power of two up to 8 dividing the per-replica batch (Megatron-LM's range, SC'21
+    Fig. 7), schedules, recomputation, ZeRO 0/1 and sequence parallelism (only with tp > 1)."""
+    tps = [t for t in _divisors(min(gpus_per_node, tp_max or gpus_per_node)) if num_devices % t == 0]
+    for tp in tps:
+        for pp in _divisors(num_devices // tp):
+            dp = num_devices // (tp * pp)
+            if pp > num_blocks or batch % dp or not _allowed(config, dp=dp, tp=tp, pp=pp):
+                continue
+            for b in _divisors(batch // dp):
+                if config.microbatch_size is None and (b > _MAX_MICROBATCH or b & (b - 1)):
+                    continue
+                if not _allowed(config, microbatch_size=b):
+                    continue
+                m = batch // (dp * b)
+                for schedule, v in _schedule_options(pp, m, num_blocks, config):
+                    for rc in RECOMPUTE:
+                        for zero in (0, 1) if dp > 1 else (0,):
+                            for sp in (False, True) if tp > 1 else (False,):
+                                if _allowed(config, recompute=rc, zero=zero, sequence_parallel=sp):
+                                    yield Setup(dp, tp, pp, b, m, schedule, v, rc, zero, sp)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _allowed(config: Config, **values: Any) -> bool:
+    return all(getattr(config, k, None) in (None, v) for k, v in values.items())
+
+
+def _schedule_options(pp: int, m: int, num_blocks: int, config: Config) -> list[tuple[str, int]]:
+    """(schedule, v): gradient accumulation without a pipeline; with one, 1F1B and interleaved
+    1F1B with v > 1 chunks when the blocks split evenly into pp * v stages and m is a multiple of
+    pp (Megatron-LM's conditions, [MEG] sec. 2.2.2)."""
+    if pp == 1:
+        return [("none", 1)]
+    out = [("1f1b", 1)] if m >= pp else []
+    for v in range(2, _MAX_VIRTUAL + 1):
+        if num_blocks % (pp * v) == 0 and m % pp == 0:
+            out.append(("interleaved-1f1b", v))
+    return [(s, v) for s, v in out if (config.schedule in (None, s))
+            and config.virtual_stages in (None, v)]
+
+
+def search(model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config | None = None,
+           cost_passes: Sequence[Callable[..., Any]] = (),
+           progress: Callable[[str], None] | None = None,
+           layers: "LayerSolver | None" = None) -> SearchResult:
+    """Search every setup of :func:`candidate_setups` for ``model`` on ``mesh`` and rank them.
+
+    ``example_inputs`` is one global batch (its dim 0 is the global batch size); ``model`` may
+    live under ``FakeTensorMode``. Raises :class:`PlanError` when nothing fits, naming the
+    smallest memory any setup needs.
+    """
+    config = config or Config()
+    t0 = time.perf_counter()
+    rep = layers or LayerSolver(model, example_inputs, mesh, config, cost_passes)
+    topo = mesh.topology
+    budget = config.memory_bytes if config.memory_bytes is not None else topo.memory_bytes
+    ranked: list[StepCost] = []
+    pruned: list[StepCost] = []
+    price_s = 0.0
+    for n, setup in enumerate(candidate_setups(mesh.size, topo.gpus_per_node, rep.batch,
+                                               rep.num_blocks, config), 1):
+        rep.costs(setup.tp, setup.microbatch_size, setup.sequence_parallel)
+        t1 = time.perf_counter()
+        cost = rep.price(setup, budget)
+        if setup.pp > 1:  # the same blocks per stage (as Megatron-LM) can beat balanced times
+            even = rep.price(dataclasses.replace(setup, even_split=True), budget)
+            cost = min(cost, even, key=lambda c: (not c.fits, c.step_time_s))
+        price_s += time.perf_counter() - t1
+        (ranked if cost.fits else pruned).append(cost)
+        if progress and n % 500 == 0:
+            best = min(ranked, key=lambda c: c.step_time_s) if ranked else None
+            progress(f"{n} setups priced, {len(rep.solved)} layer ILPs solved; best so far: "
+                     + (f"{best.setup.describe()} {best.step_time_s:.3f} s" if best else "none fits"))
+    if not ranked and not pruned:
+        raise PlanError(f"no setup of {mesh.size} devices matches the batch of {rep.batch} and "
+                        f"the config {config}; choose a batch divisible by the data-parallel "
+                        f"degree or relax the config.")
+    ranked.sort(key=lambda c: (c.step_time_s, max(c.rank_memory_bytes)))
+    if not ranked:
+        need = min(max(c.rank_memory_bytes) for c in pruned)
+        from autopar.solver.ilp import InfeasibleMemoryError
+
+        raise InfeasibleMemoryError(
+            f"no setup fits {budget / 2**30:.1f} GiB per device on {mesh.size} devices; the "
+            f"smallest needs {need / 2**30:.1f} GiB. Use more devices or a smaller batch.",
+            required_bytes=need, budget_bytes=budget)
+    timings = {"trace_s": rep.trace_s, "layer_ilp_s": rep.solve_s, "price_s": price_s,
+               "total_s": time.perf_counter() - t0}
+    return SearchResult(tuple(ranked), tuple(pruned), len(ranked) + len(pruned), len(rep.solved),
+                        timings, mesh.size)
+
+
+def to_plan(result: SearchResult, layers: LayerSolver, config: Config, top_k: int = 5) -> Plan:
+    """The planning view of ``result``: degrees, schedule, techniques, per-stage times and peak
+    memory, the predicted step broken down, and the next ``top_k`` setups as alternatives.
+
+    It holds no per-operator placements (they are the layer ILP's, repeated per block): to run
+    it, plan the job with :func:`autopar.plan` on the real mesh, pinned to these choices.
+    """
+    best = result.best
+    st = best.setup
+    units = ("pre", *(f"{layers.prefix}.{i}" for i in range(layers.num_blocks)), "post")
+    stage_of_block = [j for j, n in enumerate(best.blocks_per_stage) for _ in range(n)]
+    stage_of_unit = (0, *stage_of_block, st.pp * st.virtual_stages - 1)
+    parts = best.parts
+    predicted = {"step_time_s": best.step_time_s, "compute_s": parts["pipeline_s"]
+                 - parts["bubble_s"] - parts["tp_comm_s"] - parts["p2p_s"],
+                 "comm_s": parts["tp_comm_s"] + parts["dp_comm_s"] + parts["tied_grad_s"]
+                 + parts["p2p_s"], "peak_memory_bytes": max(best.rank_memory_bytes),
+                 **{k: float(v) for k, v in parts.items()}}
+    pipe = None
+    if st.pp > 1:
+        pipe = PipelinePlan(
+            schedule=st.schedule, microbatches=st.microbatches, microbatch_size=st.microbatch_size,
+            virtual_stages=st.virtual_stages, units=units, stage_of_unit=stage_of_unit, stages=(),
+            predicted={"step_time_s": best.step_time_s,
+                       "bubble_fraction": parts["bubble_s"] / best.step_time_s,
+                       "stage_time_s": list(best.stage_time_s),
+                       "stage_memory_bytes": list(best.stage_memory_bytes),
+                       "peak_memory_bytes": list(best.rank_memory_bytes)})
+    alts = tuple({"setup": c.setup.describe(), "degrees": {"dp": c.setup.dp, "tp": c.setup.tp,
+                                                           "pp": c.setup.pp},
+                  "step_time_s": c.step_time_s, "peak_memory_bytes": max(c.rank_memory_bytes)}
+                 for c in result.ranked[1:top_k + 1])
+    return Plan(
+        model_fingerprint=f"search:{layers.fingerprint}", mesh_shape=(st.pp, st.dp, st.tp),
+        axis_names=("pp", "dp", "tp"), degrees={"dp": st.dp, "tp": st.tp, "pp": st.pp},
+        params={}, inputs=(), output_placements=(), nodes={}, collectives=(),
+        predicted=predicted,
+        solver={"status": "search", "backend": "per-layer ILPs + closed-form step model",
+                "gap": 0.0, "solve_time_s": result.timings["total_s"],
+                "setups_evaluated": result.evaluated, "setups_pruned_memory": len(result.pruned),
+                "layer_solves": result.layer_solves, **result.timings,
+                "pruned_examples": _pruned_examples(result)},
+        warnings=("planning view from the cluster search: no per-operator placements; plan the "
+                  "job itself with autopar.plan(...) to run it",),
+        topology=layers.mesh.topology.name, config=config.to_dict(),
+        input_shapes=(), alternatives=alts, pipeline=pipe,
+        techniques={"microbatch_size": st.microbatch_size, "microbatches": st.microbatches,
+                    "recompute": st.recompute, "zero": st.zero,
+                    "sequence_parallel": st.sequence_parallel})
+
+
+def _pruned_examples(result: SearchResult, limit: int = 3) -> list[str]:
+    """A few setups pruned for memory, one per (dp, tp, pp), with the reason."""
+    seen, out = set(), []
+    for c in result.pruned:
+        key = (c.setup.dp, c.setup.tp, c.setup.pp)
+        if key not in seen:
+            seen.add(key)
+            out.append(f"{c.setup.describe()}: {c.reason()}")
+        if len(out) == limit:
+            break
+    return out

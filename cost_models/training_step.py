@@ -1,0 +1,261 @@
+"""Price one whole training step from per-layer costs: pipeline, recomputation, ZeRO, data
+parallelism and the optimizer.
+
+The per-layer costs (:class:`UnitCosts`) come from the intra-operator ILP solved on one layer of
+the model (see :mod:`autopar.solver.search`); this module composes them for one candidate setup
+(:class:`Setup`) into a step time and a per-rank memory, with closed forms cheap enough to
+evaluate thousands of setups.
+
+Sources:
+  [MEG]  Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+         Megatron-LM", SC'21, arXiv:2104.04473: Eq. 1, batch time ``(m + p - 1)(t_f + t_b)``
+         for 1F1B; sec. 2.2.2, interleaved bubble ``(p - 1)/v`` chunk-times; sec. 3.5, full
+         recomputation stores each layer's input and re-runs its forward (with its tensor-parallel
+         all-reduces) before the backward.
+  [SEL]  Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
+         MLSys'23, arXiv:2205.05198, sec. 5: selective recomputation re-runs only the attention
+         core (the ``s x s`` scores, softmax, dropout and ``attn @ V``) and drops its activations.
+  [ZERO] Rajbhandari et al., "ZeRO", SC'20, arXiv:1910.02054, sec. 5.1 and 7: stage 1 shards the
+         optimizer state over dp; gradients are reduce-scattered and the updated parameters
+         all-gathered, the same bytes as one all-reduce.
+  [ADAM] Kingma & Ba, "Adam", ICLR'15, Alg. 1, in mixed precision (Micikevicius et al., ICLR'18):
+         the update reads the 16-bit gradient, the fp32 master weight and both moments, and writes
+         master, moments and the 16-bit weight: 2 + 3 * 4 + 3 * 4 + 2 = 28 bytes per parameter,
+         a streaming kernel priced at the memory roofline.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from autopar.cost_models.comm import axis_collective_time
+from autopar.cost_models.pipeline import in_flight
+from autopar.cost_models.topology import Topology
+
+__all__ = ["UnitCosts", "LayerCosts", "Setup", "StepCost", "price_setup", "RECOMPUTE",
+           "blocks_per_stage", "model_flops_megatron"]
+
+RECOMPUTE = ("none", "selective", "full")
+_ADAM_STEP_BYTES = 28  # [ADAM], per parameter, mixed precision
+_SGD_STEP_BYTES = 12  # read grad and weight, write weight (fp32)
+
+
+@dataclass(frozen=True)
+class UnitCosts:
+    """One layer unit, per microbatch on one rank: seconds and bytes.
+
+    ``forward_comm_s`` / ``backward_comm_s`` are the collective parts of ``forward_s`` /
+    ``backward_s``. ``param_elements``: parameter elements this rank holds for the unit.
+    ``attention_forward_s`` / ``attention_bytes``: the attention core's share ([SEL]).
+    """
+
+    forward_s: float
+    backward_s: float
+    forward_comm_s: float
+    backward_comm_s: float
+    state_bytes: float
+    activation_bytes: float
+    param_elements: float
+    attention_forward_s: float = 0.0
+    attention_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """The units of a model made of identical blocks, solved for one (tp, microbatch, sp).
+
+    ``tied_state_bytes``/``tied_elements``: the parameters shared by ``pre`` and ``post`` (a tied
+    embedding and LM head), counted in both. ``boundary_bytes``: the activation a pipeline stage
+    sends per microbatch; ``input_bytes``: what a block keeps under full recomputation.
+    """
+
+    pre: UnitCosts
+    block: UnitCosts
+    post: UnitCosts
+    num_blocks: int
+    tied_state_bytes: float
+    tied_elements: float
+    boundary_bytes: float
+    input_bytes: float
+    param_itemsize: int
+    optimizer: str
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The choices of one candidate beyond the per-layer intra-operator plan."""
+
+    dp: int
+    tp: int
+    pp: int
+    microbatch_size: int
+    microbatches: int
+    schedule: str  # "none" (pp = 1, gradient accumulation), "1f1b" or "interleaved-1f1b"
+    virtual_stages: int
+    recompute: str
+    zero: int
+    sequence_parallel: bool
+    even_split: bool = False  # same blocks on every stage (Megatron-LM) instead of balanced times
+
+    def describe(self) -> str:
+        """One line such as ``dp=32 tp=8 pp=4 b=1 m=56 interleaved-1f1b v=2 full zero1 sp``."""
+        sched = "" if self.pp == 1 else f" {self.schedule}" + (
+            f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp} b={self.microbatch_size} "
+                f"m={self.microbatches}{sched} recompute={self.recompute} zero={self.zero}"
+                f"{' sp' if self.sequence_parallel else ''}")
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Predicted step of one setup: time, its parts, and memory per pipeline rank."""
+
+    setup: Setup
+    step_time_s: float
+    parts: dict[str, float]
+    blocks_per_stage: tuple[int, ...]
+    stage_time_s: tuple[float, ...]
+    rank_memory_bytes: tuple[float, ...]
+    budget_bytes: float
+    stage_memory_bytes: tuple[float, ...] = ()
+
+    @property
+    def fits(self) -> bool:
+        """Whether every rank's memory is within the budget."""
+        return max(self.rank_memory_bytes) <= self.budget_bytes
+
+    def reason(self) -> str:
+        """Why the setup does not fit (empty when it fits)."""
+        if self.fits:
+            return ""
+        r = max(range(len(self.rank_memory_bytes)), key=self.rank_memory_bytes.__getitem__)
+        return (f"pipeline rank {r} needs {self.rank_memory_bytes[r] / 2**30:.1f} GiB per device, "
+                f"over the {self.budget_bytes / 2**30:.1f} GiB budget")
+
+
+def blocks_per_stage(num_blocks: int, stages: int, pre_s: float, post_s: float,
+                     block_s: float) -> tuple[int, ...]:
+    """Blocks of each stage, balancing stage times when the first stage also runs ``pre`` and the
+    last ``post``: the fewest-blocks-first filling of a water level."""
+    if stages == 1:
+        return (num_blocks,)
+    extra = [0.0] * stages
+    extra[0] += pre_s
+    extra[-1] += post_s
+    counts = [0] * stages
+    for _ in range(num_blocks):  # give the next block to the stage that finishes first
+        j = min(range(stages), key=lambda k: (extra[k] + counts[k] * block_s, k))
+        counts[j] += 1
+    return tuple(counts)
+
+
+@functools.lru_cache(maxsize=4096)
+def _flight(schedule: str, pp: int, v: int, m: int) -> tuple[int, ...]:
+    """In-flight microbatches per stage; they stop growing past ``m = 2 p v`` (checked against
+    the simulator for the shapes the search uses), which bounds the simulation's cost."""
+    if schedule == "none":
+        return (1,)
+    cap = m if m <= 2 * pp * v else 2 * pp * v
+    return in_flight(schedule, pp, v, cap)
+
+
+def _block_parts(lc: LayerCosts, recompute: str) -> tuple[float, float, float]:
+    """(forward s, backward s, saved bytes) of one block under ``recompute`` ([MEG], [SEL])."""
+    b = lc.block
+    if recompute == "full":
+        return b.forward_s, b.backward_s + b.forward_s, lc.input_bytes
+    if recompute == "selective":
+        return b.forward_s, b.backward_s + b.attention_forward_s, b.activation_bytes - b.attention_bytes
+    return b.forward_s, b.backward_s, b.activation_bytes
+
+
+def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: float) -> StepCost:
+    """Step time and per-rank memory of ``setup`` from the per-layer costs ``lc``."""
+    p, v, m = setup.pp, setup.virtual_stages, setup.microbatches
+    stages = p * v
+    bf, bb, bact = _block_parts(lc, setup.recompute)
+    if setup.even_split:
+        counts = tuple(lc.num_blocks // stages + (j < lc.num_blocks % stages) for j in range(stages))
+    else:
+        counts = blocks_per_stage(lc.num_blocks, stages, lc.pre.forward_s + lc.pre.backward_s,
+                                  lc.post.forward_s + lc.post.backward_s, bf + bb)
+    # the pipeline axis is outermost (stride dp * tp): sends cross nodes on a cluster
+    send = axis_collective_time("send_recv", lc.boundary_bytes, p, setup.dp * setup.tp,
+                                topology) if p > 1 else 0.0
+    fw, bw, act, state, elems = [], [], [], [], []
+    for j, n in enumerate(counts):
+        first, last = j == 0, j == stages - 1
+        fw.append(n * bf + first * lc.pre.forward_s + last * lc.post.forward_s + (not last) * send)
+        bw.append(n * bb + first * lc.pre.backward_s + last * lc.post.backward_s + (not first) * send)
+        act.append(n * bact + first * lc.pre.activation_bytes + last * lc.post.activation_bytes)
+        shared = first and last  # pre and post on one stage hold the tied weight once
+        state.append(n * lc.block.state_bytes + first * lc.pre.state_bytes
+                     + last * lc.post.state_bytes - shared * lc.tied_state_bytes)
+        elems.append(n * lc.block.param_elements + first * lc.pre.param_elements
+                     + last * lc.post.param_elements - shared * lc.tied_elements)
+    rank = lambda xs: [sum(xs[j] for j in range(r, stages, p)) for r in range(p)]  # noqa: E731
+    busy = [f + b for f, b in zip(rank(fw), rank(bw))]
+    # [MEG] Eq. 1 generalised to unequal stages: m rounds of the busiest rank, plus the fill
+    # and drain of p - 1 stage-times (a stage is 1/v of a rank's work when interleaved)
+    chunk = max(f + b for f, b in zip(fw, bw))
+    pipe = m * max(busy) + (p - 1) * chunk
+    flight = _flight(setup.schedule, p, v, m)
+    zero_scale = _zero_state_scale(lc, setup)
+    memory = [0.0] * p
+    stage_memory = [state[j] * zero_scale + act[j] * flight[j] for j in range(stages)]
+    for j in range(stages):
+        memory[j % p] += stage_memory[j]
+    grad_bytes = max(rank(elems)) * lc.param_itemsize
+    # one gradient reduction per step over dp (stride tp); ZeRO-1 does it as reduce-scatter plus
+    # all-gather of the parameters, the same bytes ([ZERO])
+    if setup.zero:
+        dp_s = (axis_collective_time("reduce_scatter", grad_bytes, setup.dp, setup.tp, topology)
+                + axis_collective_time("all_gather", grad_bytes, setup.dp, setup.tp, topology))
+    else:
+        dp_s = axis_collective_time("all_reduce", grad_bytes, setup.dp, setup.tp, topology)
+    tied_s = 0.0
+    if p > 1 and lc.tied_elements:  # the first and last stage sum the tied weight's gradient
+        tied_s = axis_collective_time("all_reduce", lc.tied_elements * lc.param_itemsize, 2,
+                                      setup.dp * setup.tp, topology)
+    step_bytes = _ADAM_STEP_BYTES if lc.optimizer == "adam" else _SGD_STEP_BYTES
+    opt_s = max(rank(elems)) / (setup.dp if setup.zero else 1) * step_bytes / (
+        topology.mem_bandwidth_Bps * topology.pointwise_efficiency)
+    comm = m * max(rank(_comm_per_stage(lc, counts, setup.recompute)))
+    parts = {"pipeline_s": pipe, "bubble_s": pipe - m * max(busy), "dp_comm_s": dp_s,
+             "tied_grad_s": tied_s, "optimizer_s": opt_s, "tp_comm_s": comm,
+             "p2p_s": m * 2 * send if p > 1 else 0.0}
+    return StepCost(setup, pipe + dp_s + tied_s + opt_s, parts, counts,
+                    tuple(f + b for f, b in zip(fw, bw)), tuple(memory), budget_bytes,
+                    tuple(stage_memory))
+
+
+def _comm_per_stage(lc: LayerCosts, counts: tuple[int, ...], recompute: str) -> list[float]:
+    """Collective seconds per stage and microbatch (recomputation repeats the forward's)."""
+    b = lc.block
+    per_block = b.forward_comm_s + b.backward_comm_s + (recompute == "full") * b.forward_comm_s
+    out = []
+    for j, n in enumerate(counts):
+        out.append(n * per_block + (j == 0) * (lc.pre.forward_comm_s + lc.pre.backward_comm_s)
+                   + (j == len(counts) - 1) * (lc.post.forward_comm_s + lc.post.backward_comm_s))
+    return out
+
+
+def _zero_state_scale(lc: LayerCosts, setup: Setup) -> float:
+    """Share of the training state a rank keeps under ZeRO-1: the optimizer part over dp
+    ([ZERO] sec. 5.1; Megatron's distributed optimizer: 6 + 12/d of 18 bytes in mixed precision)."""
+    if not setup.zero or setup.dp == 1:
+        return 1.0
+    if lc.param_itemsize >= 4:
+        total, opt = (16, 8) if lc.optimizer == "adam" else (8, 0)
+    else:
+        total, opt = (18, 12) if lc.optimizer == "adam" else (10, 4)
+    return (total - opt + opt / setup.dp) / total
+
+
+def model_flops_megatron(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """[MEG] Eq. 3: FLOPs of one iteration with full recomputation, the numerator of Table 1's
+    TFLOP/s: ``96 B s l h^2 (1 + s / (6 h) + V / (16 l h))``."""
+    return 96 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden)
+                                                   + vocab / (16 * layers * hidden))
+

@@ -1,0 +1,135 @@
+"""The cluster-scale search (autopar.solver.search) and its step model (training_step).
+
+- Megatron-LM's hand configurations of SC'21 Table 1 are predicted within 10% of the published
+  TFLOP/s per GPU (three rows here; all ten in benchmarks/megatron_table1.py), and the search's
+  plan is never predicted slower than them;
+- setups that do not fit are pruned with their reason and never chosen (175B with t = p = 1);
+- the per-layer pricing agrees with the whole-model ILP of autopar.plan on a small GPT;
+- the step model's closed forms reduce to Megatron's Eq. 1 and interleaved bubble;
+- the plan view carries alternatives, techniques and per-stage peak memory, and round-trips JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+import autopar
+from autopar.cost_models.training_step import (
+    LayerCosts, Setup, UnitCosts, blocks_per_stage, price_setup,
+)
+from autopar.presets import megatron_gpt
+from autopar.solver.search import LayerSolver, candidate_setups, search, to_plan
+from models import build
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+import megatron_table1  # noqa: E402
+
+
+@pytest.mark.parametrize("row", [1, 5, 10])
+def test_megatron_table1_rows_are_predicted_within_ten_percent(row):
+    # +-10% is the issue's bar for every row; the one calibrated constant (a100-dgx matmul
+    # efficiency) was fitted on rows 1, 3, 5, 7, 9, so row 10 is held out.
+    r = megatron_table1.table1_rows()[row - 1]
+    res = megatron_table1.run_row(r, do_search=False)
+    published = r["achieved_TFLOPs_per_gpu"]
+    assert abs(res["megatron_tflops"] - published) / published <= 0.10, res["megatron_tflops"]
+
+
+def test_search_is_never_worse_than_megatron_and_prunes_what_does_not_fit():
+    r = megatron_table1.table1_rows()[4]  # 39B on 512 GPUs, t=8 p=2 d=32
+    res = megatron_table1.run_row(r, do_search=True)
+    result = res["search"]
+    assert result.best.step_time_s <= res["megatron"].step_time_s
+    assert all(c.fits for c in result.ranked)
+    assert result.pruned and all(not c.fits and "GiB" in c.reason() for c in result.pruned)
+    # each distinct (tp, microbatch, sp) layer ILP is solved once, not once per setup
+    assert result.layer_solves <= 4 * 8 * 2 < result.evaluated
+
+
+def test_175b_without_model_parallelism_is_pruned_not_chosen():
+    model, inputs = megatron_gpt("gpt3-175b", batch=1024)
+    mesh = autopar.Mesh.virtual("a100-dgx", nodes=128, gpus_per_node=8)
+    cfg = autopar.Config(tp=1, pp=1, microbatch_size=1)
+    with pytest.raises(autopar.InfeasibleMemoryError, match="no setup fits"):
+        search(model, inputs, mesh, cfg)
+
+
+def test_layer_pricing_matches_the_whole_model_ilp():
+    # A 4-layer GPT on 2 devices: the search prices blocks.1 of a 2-block copy and multiplies;
+    # autopar.plan solves the whole 4-layer graph. With dp = 1 and one microbatch the two must
+    # agree on compute + tensor-parallel communication. Not exactly: every block is charged
+    # blocks.1's cost (blocks.0 differs by the reshard it reads from the embedding) and the
+    # search pins layer norms to replicated (sequence_parallel=False); measured 0.4% apart.
+    model, inputs = build("gpt", dim=256, heads=4, layers=4, batch=4, seq=32)
+    mesh = autopar.Mesh.virtual("a100-dgx", nodes=1, gpus_per_node=2)
+    whole = autopar.plan(model, mesh, inputs, config=autopar.Config(tp=2, dp=1, pp=1))
+    layers = LayerSolver(model, inputs, mesh, autopar.Config(), ())
+    cost = layers.price(Setup(1, 2, 1, 4, 1, "none", 1, "none", 0, False))
+    assert cost.parts["pipeline_s"] == pytest.approx(whole.predicted["step_time_s"], rel=0.02)
+
+
+def _uniform(f: float, b: float, blocks: int) -> LayerCosts:
+    zero = UnitCosts(0, 0, 0, 0, 0, 0, 0)
+    block = UnitCosts(f, b, 0, 0, 1e9, 1e8, 1e8, attention_forward_s=f / 4, attention_bytes=5e7)
+    return LayerCosts(zero, block, zero, blocks, 0, 0, 0, 1e7, 2, "adam")
+
+
+def test_step_model_reduces_to_megatron_closed_forms():
+    topo = autopar.Mesh.virtual("a100-dgx").topology
+    lc = _uniform(1.0, 2.0, 16)
+    one = price_setup(lc, Setup(1, 1, 4, 1, 8, "1f1b", 1, "none", 0, False), topo, 1e15)
+    # Eq. 1: (m + p - 1) (t_f + t_b) with 4 blocks per stage
+    assert one.parts["pipeline_s"] == pytest.approx((8 + 3) * 4 * 3.0)
+    inter = price_setup(lc, Setup(1, 1, 4, 1, 8, "interleaved-1f1b", 2, "none", 0, False), topo, 1e15)
+    # interleaved: bubble (p - 1) / v of a rank's per-microbatch time
+    assert inter.parts["bubble_s"] == pytest.approx(3 * 4 * 3.0 / 2)
+    full = price_setup(lc, Setup(1, 1, 4, 1, 8, "1f1b", 1, "full", 0, False), topo, 1e15)
+    assert full.parts["pipeline_s"] == pytest.approx((8 + 3) * 4 * 4.0)  # forward again
+    assert max(full.rank_memory_bytes) < max(one.rank_memory_bytes)
+    sel = price_setup(lc, Setup(1, 1, 4, 1, 8, "1f1b", 1, "selective", 0, False), topo, 1e15)
+    assert one.step_time_s < sel.step_time_s < full.step_time_s
+    z = price_setup(lc, Setup(8, 1, 4, 1, 8, "1f1b", 1, "none", 1, False), topo, 1e15)
+    z0 = price_setup(lc, Setup(8, 1, 4, 1, 8, "1f1b", 1, "none", 0, False), topo, 1e15)
+    # ZeRO-1 keeps 6 + 12/8 of 18 bytes per parameter (Megatron's distributed optimizer)
+    state = 4 * 1e9
+    assert z0.rank_memory_bytes[0] - z.rank_memory_bytes[0] == pytest.approx(state * (12 - 1.5) / 18)
+
+
+def test_balanced_stages_give_the_heavy_last_stage_fewer_blocks():
+    first, last = blocks_per_stage(8, 2, 0.0, 3.0, 1.0)  # the last stage also runs 3 s of head
+    assert first + last == 8 and last < first and max(first, last + 3.0) == 6.0  # the optimum
+    assert sum(blocks_per_stage(96, 8, 0.5, 2.0, 1.0)) == 96
+
+
+def test_candidates_keep_tensor_parallelism_inside_a_node_and_respect_the_config():
+    setups = list(candidate_setups(64, 8, 256, 16, autopar.Config()))
+    assert setups and all(s.tp <= 8 and s.dp * s.tp * s.pp == 64 for s in setups)
+    assert {s.recompute for s in setups} == {"none", "selective", "full"}
+    assert {s.schedule for s in setups} >= {"none", "1f1b", "interleaved-1f1b"}
+    fixed = list(candidate_setups(64, 8, 256, 16, autopar.Config(tp=4, zero=1, recompute="full")))
+    assert fixed and all(s.tp == 4 and s.recompute == "full" and (s.zero or s.dp == 1) for s in fixed)
+
+
+def test_plan_view_has_alternatives_stage_memory_and_round_trips(tmp_path):
+    model, inputs = megatron_gpt(dict(hidden=1024, layers=8, heads=16), batch=64, seq=512)
+    mesh = autopar.Mesh.virtual("a100-dgx", nodes=2, gpus_per_node=8)
+    plan = autopar.search(model, mesh, inputs, config=autopar.Config(pp=2), top_k=3)
+    assert plan.degrees["pp"] == 2 and len(plan.alternatives) == 3
+    assert all(a["step_time_s"] >= plan.predicted["step_time_s"] for a in plan.alternatives)
+    pipe = plan.pipeline
+    assert len(pipe.predicted["stage_memory_bytes"]) == pipe.num_stages
+    assert set(plan.techniques) >= {"recompute", "zero", "sequence_parallel"}
+    text = str(plan)
+    assert "stage peak MiB" in text and "techniques" in text
+    plan.save(tmp_path / "p.json")
+    again = autopar.Plan.load(tmp_path / "p.json")
+    assert again.techniques == plan.techniques and again.alternatives == plan.alternatives
+    json.loads(again.to_json())
+    small, small_inputs = build("gpt")
+    with pytest.raises(autopar.PlanError, match="planning view"):  # it has no placements to run
+        autopar.parallelize(small, autopar.Mesh.virtual("cpu-gloo", gpus_per_node=1), small_inputs,
+                            plan=tmp_path / "p.json")
