@@ -263,16 +263,22 @@ class Plan:
         parts = ["autopar plan", tabulate(head, tablefmt="simple")]
         if self.pipeline is not None:
             parts += ["", "pipeline stages", self._stage_table()]
-        prm = [[name, "[" + ", ".join(p) + "]"] for name, p in self.params.items()]
-        parts += ["", "parameters", tabulate(prm, headers=["name", "placement per axis"])]
+        if self.params:
+            prm = [[name, "[" + ", ".join(p) + "]"] for name, p in self.params.items()]
+            parts += ["", "parameters", tabulate(prm, headers=["name", "placement per axis"])]
         counts: Counter = Counter((c.layer or "-", c.phase, c.kind, c.axis) for c in self.collectives)
         nbytes: Counter = Counter()
         for c in self.collectives:
             nbytes[(c.layer or "-", c.phase, c.kind, c.axis)] += c.bytes
         rows = [[*k, v, nbytes[k]] for k, v in counts.items()]
-        parts += ["", "collectives per step",
-                  tabulate(rows, headers=["layer", "phase", "kind", "axis", "count", "bytes"])
-                  if rows else "(none)"]
+        if rows or self.params:
+            parts += ["", "collectives per step",
+                      tabulate(rows, headers=["layer", "phase", "kind", "axis", "count", "bytes"])
+                      if rows else "(none)"]
+        alts = [[a.get("setup", a.get("degrees")), f"{a['step_time_s'] * 1e3:.3f}"]
+                for a in self.alternatives if "step_time_s" in a]
+        if alts:
+            parts += ["", "alternatives", tabulate(alts, headers=["setup", "predicted step ms"])]
         if self.warnings:
             parts += ["", "warnings"] + [f"- {w}" for w in self.warnings]
         return "\n".join(parts)

@@ -348,24 +348,27 @@ def to_plan(result: SearchResult, layers: LayerSolver, config: Config, top_k: in
     stage_of_block = [j for j, n in enumerate(best.blocks_per_stage) for _ in range(n)]
     stage_of_unit = (0, *stage_of_block, st.pp * st.virtual_stages - 1)
     parts = best.parts
-    predicted = {"step_time_s": best.step_time_s, "compute_s": parts["pipeline_s"]
-                 - parts["bubble_s"] - parts["tp_comm_s"] - parts["p2p_s"],
-                 "comm_s": parts["tp_comm_s"] + parts["dp_comm_s"] + parts["tied_grad_s"]
-                 + parts["p2p_s"], "peak_memory_bytes": max(best.rank_memory_bytes),
+    predicted = {"step_time_s": float(best.step_time_s),
+                 "compute_s": float(parts["pipeline_s"] - parts["bubble_s"] - parts["tp_comm_s"]
+                                    - parts["p2p_s"]),
+                 "comm_s": float(parts["tp_comm_s"] + parts["dp_comm_s"] + parts["tied_grad_s"]
+                                 + parts["p2p_s"]),
+                 "peak_memory_bytes": float(max(best.rank_memory_bytes)),
                  **{k: float(v) for k, v in parts.items()}}
     pipe = None
     if st.pp > 1:
         pipe = PipelinePlan(
             schedule=st.schedule, microbatches=st.microbatches, microbatch_size=st.microbatch_size,
             virtual_stages=st.virtual_stages, units=units, stage_of_unit=stage_of_unit, stages=(),
-            predicted={"step_time_s": best.step_time_s,
-                       "bubble_fraction": parts["bubble_s"] / best.step_time_s,
-                       "stage_time_s": list(best.stage_time_s),
-                       "stage_memory_bytes": list(best.stage_memory_bytes),
-                       "peak_memory_bytes": list(best.rank_memory_bytes)})
+            predicted={"step_time_s": float(best.step_time_s),
+                       "bubble_fraction": float(parts["bubble_s"] / best.step_time_s),
+                       "stage_time_s": [float(t) for t in best.stage_time_s],
+                       "stage_memory_bytes": [float(b) for b in best.stage_memory_bytes],
+                       "peak_memory_bytes": [float(b) for b in best.rank_memory_bytes]})
     alts = tuple({"setup": c.setup.describe(), "degrees": {"dp": c.setup.dp, "tp": c.setup.tp,
                                                            "pp": c.setup.pp},
-                  "step_time_s": c.step_time_s, "peak_memory_bytes": max(c.rank_memory_bytes)}
+                  "step_time_s": float(c.step_time_s),
+                  "peak_memory_bytes": float(max(c.rank_memory_bytes))}
                  for c in result.ranked[1:top_k + 1])
     return Plan(
         model_fingerprint=f"search:{layers.fingerprint}", mesh_shape=(st.pp, st.dp, st.tp),

@@ -41,13 +41,19 @@ def test_megatron_table1_rows_are_predicted_within_ten_percent(row):
 
 def test_search_is_never_worse_than_megatron_and_prunes_what_does_not_fit():
     r = megatron_table1.table1_rows()[4]  # 39B on 512 GPUs, t=8 p=2 d=32
-    res = megatron_table1.run_row(r, do_search=True)
-    result = res["search"]
-    assert result.best.step_time_s <= res["megatron"].step_time_s
+    model, inputs = megatron_gpt(dict(hidden=8192, layers=48, heads=64), batch=1536)
+    mesh = autopar.Mesh.virtual("a100-dgx", nodes=64, gpus_per_node=8)
+    # microbatch 1 (Megatron's) keeps the test to one trace; the benchmark searches all sizes
+    cfg = autopar.Config(microbatch_size=1)
+    layers = LayerSolver(model, inputs, mesh, cfg, ())
+    megatron = min((layers.price(s) for s in megatron_table1.megatron_setups(r)),
+                   key=lambda c: c.step_time_s)
+    result = search(model, inputs, mesh, cfg, layers=layers)
+    assert result.best.step_time_s <= megatron.step_time_s
     assert all(c.fits for c in result.ranked)
     assert result.pruned and all(not c.fits and "GiB" in c.reason() for c in result.pruned)
-    # each distinct (tp, microbatch, sp) layer ILP is solved once, not once per setup
-    assert result.layer_solves <= 4 * 8 * 2 < result.evaluated
+    # each distinct (tp, sp) layer ILP is solved once, not once per setup
+    assert result.layer_solves == 1 + 3 * 2 < result.evaluated
 
 
 def test_175b_without_model_parallelism_is_pruned_not_chosen():
@@ -117,7 +123,8 @@ def test_candidates_keep_tensor_parallelism_inside_a_node_and_respect_the_config
 def test_plan_view_has_alternatives_stage_memory_and_round_trips(tmp_path):
     model, inputs = megatron_gpt(dict(hidden=1024, layers=8, heads=16), batch=64, seq=512)
     mesh = autopar.Mesh.virtual("a100-dgx", nodes=2, gpus_per_node=8)
-    plan = autopar.search(model, mesh, inputs, config=autopar.Config(pp=2), top_k=3)
+    plan = autopar.search(model, mesh, inputs, config=autopar.Config(pp=2, microbatch_size=2),
+                          top_k=3)
     assert plan.degrees["pp"] == 2 and len(plan.alternatives) == 3
     assert all(a["step_time_s"] >= plan.predicted["step_time_s"] for a in plan.alternatives)
     pipe = plan.pipeline
