@@ -206,7 +206,21 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
     stage_memory = [state[j] * zero_scale + act[j] * flight[j] for j in range(stages)]
     for j in range(stages):
         memory[j % p] += stage_memory[j]
-    grad_bytes = max(rank(elems)) * lc.param_itemsize
+    dp_s, tied_s, opt_s = _step_end(lc, setup, max(rank(elems)), topology)
+    comm = m * max(rank(_comm_per_stage(lc, counts, setup.recompute)))
+    parts = {"pipeline_s": pipe, "bubble_s": pipe - m * max(busy), "dp_comm_s": dp_s,
+             "tied_grad_s": tied_s, "optimizer_s": opt_s, "tp_comm_s": comm,
+             "p2p_s": m * 2 * send if p > 1 else 0.0}
+    return StepCost(setup, pipe + dp_s + tied_s + opt_s, parts, counts,
+                    tuple(f + b for f, b in zip(fw, bw)), tuple(memory), budget_bytes,
+                    tuple(stage_memory))
+
+
+def _step_end(lc: LayerCosts, setup: Setup, elements: float, topology: Topology
+              ) -> tuple[float, float, float]:
+    """Seconds of what follows the pipeline once per step: the data-parallel gradient reduction,
+    the tied weight's gradient sum and the optimizer, for the rank holding ``elements``."""
+    grad_bytes = elements * lc.param_itemsize
     # one gradient reduction per step over dp (stride tp); ZeRO-1 does it as reduce-scatter plus
     # all-gather of the parameters, the same bytes ([ZERO])
     if setup.zero:
@@ -215,19 +229,13 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
     else:
         dp_s = axis_collective_time("all_reduce", grad_bytes, setup.dp, setup.tp, topology)
     tied_s = 0.0
-    if p > 1 and lc.tied_elements:  # the first and last stage sum the tied weight's gradient
+    if setup.pp > 1 and lc.tied_elements:  # the first and last stage sum the tied weight's grad
         tied_s = axis_collective_time("all_reduce", lc.tied_elements * lc.param_itemsize, 2,
                                       setup.dp * setup.tp, topology)
     step_bytes = _ADAM_STEP_BYTES if lc.optimizer == "adam" else _SGD_STEP_BYTES
-    opt_s = max(rank(elems)) / (setup.dp if setup.zero else 1) * step_bytes / (
+    opt_s = elements / (setup.dp if setup.zero else 1) * step_bytes / (
         topology.mem_bandwidth_Bps * topology.pointwise_efficiency)
-    comm = m * max(rank(_comm_per_stage(lc, counts, setup.recompute)))
-    parts = {"pipeline_s": pipe, "bubble_s": pipe - m * max(busy), "dp_comm_s": dp_s,
-             "tied_grad_s": tied_s, "optimizer_s": opt_s, "tp_comm_s": comm,
-             "p2p_s": m * 2 * send if p > 1 else 0.0}
-    return StepCost(setup, pipe + dp_s + tied_s + opt_s, parts, counts,
-                    tuple(f + b for f, b in zip(fw, bw)), tuple(memory), budget_bytes,
-                    tuple(stage_memory))
+    return dp_s, tied_s, opt_s
 
 
 def _comm_per_stage(lc: LayerCosts, counts: tuple[int, ...], recompute: str) -> list[float]:

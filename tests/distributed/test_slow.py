@@ -15,3 +15,18 @@ def test_compiled_program_matches_single_process(results_dir):
     # inductor may fuse and reorder fp32 arithmetic: same bound as the eager program
     assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * max(1.0, abs(r["ref_loss"]))
     assert r["grad_abs_err"] <= 1e-5 * max(1.0, r["grad_scale"])
+
+
+def test_free_mesh_hugging_face_models_on_four_processes(results_dir):
+    from test_equivalence import SLOW_ONLY
+
+    results = run_worker(4, sorted(SLOW_ONLY), results_dir)
+    for check in SLOW_ONLY:
+        r = results[check]
+        assert "error" not in r, r.get("trace")
+        # same fp32 bound and reasoning as test_loss_and_gradients_match_single_process
+        assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * max(1.0, abs(r["ref_loss"])), (check, r)
+        assert r["grad_abs_err"] <= 1e-5 * max(1.0, r["grad_scale"]), (check, r)
+        names = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+        runtime = {names.get(k, k): v for k, v in r["runtime_counts"].items()}
+        assert runtime == r["plan_counts"], (check, runtime, r["plan_counts"])
