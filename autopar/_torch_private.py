@@ -28,6 +28,7 @@ __all__ = [
     "partition_joint",
     "inductor_compile",
     "will_engine_execute",
+    "memory_tracker",
 ]
 
 SUPPORTED = ("2.13",)
@@ -166,3 +167,12 @@ def will_engine_execute(node: Any) -> bool:
     """Inside a backward call: whether the autograd engine will run ``node`` in this graph task
     (``False`` for a parameter's node while only input gradients are being computed)."""
     return bool(torch._C._will_engine_execute_node(node))
+
+
+def memory_tracker() -> Any:
+    """A new ``torch.distributed._tools.mem_tracker.MemTracker``: a dispatch mode that follows
+    every tensor storage and attributes it (parameter, gradient, activation, temporary,
+    optimizer state) per device, with peak snapshots."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    return MemTracker()

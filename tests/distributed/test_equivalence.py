@@ -20,6 +20,9 @@ MEGATRON = {n: [f"{k}:tp={n},dim=512,batch=2,seq=64,heads=8,topo=a100-dgx" for k
             for n in (2, 4)}
 # Sequence parallelism forced on (2 processes): layer norms sharded on the sequence dim.
 SEQUENCE_PARALLEL = "gpt:tp=2,sequence_parallel=1,dim=512,batch=2,seq=64,heads=8,topo=a100-dgx"
+# Peak memory of a real step (forward, backward, AdamW) per rank against the plan (2 processes).
+MEMORY = [f"{m}:{mesh},memory=1,dim=256,heads=4,layers=4,batch=8,seq=64"
+          for m, mesh in (("gpt", "tp=2"), ("gpt", "dp=2"), ("gpt2", "tp=2"))]
 # Large batch, narrow layers, solver free -> data parallelism.
 DATA_PARALLEL = {n: f"gpt:dim=64,batch={128 * n},seq=128,topo=a100-dgx" for n in (2, 4)}
 
@@ -36,7 +39,7 @@ def _pairs(n: int) -> list[tuple[str, str]]:
 
 def _checks(n: int) -> list[str]:
     checks = [f"{m}:{mesh}" for m, mesh in _pairs(n)] + MEGATRON[n] + [DATA_PARALLEL[n]]
-    checks += [SEQUENCE_PARALLEL] if n == 2 else []
+    checks += [SEQUENCE_PARALLEL, *MEMORY] if n == 2 else []
     return checks + (["errors"] if n == 4 else [])
 
 
@@ -78,7 +81,7 @@ def test_runtime_collectives_equal_plan(world):
     names = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
              "all_reduce": "all_reduce"}
     for check, r in results.items():
-        if check == "errors":
+        if check == "errors" or check in MEMORY:
             continue
         r = _ok(r)
         runtime = {names.get(k, k): v for k, v in r["runtime_counts"].items()}
@@ -122,6 +125,18 @@ def test_sequence_parallel_plan_runs_and_matches_one_process(world):
     # the layer norms' sequence shards are gathered back on the tp axis inside every block
     for layer in ("blocks.0", "blocks.1"):
         assert r["per_layer"].get(f"{layer}|forward|tp|all_gather", 0) >= 1, r["per_layer"]
+
+
+def test_predicted_peak_memory_is_within_15_percent_of_the_measured(world):
+    n, results = world
+    if n != 2:
+        pytest.skip("memory is measured on 2 processes")
+    for check in MEMORY:
+        r = _ok(results[check])
+        # 15% is part 4's bar; the model leaves out the backward's temporaries and counts every
+        # saved activation alive at once (seen: predicted 7-8% under the measurement)
+        for measured in r["measured"]:
+            assert abs(r["predicted"] - measured) <= 0.15 * measured, (check, r)
 
 
 def test_large_batch_small_hidden_is_data_parallel(world):

@@ -27,7 +27,7 @@ from autopar.capture import extract_loss  # noqa: E402
 from models import build  # noqa: E402
 
 _MODEL_KEYS = {"dim", "batch", "seq", "layers", "heads", "d_in", "d_hidden", "d_out"}
-_RUN_KEYS = {"compile"}
+_RUN_KEYS = {"compile", "memory"}
 
 
 def _parse(check: str) -> tuple[str, dict, dict, str]:
@@ -67,6 +67,8 @@ def _call(model, inputs):
 def run_check(check: str) -> dict:
     kind, cfg, mk, topo = _parse(check)
     compile = mk.pop("_compile", False)
+    if mk.pop("_memory", False):
+        return run_memory(kind, cfg, mk, topo)
     model, inputs = build(kind, **dict(mk))
     ref, _ = build(kind, **dict(mk))
     ref_out = _call(ref, inputs)
@@ -183,6 +185,30 @@ def _pipeline_record(pm, ref, inputs, ref_loss, setup_s: float) -> dict:
         "mesh_shape": list(plan.mesh_shape), "setup_s": setup_s,
         "predicted_step_s": plan.predicted["step_time_s"],
     }
+
+
+def run_memory(kind: str, cfg: dict, mk: dict, topo: str) -> dict:
+    """Peak memory of a training step (forward, backward, AdamW step) on every rank, measured
+    with autopar.runtime.memory, against the plan's prediction."""
+    from autopar.runtime.memory import measure_peak_memory
+
+    model, inputs = build(kind, **dict(mk))
+    pm = autopar.parallelize(model, autopar.Mesh.from_torchrun(topology=topology(topo)), inputs,
+                             config=autopar.Config(**cfg))
+    opt = torch.optim.AdamW(pm.parameters())
+
+    def step() -> None:
+        pm.step(**inputs) if isinstance(inputs, dict) else pm.step(*inputs)
+        opt.step()
+        opt.zero_grad(set_to_none=False)  # gradients stay allocated, as the model counts them
+
+    step()  # the first step allocates the optimizer state
+    report = measure_peak_memory(step, pm, opt, *[x for x in (inputs.values() if isinstance(
+        inputs, dict) else inputs)])
+    peaks = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(peaks, torch.tensor([float(report.peak_bytes)], dtype=torch.float64))
+    return {"measured": [float(p.item()) for p in peaks], "by_kind_rank0": report.by_kind,
+            "predicted": pm.plan.predicted["peak_memory_bytes"], "degrees": pm.plan.degrees}
 
 
 def run_errors() -> dict:
