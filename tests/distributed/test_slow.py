@@ -17,7 +17,7 @@ def test_compiled_program_matches_single_process(results_dir):
     assert r["grad_abs_err"] <= 1e-5 * max(1.0, r["grad_scale"])
 
 
-def test_free_mesh_hugging_face_models_on_four_processes(results_dir):
+def test_free_mesh_gpt_and_hugging_face_models_on_four_processes(results_dir):
     from test_equivalence import SLOW_ONLY
 
     results = run_worker(4, sorted(SLOW_ONLY), results_dir)
