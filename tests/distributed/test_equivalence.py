@@ -22,7 +22,7 @@ MEGATRON = {n: [f"{k}:tp={n},dim=512,batch=2,seq=64,heads=8,topo=a100-dgx" for k
 SEQUENCE_PARALLEL = "gpt:tp=2,sequence_parallel=1,dim=512,batch=2,seq=64,heads=8,topo=a100-dgx"
 # Peak memory of a real step (forward, backward, AdamW) per rank against the plan (2 processes).
 MEMORY = [f"{m}:{mesh},memory=1,dim=256,heads=4,layers=4,batch=8,seq=64"
-          for m, mesh in (("gpt", "tp=2"), ("gpt", "dp=2"), ("gpt2", "tp=2"))]
+          for m, mesh in (("gpt", "tp=2"), ("gpt2", "tp=2"))]
 # Large batch, narrow layers, solver free -> data parallelism.
 DATA_PARALLEL = {n: f"gpt:dim=64,batch={128 * n},seq=128,topo=a100-dgx" for n in (2, 4)}
 

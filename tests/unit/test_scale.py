@@ -2,7 +2,8 @@
 
 The planning runs in a child process so that its peak resident memory is measured alone (this
 process has already imported and traced other models). It takes about 40 s; the time is printed
-(``pytest -s``) but not asserted, because timings on shared machines are noisy.
+(``pytest -s``) but not asserted, because timings on shared machines are noisy. Marked ``slow``
+to keep the default suite under 10 minutes (``pytest -m slow tests/unit/test_scale.py``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,10 @@ import os
 import subprocess
 import sys
 import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.slow
 
 TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
