@@ -16,7 +16,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -35,7 +35,7 @@ from autopar.stage_capture import (
     ForwardGraph, capture_stages, capture_with_forward, export_forward, microbatch_inputs,
 )
 
-__all__ = ["PipelineSetup", "search_pipeline", "build_pipeline_plan", "unit_costs"]
+__all__ = ["PipelineSetup", "search_pipeline", "build_pipeline_plan", "unit_costs", "chosen_comm"]
 
 _MAX_MICROBATCH_CANDIDATES = 3
 # Share of a backward that computes weight gradients, for zero-bubble's separate W step: about
@@ -115,17 +115,24 @@ def unit_costs(traced: TracedGraph, units: tuple[str, ...], prefix: str | None, 
         t = costs.compute[n.name][choice[n.name]]
         (bw if n.name in backward else fw)[u] += t
         act[u] += costs.memory[n.name][choice[n.name]]
-    for (name, k), m in costs.edges.items():
-        src = space.nodes[name].inputs[k][0]
-        u = unit_of.get(name, len(units) - 1)
-        (bw if name in backward else fw)[u] += m[choice[src], choice[name]]
-    for value, param, m in costs.outputs.values():
-        u = unit_of.get(value[0], len(units) - 1)
-        t = m[choice[value[0]]] if param is None else m[choice[value[0]], choice[param]]
-        (bw if param is not None else fw)[u] += t
+    for name, is_backward, t in chosen_comm(space, costs, choice, backward):
+        (bw if is_backward else fw)[unit_of.get(name, len(units) - 1)] += t
     send = _send_times(fwd, units, cand, pp, mesh)
     return [LayerCost(units[i], float(fw[i]), float(bw[i]), float(state[i]), float(act[i]), send[i])
             for i in range(len(units))]
+
+
+def chosen_comm(space: Any, costs: Any, choice: dict[str, int], backward: set[str]
+                ) -> Iterator[tuple[str, bool, float]]:
+    """The collective seconds of the chosen strategies: ``(node, in the backward, seconds)`` for
+    every resharding into a node and every delivery of a graph output (a gradient counts as
+    backward, the loss and boundary values as forward)."""
+    for (name, k), m in costs.edges.items():
+        src = space.nodes[name].inputs[k][0]
+        yield name, name in backward, float(m[choice[src], choice[name]])
+    for value, param, m in costs.outputs.values():
+        t = m[choice[value[0]]] if param is None else m[choice[value[0]], choice[param]]
+        yield value[0], param is not None, float(t)
 
 
 def _send_times(fwd: ForwardGraph, units: tuple[str, ...], cand: _Candidate, pp: int,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 

@@ -35,7 +35,7 @@ from autopar.errors import PlanError
 from autopar.mesh import Mesh
 from autopar.passes.stages import block_prefix
 from autopar.plan import PipelinePlan, Plan
-from autopar.solver.pipeline_planner import _batch, _unflatten
+from autopar.solver.pipeline_planner import _batch, _unflatten, chosen_comm
 from autopar.solver.planner import _Candidate, solve_space, unpinned_space
 from autopar.stage_capture import capture_with_forward, microbatch_inputs
 
@@ -197,13 +197,8 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
         if n.name not in backward and _is_attention_core(n, seq):
             a["attn_f"] += costs.compute[n.name][i]
             a["attn_b"] += costs.memory[n.name][i]
-    for (name, k), mat in costs.edges.items():
-        src = space.nodes[name].inputs[k][0]
-        side = "bc" if name in backward else "fc"
-        acc[unit_of.get(name, len(units) - 1)][side] += mat[choice[src], choice[name]]
-    for value, param, mat in costs.outputs.values():
-        t = mat[choice[value[0]]] if param is None else mat[choice[value[0]], choice[param]]
-        acc[unit_of.get(value[0], len(units) - 1)]["bc" if param is not None else "fc"] += t
+    for name, is_backward, t in chosen_comm(space, costs, choice, backward):
+        acc[unit_of.get(name, len(units) - 1)]["bc" if is_backward else "fc"] += t
     unit = lambda a: UnitCosts(a["f"] + a["fc"], a["b"] + a["bc"], a["fc"], a["bc"],  # noqa: E731
                                a["state"], a["act"], a["elems"], a["attn_f"], a["attn_b"])
     boundary = _boundary_bytes(fwd)

@@ -22,7 +22,7 @@ from autopar.cost_models.training_step import (
     LayerCosts, Setup, UnitCosts, blocks_per_stage, price_setup,
 )
 from autopar.presets import megatron_gpt
-from autopar.solver.search import LayerSolver, candidate_setups, search, to_plan
+from autopar.solver.search import LayerSolver, candidate_setups, search
 from models import build
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
