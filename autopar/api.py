@@ -30,7 +30,7 @@ def plan(model: nn.Module, mesh: Mesh, example_inputs: Any, *, config: Config | 
     under ``FakeTensorMode`` and use ``Mesh.virtual(...)`` to plan for any cluster.
     """
     config = config or Config()
-    traced = capture(model, example_inputs)
+    traced = capture(model, example_inputs, config.mixed_precision)
     return make_plan(traced, mesh, config, cost_passes, progress, model, example_inputs)
 
 
@@ -94,7 +94,8 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: Any = None, *,
                         "placements); plan the job with autopar.plan(model, mesh, inputs, "
                         "config=Config(dp=..., tp=..., pp=...)) using its degrees, and run that.")
     mesh.check_world()
-    traced = capture(model, example_inputs)
+    precision = plan.techniques.get("mixed_precision") if plan is not None else config.mixed_precision
+    traced = capture(model, example_inputs, "bf16" if precision in ("bf16", "bf16-autocast") else None)
     if plan is None:
         the_plan = make_plan(traced, mesh, config, cost_passes, None, model, example_inputs)
     else:
@@ -115,8 +116,14 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: Any = None, *,
             raise PlanError("compile=True is not available for pipelined plans yet: use "
                             "compile=False, or Config(pp=1) for a compiled plan without a pipeline.")
         return _pipelined(model, example_inputs, traced, the_plan, dm)
-    local = lower_to_local(traced.gm, the_plan, dm)
+    local = lower_to_local(traced.gm, the_plan, dm, _recomputed(traced, the_plan))
     return ParallelModule(model, traced, the_plan, dm, local, compile=compile)
+
+
+def _recomputed(traced: Any, the_plan: Plan) -> frozenset[str]:
+    from autopar.passes.recompute import recompute_nodes
+
+    return recompute_nodes(traced, the_plan.techniques.get("recompute", "none"))
 
 
 def _pipelined(model: nn.Module, example_inputs: Any, traced: Any, the_plan: Plan, dm: Any) -> Any:
@@ -131,7 +138,8 @@ def _pipelined(model: nn.Module, example_inputs: Any, traced: Any, the_plan: Pla
     pp, rank = the_plan.degrees["pp"], dm.get_local_rank("pp")
     built = []
     for st, stage_traced in stages:
-        local = (lower_to_local(stage_traced.gm, pipe.stages[st.index], submesh)
+        stage_plan = pipe.stages[st.index]
+        local = (lower_to_local(stage_traced.gm, stage_plan, submesh, _recomputed(stage_traced, stage_plan))
                  if st.index % pp == rank else None)
         built.append((st, stage_traced, local))
     return PipelineModule(model, the_plan, dm, built, fwd.canonical, traced.input_spec)

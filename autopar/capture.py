@@ -80,9 +80,10 @@ _OUTPUT_TYPES: dict[str, type | None] = {}
 class _LossModule(nn.Module):
     """Wraps the user's model so the traced function returns the scalar loss."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, autocast: torch.dtype | None = None) -> None:
         super().__init__()
         self.model = model
+        self.autocast = autocast
         # export traces a copy of the module: record through a key the copy shares
         self.token = f"{id(self)}-{time.perf_counter_ns()}"
 
@@ -91,27 +92,45 @@ class _LossModule(nn.Module):
         return _OUTPUT_TYPES.pop(self.token, None)
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        out = self.model(*args, **kwargs)
+        if self.autocast is None:
+            out = self.model(*args, **kwargs)
+        else:
+            with torch.autocast(_device_type(self.model), dtype=self.autocast):
+                out = self.model(*args, **kwargs)
         _OUTPUT_TYPES[self.token] = None if isinstance(out, torch.Tensor) else type(out)
         return extract_loss(out)
 
 
-def capture(model: nn.Module, example_inputs: Any) -> TracedGraph:
+def _device_type(model: nn.Module) -> str:
+    p = next(model.parameters(), None)
+    return p.device.type if p is not None else "cpu"
+
+
+_PRECISION = {None: None, "fp32": None, "bf16": torch.bfloat16}
+
+
+def capture(model: nn.Module, example_inputs: Any, mixed_precision: str | None = None) -> TracedGraph:
     """Trace ``model`` on ``example_inputs`` into a joint forward+backward :class:`TracedGraph`.
 
     Requires: the model returns a scalar loss (see :func:`extract_loss`) and has no data-dependent
     control flow. If its parameters are fake tensors, inputs may be real or fake; nothing is
     materialised. Raises :class:`CaptureError` naming the module and source line on failure.
+    ``mixed_precision="bf16"`` traces the model under ``torch.autocast`` (bf16): matmuls compute
+    in bf16 from casts of the fp32 parameters, which stay the master weights, and every gradient
+    leaves the graph in fp32 (so it is reduced in fp32).
     """
-    return capture_with_export(model, example_inputs)[0]
+    return capture_with_export(model, example_inputs, mixed_precision)[0]
 
 
-def capture_with_export(model: nn.Module, example_inputs: Any) -> tuple[TracedGraph, Any]:
+def capture_with_export(model: nn.Module, example_inputs: Any,
+                        mixed_precision: str | None = None) -> tuple[TracedGraph, Any]:
     """:func:`capture`, also returning ``torch.export``'s program of the loss wrapper (the
     forward graph that pipeline stages are cut from), so the model is exported once."""
     start = time.perf_counter()
     args, kwargs, fake_mode = prepare_inputs(model, example_inputs)
-    wrapper = _LossModule(model)
+    if mixed_precision not in _PRECISION:
+        raise ValueError(f"mixed_precision={mixed_precision!r}: use 'fp32', 'bf16' or None.")
+    wrapper = _LossModule(model, _PRECISION[mixed_precision])
     ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
     with ctx, contextlib.ExitStack() as stack:
         ep = _export(wrapper, args, kwargs)

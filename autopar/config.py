@@ -38,6 +38,9 @@ class Config:
         zero: ZeRO stage, 0 or 1 (optimizer state sharded over dp), or ``None`` to search.
         sequence_parallel: shard layer norms and dropouts on the sequence dim over the tp axis
             (Megatron-LM's sequence parallelism), or ``None`` to search.
+        mixed_precision: ``"bf16"`` runs the model under ``torch.autocast`` (bf16 matmuls, fp32
+            master weights, gradients reduced in fp32), ``"fp32"`` or ``None`` as the model is
+            (never changed behind the user's back: precision changes the numbers).
     """
 
     dp: int | None = None
@@ -53,6 +56,7 @@ class Config:
     recompute: str | None = None
     zero: int | None = None
     sequence_parallel: bool | None = None
+    mixed_precision: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "virtual_stages", "microbatch_size"):
@@ -78,6 +82,9 @@ class Config:
         if self.sequence_parallel not in (None, True, False):
             raise ValueError(f"Config.sequence_parallel={self.sequence_parallel!r}: use True, "
                              f"False or None.")
+        if self.mixed_precision not in (None, "fp32", "bf16"):
+            raise ValueError(f"Config.mixed_precision={self.mixed_precision!r}: use 'fp32', "
+                             f"'bf16' or None (the model's own precision).")
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"Config.optimizer={self.optimizer!r}: use 'adam' or 'sgd'.")
         if self.memory_bytes is not None and not 0 < self.memory_bytes < math.inf:  # and NaN

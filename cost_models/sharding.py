@@ -10,7 +10,7 @@ backward, at its local size.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -43,12 +43,15 @@ class SpaceCosts:
     consumer's k-th tensor input. ``outputs[i]`` prices graph output i: for the loss a vector over
     its producer's strategies (deliver it replicated), for a parameter's gradient a matrix
     [producer strategy, parameter strategy] (deliver it in the parameter's placement).
+    ``recomputed[node]``: for a node recomputed in the backward, the bytes of its outputs per
+    strategy (alive again while its block's backward runs; not in ``memory``).
     """
 
     compute: dict[str, np.ndarray]
     memory: dict[str, np.ndarray]
     edges: dict[tuple[str, int], np.ndarray]
     outputs: dict[int, tuple[tuple[str, int], str | None, np.ndarray]]
+    recomputed: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def state_bytes_per_element(optimizer: str, itemsize: int = 4) -> int:
@@ -158,8 +161,12 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
-                optimizer: str = "adam") -> SpaceCosts:
+                optimizer: str = "adam", recompute: frozenset[str] = frozenset()) -> SpaceCosts:
     """Price every strategy and every edge of ``space`` on ``topology``.
+
+    ``recompute``: forward nodes recomputed in the backward (``passes.recompute``); their compute
+    is paid twice, their outputs are not saved (their inputs are), and ``recomputed`` holds the
+    bytes they occupy again while their block's backward runs.
 
     Nodes that share a strategy list (identical layers) and have the same shapes share priced
     arrays, so pricing cost does not grow with depth.
@@ -169,7 +176,8 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
     memory: dict[str, np.ndarray] = {}
     edges: dict[tuple[str, int], np.ndarray] = {}
     cache: dict[Any, np.ndarray] = {}
-    saved = _saved_for_backward(traced)
+    saved = _saved_for_backward(traced, recompute)
+    recomputed: dict[str, np.ndarray] = {}
     tied = {p.node for p in traced.params if p.tied_to is not None}
     params = {p.node for p in traced.params}
     fusion = _fused_edges(traced)
@@ -177,18 +185,24 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
         n = traced.node(name)
         sig = _signature(n)
         fused = fusion.get(name, frozenset())
-        key = ("c", id(ns.strategies), sig, _fused_key(n, fused))
+        again = name in recompute
+        key = ("c", id(ns.strategies), sig, _fused_key(n, fused), again)
         if key not in cache:
             if n.op in ("placeholder", "get_attr"):
                 cache[key] = np.zeros(len(ns.strategies))
             else:
+                # a recomputed node runs twice: forward, and again before its backward
                 cache[key] = np.array([_compute_time(n, s, mesh_shape, topology, fused)
-                                       for s in ns.strategies])
+                                       for s in ns.strategies]) * (2.0 if again else 1.0)
         compute[name] = cache[key]
-        mkey = ("m", id(ns.strategies), sig, name in params, name in tied, name in saved)
+        if again:
+            outs = tuple(i for i, v in enumerate(_val_list(n.meta.get("val")))
+                         if isinstance(v, torch.Tensor)) if _alias_root(n)[0] is n else ()
+            recomputed[name] = _memory(n, ns.strategies, mesh_shape, False, False, outs, optimizer)
+        mkey = ("m", id(ns.strategies), sig, name in params, name in tied, saved.get(name))
         if mkey not in cache:
             cache[mkey] = _memory(n, ns.strategies, mesh_shape, name in params, name in tied,
-                                  saved.get(name, ()), optimizer)
+                                  saved.get(name, ()), optimizer, space.dp_axes)
         memory[name] = cache[mkey]
         for k, (src, idx) in enumerate(ns.inputs):
             val = _val_list(traced.node(src).meta["val"])[idx]
@@ -198,7 +212,7 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
                                            val, mesh_shape, topology)
             edges[(name, k)] = cache[ekey]
     outputs = _output_costs(traced, space, mesh_shape, topology)
-    return SpaceCosts(compute, memory, edges, outputs)
+    return SpaceCosts(compute, memory, edges, outputs, recomputed)
 
 
 # Ops a fusing compiler (inductor; Megatron-LM's fused kernels) merges with the pointwise ops
@@ -271,17 +285,32 @@ def _edge_matrix(src: Sequence[Strategy], idx: int, dst: Sequence[Strategy], k: 
     return small[np.ix_(si.ravel(), di.ravel())]
 
 
-def _saved_for_backward(traced: TracedGraph) -> dict[str, tuple[int, ...]]:
+def _saved_for_backward(traced: TracedGraph, recompute: frozenset[str] = frozenset()
+                        ) -> dict[str, tuple[int, ...]]:
     """Forward nodes (by value index) whose outputs a backward node reads, directly or through
-    views (a view of a saved tensor keeps its base alive: the base is what is counted)."""
+    views (a view of a saved tensor keeps its base alive: the base is what is counted).
+
+    A value in ``recompute`` is not saved: the backward recomputes it from its inputs, and
+    those are saved instead (or recomputed in turn), as ``passes.recompute`` does.
+    """
     saved: dict[str, set[int]] = {}
+    seen: set[str] = set()
+
+    def read(a: fx.Node) -> None:
+        src, idx = _alias_root(a)
+        if src.op != "call_function" or src.meta.get("partitioner_tag") == "is_backward":
+            return
+        if src.name not in recompute:
+            saved.setdefault(src.name, set()).add(idx)
+        elif src.name not in seen:
+            seen.add(src.name)
+            for b in src.all_input_nodes:
+                read(b)
+
     for n in traced.gm.graph.nodes:
-        if n.op != "call_function" or n.meta.get("partitioner_tag") != "is_backward":
-            continue
-        for a in n.all_input_nodes:
-            src, idx = _alias_root(a)
-            if src.op == "call_function" and src.meta.get("partitioner_tag") != "is_backward":
-                saved.setdefault(src.name, set()).add(idx)
+        if n.op == "call_function" and n.meta.get("partitioner_tag") == "is_backward":
+            for a in n.all_input_nodes:
+                read(a)
     return {k: tuple(sorted(v)) for k, v in saved.items()}
 
 
@@ -305,16 +334,20 @@ def _alias_root(a: fx.Node) -> tuple[fx.Node, int]:
 
 
 def _memory(n: fx.Node, strategies: Sequence[Strategy], mesh_shape: tuple[int, ...],
-            is_param: bool, is_tied: bool, saved_outputs: Sequence[int], optimizer: str) -> np.ndarray:
+            is_param: bool, is_tied: bool, saved_outputs: Sequence[int], optimizer: str,
+            dp_axes: Sequence[int] = ()) -> np.ndarray:
     out = np.zeros(len(strategies))
     vals = _val_list(n.meta.get("val"))
     for j, s in enumerate(strategies):
         if n.op == "placeholder":
             v = vals[0]
             local = _numel(local_shape(v.shape, s.outputs[0], mesh_shape))
-            if is_param:
-                out[j] = 0.0 if is_tied else local * state_bytes_per_element(optimizer, v.element_size())
-            else:
+            if is_param and not is_tied:
+                out[j] = local * state_bytes_per_element(optimizer, v.element_size())
+                gathered = tuple(Replicate() if a in dp_axes else p for a, p in enumerate(s.outputs[0]))
+                if gathered != tuple(s.outputs[0]):  # ZeRO: the step computes with a gathered copy
+                    out[j] += _numel(local_shape(v.shape, gathered, mesh_shape)) * v.element_size()
+            elif not is_param:
                 out[j] = local * v.element_size()
             continue
         for i in saved_outputs:

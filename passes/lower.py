@@ -25,6 +25,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from autopar import _torch_private as private
 from autopar._torch_private import DTensorSpec, FakeTensorMode, _StridedShard
 from autopar.placements import from_str
+from autopar.passes.recompute import TAG, recompute_pass
 from autopar.plan import Plan
 from autopar.strategies import fused
 from autopar.strategies.reshard import local_shape, reshard_steps
@@ -94,6 +95,10 @@ class _Interpreter:
         # placement as soon as they exist, in the forward: a backward consumer may share the move
         early = {a.name: i for i, a in enumerate(out_node.args[0])
                  if isinstance(a, fx.Node) and a.meta.get("partitioner_tag") == "is_forward"}
+        # the other outputs (gradients) too: a gradient is reduced as soon as it is computed,
+        # so its unreduced copy dies there (with ZeRO, the reduce-scatter frees the full one)
+        late = {a.name: i for i, a in enumerate(out_node.args[0])
+                if isinstance(a, fx.Node) and a.op == "call_function" and a.name not in early}
         env: dict[str, Any] = _LazyInputs(self, dict(zip((n.name for n in self.placeholders), locals_)))
         for n in self.gm.graph.nodes:
             if n.op == "get_attr":
@@ -102,15 +107,18 @@ class _Interpreter:
                                                  run_check=False)
             elif n.op == "call_function" and n.target is operator.getitem:
                 env[n.name] = env[n.args[0].name][n.args[1]]
+                if n.name in late:
+                    with torch.fx.traceback.set_current_meta(n):
+                        self._get(n, placements_of(self.plan.output_placements[late[n.name]]), env, moved)
             elif n.op == "call_function":
                 try:
                     # the local nodes (and the collectives feeding them) keep the joint node's
                     # metadata, "partitioner_tag" included: the forward/backward split needs it
                     with torch.fx.traceback.set_current_meta(n):
                         env[n.name] = self._call(n, env, moved)
-                        if n.name in early:
-                            dst = placements_of(self.plan.output_placements[early[n.name]])
-                            self._get(n, dst, env, moved)
+                        if n.name in early or n.name in late:
+                            i = early[n.name] if n.name in early else late[n.name]
+                            self._get(n, placements_of(self.plan.output_placements[i]), env, moved)
                 except Exception as e:
                     choice = self.plan.nodes[n.name]
                     raise RuntimeError(
@@ -234,8 +242,27 @@ def _map_tensor_args(args: Any, fn: Any) -> Any:
     return fn(args)
 
 
-def lower_to_local(gm: fx.GraphModule, plan: Plan, mesh: Any) -> fx.GraphModule:
-    """Trace the plan's per-rank program (see module docstring)."""
+def lower_to_local(gm: fx.GraphModule, plan: Plan, mesh: Any,
+                   recompute: frozenset[str] = frozenset()) -> fx.GraphModule:
+    """Trace the plan's per-rank program (see module docstring).
+
+    ``recompute``: joint-graph nodes to recompute in the backward
+    (:func:`autopar.passes.recompute.recompute_nodes` of the plan's policy); their local nodes
+    are tagged while tracing and :func:`~autopar.passes.recompute.recompute_pass` rewrites the
+    program.
+    """
+    tagged = [n for n in gm.graph.nodes if n.name in recompute]
+    for n in tagged:
+        n.meta[TAG] = True
+    try:
+        local = _trace_local(gm, plan, mesh)
+    finally:
+        for n in tagged:
+            n.meta.pop(TAG, None)
+    return recompute_pass(local) if tagged else local
+
+
+def _trace_local(gm: fx.GraphModule, plan: Plan, mesh: Any) -> fx.GraphModule:
     interp = _Interpreter(gm, plan, mesh)
     mesh_shape = tuple(mesh.shape)
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:

@@ -22,9 +22,10 @@ from autopar.plan import Collective, NodePlan, Plan
 from autopar.solver.ilp import InfeasibleMemoryError
 from autopar.solver.intra_op import IntraOpResult, solve_intra_op
 from autopar.strategies.reshard import reshard_steps
+from autopar.passes.recompute import recompute_nodes
 from autopar.strategies.space import StrategySpace, boundary_placements, build_space
 
-__all__ = ["make_plan", "mesh_candidates", "solve_candidate", "solve_space"]
+__all__ = ["make_plan", "memory_techniques", "mesh_candidates", "solve_candidate", "solve_space"]
 
 
 @dataclass(frozen=True)
@@ -64,9 +65,36 @@ def make_plan(traced: TracedGraph, mesh: Mesh, config: Config,
     """Solve every candidate logical mesh and return the plan with the lowest predicted time.
 
     With ``model`` and ``example_inputs`` given, pipelined plans (``pp > 1``) are searched too
-    (see :mod:`autopar.solver.pipeline_planner`).
+    (see :mod:`autopar.solver.pipeline_planner`). ``Config.recompute`` and ``Config.zero`` left
+    ``None`` are chosen by memory: the plan uses neither unless nothing fits the budget without
+    them; then the cheapest that fits, in the order of :func:`memory_techniques`.
     """
-    _check_executable(config)
+    tried: list[InfeasibleMemoryError] = []
+    for concrete in memory_techniques(config):
+        try:
+            return _make_plan(traced, mesh, concrete, cost_passes, progress, model, example_inputs)
+        except InfeasibleMemoryError as e:
+            tried.append(e)
+            if progress:
+                progress(f"recompute={concrete.recompute} zero={concrete.zero}: nothing fits")
+    best = min(tried, key=lambda e: e.required_bytes)
+    raise best
+
+
+def memory_techniques(config: Config) -> list[Config]:
+    """The concrete (recompute, zero) settings ``config`` allows, cheapest first: ZeRO-1 costs
+    no extra communication (a reduce-scatter and an all-gather move what one all-reduce does,
+    Rajbhandari et al., SC'20, sec. 7.2.1), recomputation costs forward compute."""
+    recompute = [config.recompute] if config.recompute is not None else ["none", "selective", "full"]
+    zero = [config.zero] if config.zero is not None else [0, 1]
+    return [dataclasses.replace(config, recompute=r, zero=z) for r in recompute for z in zero]
+
+
+def _make_plan(traced: TracedGraph, mesh: Mesh, config: Config,
+               cost_passes: Sequence[Callable[..., SpaceCosts]] = (),
+               progress: Callable[[str], None] | None = None,
+               model: Any = None, example_inputs: Any = None) -> Plan:
+    """:func:`make_plan` for one concrete (recompute, zero) setting."""
     budget = config.memory_bytes if config.memory_bytes is not None else mesh.topology.memory_bytes
     results, infeasible, unplaceable = [], [], []
     cands = mesh_candidates(mesh.size, config) if config.pp in (None, 1) else []
@@ -105,16 +133,6 @@ def make_plan(traced: TracedGraph, mesh: Mesh, config: Config,
     return _replace(best, alternatives=alts)
 
 
-def _check_executable(config: Config) -> None:
-    """Refuse the techniques the runtime cannot run yet instead of silently ignoring them."""
-    if config.recompute not in (None, "none") or config.zero not in (None, 0):
-        raise PlanError(
-            f"Config(recompute={config.recompute!r}, zero={config.zero!r}): plans that run "
-            f"(autopar.plan / parallelize) do not recompute activations or shard the optimizer "
-            f"yet; autopar.search prices these techniques for cluster planning. Use "
-            f"recompute='none' (or None) and zero=0 (or None) here.")
-
-
 def _search_pipelines(config: Config, mesh: Mesh, flat_plans: list[Plan]) -> bool:
     """Whether to search pipelined plans: when asked (``Config.pp > 1``), when no plan without
     a pipeline fits, or when the mesh spans nodes (where Megatron-LM puts pipeline stages, to
@@ -122,6 +140,12 @@ def _search_pipelines(config: Config, mesh: Mesh, flat_plans: list[Plan]) -> boo
     tensor and data parallelism over the node's links beat a pipeline bubble and the search
     (a trace per microbatch size) is skipped."""
     if mesh.size == 1 or config.pp == 1:
+        return False
+    if config.mixed_precision == "bf16":
+        if config.pp is not None:
+            raise PlanError(f"Config(mixed_precision='bf16', pp={config.pp}): pipeline stages do "
+                            f"not run under autocast yet; use pp=1 (or None), or build the model "
+                            f"in bf16 and leave mixed_precision None.")
         return False
     return config.pp is not None or not flat_plans or mesh.nodes > 1
 
@@ -170,11 +194,14 @@ def solve_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
     for p in traced.params:
         if fixed and p.name in fixed:
             _pin(space, p.node, p.name, fixed[p.name])
+    if config.zero and cand.dp_axes:
+        _shard_states(traced, space, cand)
     if sequence_parallel is None:
         sequence_parallel = config.sequence_parallel
     if sequence_parallel is not None and "tp" in cand.names:
         _pin_norms(traced, space, cand.names.index("tp"), sequence_parallel)
-    costs = run_cost_passes(price_space(traced, space, mesh.topology, config.optimizer),
+    recompute = recompute_nodes(traced, config.recompute or "none")
+    costs = run_cost_passes(price_space(traced, space, mesh.topology, config.optimizer, recompute),
                             space, mesh.topology, cost_passes)
     if activation_scale != 1:
         params = {p.node for p in traced.params}
@@ -196,6 +223,42 @@ def _pin(space: StrategySpace, node: str, name: str, placement: tuple[str, ...])
         raise PlanError(f"parameter {name!r} cannot take the placement {placement} that another "
                         f"pipeline stage gave it (it shares the tensor); choose other degrees.")
     space.nodes[node] = dataclasses.replace(ns, strategies=keep)
+
+
+def zero_placement(placements: tuple, shape: Sequence[int], mesh_shape: Sequence[int],
+                   dp_axes: Sequence[int]) -> tuple:
+    """A parameter's placement under ZeRO: on each data-parallel axis, ``Shard`` of the largest
+    dim no other axis shards and whose shard divides evenly; ``Replicate`` stays where no dim
+    qualifies (the parameter is then not sharded over that axis).
+
+    A parameter stored this way is all-gathered where it is used and its gradient is
+    reduce-scattered, as FSDP2 shards ``DTensor`` parameters; the optimizer, built on the
+    parameters, then keeps its states sharded (ZeRO-1, Rajbhandari et al., SC'20, sec. 5.1).
+    """
+    out = list(placements)
+    for axis in dp_axes:
+        if not isinstance(out[axis], Replicate):
+            continue
+        taken = {p.dim for p in out if hasattr(p, "dim")}
+        local = list(shape)
+        for a, p in enumerate(out):
+            if hasattr(p, "dim"):
+                local[p.dim] //= mesh_shape[a]
+        dims = [d for d in range(len(shape)) if d not in taken and local[d] % mesh_shape[axis] == 0
+                and local[d] >= mesh_shape[axis]]
+        if dims:
+            out[axis] = Shard(max(dims, key=lambda d: (local[d], -d)))
+    return tuple(out)
+
+
+def _shard_states(traced: TracedGraph, space: StrategySpace, cand: _Candidate) -> None:
+    """Give every parameter its :func:`zero_placement` on the dp axes (ZeRO-1)."""
+    for p in traced.params:
+        ns = space.nodes[p.node]
+        shape = tuple(traced.node(p.node).meta["val"].shape)
+        strategies = tuple(dataclasses.replace(s, outputs=(zero_placement(
+            s.outputs[0], shape, cand.shape, cand.dp_axes),)) for s in ns.strategies)
+        space.nodes[p.node] = dataclasses.replace(ns, strategies=tuple(dict.fromkeys(strategies)))
 
 
 _NORMS = {"native_layer_norm", "native_rms_norm", "_fused_rms_norm"}
@@ -250,7 +313,7 @@ def _axis_roles(traced: TracedGraph, space: StrategySpace, res: IntraOpResult,
     is tensor parallel. Also warns about axes on which nothing at all is split."""
     dp, tp, notes = 1, 1, []
     for axis, size in enumerate(cand.shape):
-        params_rep = all(
+        params_rep = axis in cand.dp_axes or all(
             isinstance(space.nodes[p.node].strategies[res.choice[p.node]].outputs[0][axis], Replicate)
             for p in traced.params)
         used = any(
@@ -294,6 +357,7 @@ def _build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
     collectives, comm_s, comm_fwd = _collectives(traced, cand, nodes, outputs, mesh)
     compute_s = float(sum(costs.compute[n][i] for n, i in res.choice.items()))
     memory = float(sum(costs.memory[n][i] for n, i in res.choice.items()))
+    memory += _recompute_peak(traced, costs, res)
     params = {p.node for p in traced.params}
     state = float(sum(costs.memory[n][i] for n, i in res.choice.items() if n in params))
     graph_nodes = {n.name: n for n in traced.gm.graph.nodes}
@@ -320,7 +384,27 @@ def _build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
                 "capture_time_s": traced.capture_time_s},
         warnings=tuple(warnings), topology=mesh.topology.name, config=config.to_dict(),
         input_shapes=tuple(i.shape for i in traced.inputs),
+        techniques={"recompute": config.recompute or "none", "zero": config.zero or 0,
+                    "mixed_precision": _precision(traced, config)},
     )
+
+
+def _precision(traced: TracedGraph, config: Config) -> str:
+    """``"bf16-autocast"`` for Config(mixed_precision="bf16"), else the parameters' dtype."""
+    if config.mixed_precision == "bf16":
+        return "bf16-autocast"
+    dtypes = {traced.node(p.node).meta["val"].dtype for p in traced.params}
+    return "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes)) or "none"
+
+
+def _recompute_peak(traced: TracedGraph, costs: SpaceCosts, res: IntraOpResult) -> float:
+    """Bytes recomputed values occupy at once: those of the largest block, rematerialized while
+    that block's backward runs (one block at a time, Chen et al. 2016, arXiv:1604.06174 sec. 4)."""
+    per_layer: dict[str, float] = {}
+    for name, arr in costs.recomputed.items():
+        layer = traced.node_layer.get(name, "")
+        per_layer[layer] = per_layer.get(layer, 0.0) + float(arr[res.choice[name]])
+    return max(per_layer.values(), default=0.0)
 
 
 def _collectives(traced: TracedGraph, cand: _Candidate, nodes: dict[str, NodePlan],
@@ -357,16 +441,21 @@ def _collectives(traced: TracedGraph, cand: _Candidate, nodes: dict[str, NodePla
     out_node = next(n for n in traced.gm.graph.nodes if n.op == "output")
     early = {a.name: i for i, a in enumerate(out_node.args[0])  # as the lowering does
              if a is not None and a.meta.get("partitioner_tag") == "is_forward"}
+    late = {a.name: i for i, a in enumerate(out_node.args[0])
+            if a is not None and a.op == "call_function" and a.name not in early}
     for n in traced.gm.graph.nodes:
+        layer = traced.node_layer.get(n.name, "")
         if n.op == "call_function" and n.target is not operator.getitem:
             for a, dst in zip(_tensor_inputs(n), nodes[n.name].inputs):
-                move(a, dst, _phase(n), traced.node_layer.get(n.name, ""), n.name)
+                move(a, dst, _phase(n), layer, n.name)
             if n.name in early:
-                move(n, outputs[early[n.name]], "forward", traced.node_layer.get(n.name, ""), "output")
+                move(n, outputs[early[n.name]], "forward", layer, "output")
+        if n.op == "call_function" and n.name in late:
+            move(n, outputs[late[n.name]], "backward", layer, "output")
         elif n.op == "output":
             for i, a in enumerate(n.args[0]):
                 if a is not None:
-                    forward = i == traced.loss_output_index or i in traced.boundary_outputs
-                    phase = "forward" if forward else "backward"
-                    move(a, outputs[i], phase, traced.node_layer.get(a.name, ""), "output")
+                    is_fwd = i == traced.loss_output_index or i in traced.boundary_outputs
+                    move(a, outputs[i], "forward" if is_fwd else "backward",
+                         traced.node_layer.get(a.name, ""), "output")
     return out, total, forward

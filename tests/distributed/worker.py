@@ -9,6 +9,7 @@ not hide the others.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -27,7 +28,8 @@ from autopar.capture import extract_loss  # noqa: E402
 from models import build  # noqa: E402
 
 _MODEL_KEYS = {"dim", "batch", "seq", "layers", "heads", "d_in", "d_hidden", "d_out"}
-_RUN_KEYS = {"compile", "memory"}
+_RUN_KEYS = {"compile", "memory", "curve"}
+_TEXT_KEYS = {"schedule", "recompute", "mixed_precision"}
 
 
 def _parse(check: str) -> tuple[str, dict, dict, str]:
@@ -44,7 +46,7 @@ def _parse(check: str) -> tuple[str, dict, dict, str]:
         elif k == "sequence_parallel":
             cfg[k] = bool(int(v))
         else:
-            cfg[k] = v if k == "schedule" else int(v)
+            cfg[k] = v if k in _TEXT_KEYS else int(v)
     return kind, cfg, mk, topo
 
 
@@ -60,6 +62,13 @@ def topology(name: str):
                   mem_bandwidth_Bps=2e8, intra_node=fast, inter_node=fast)
 
 
+def _precision(cfg: dict):
+    """The single-process reference's precision: bf16 autocast when the plan asks for it."""
+    if cfg.get("mixed_precision") == "bf16":
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 def _call(model, inputs):
     return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
 
@@ -69,9 +78,12 @@ def run_check(check: str) -> dict:
     compile = mk.pop("_compile", False)
     if mk.pop("_memory", False):
         return run_memory(kind, cfg, mk, topo)
+    if mk.pop("_curve", False):
+        return run_curve(kind, cfg, mk, topo)
     model, inputs = build(kind, **dict(mk))
     ref, _ = build(kind, **dict(mk))
-    ref_out = _call(ref, inputs)
+    with _precision(cfg):
+        ref_out = _call(ref, inputs)
     ref_loss = extract_loss(ref_out)
     ref_loss.backward()
     mesh = autopar.Mesh.from_torchrun(topology=topology(topo))
@@ -209,6 +221,29 @@ def run_memory(kind: str, cfg: dict, mk: dict, topo: str) -> dict:
     dist.all_gather(peaks, torch.tensor([float(report.peak_bytes)], dtype=torch.float64))
     return {"measured": [float(p.item()) for p in peaks], "by_kind_rank0": report.by_kind,
             "predicted": pm.plan.predicted["peak_memory_bytes"], "degrees": pm.plan.degrees}
+
+
+def run_curve(kind: str, cfg: dict, mk: dict, topo: str, steps: int = 20) -> dict:
+    """Losses of ``steps`` AdamW steps, parallel and single-process (same precision, same data)."""
+    model, inputs = build(kind, **dict(mk))
+    ref, _ = build(kind, **dict(mk))
+    pm = autopar.parallelize(model, autopar.Mesh.from_torchrun(topology=topology(topo)), inputs,
+                             config=autopar.Config(**cfg))
+    opt, ref_opt = torch.optim.AdamW(pm.parameters(), lr=1e-3), torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    losses, ref_losses = [], []
+    for _ in range(steps):
+        loss = pm.step(**inputs) if isinstance(inputs, dict) else pm.step(*inputs)
+        opt.step()
+        opt.zero_grad()
+        with _precision(cfg):
+            ref_loss = extract_loss(_call(ref, inputs))
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append(loss.item())
+        ref_losses.append(ref_loss.item())
+    return {"losses": losses, "ref_losses": ref_losses, "degrees": pm.plan.degrees,
+            "techniques": pm.plan.techniques}
 
 
 def run_errors() -> dict:
