@@ -115,8 +115,10 @@ class Plan:
         pipeline: stages, schedule and microbatches when ``degrees["pp"] > 1`` (then
             ``mesh_shape`` starts with the ``pp`` axis, ``nodes`` is empty and each stage's
             per-node choices are in ``pipeline.stages``), else ``None``.
-        techniques: ``recompute``, ``zero``, ``sequence_parallel`` and ``microbatch_size`` as
-            chosen by the cluster search (empty for plans made without it).
+        techniques: the memory and communication techniques the plan uses: ``recompute``
+            (``"none"``, ``"selective"``, ``"full"``), ``zero`` (0 or 1), ``mixed_precision``
+            (``"bf16-autocast"`` or the parameters' dtype); the cluster search adds
+            ``sequence_parallel`` and the microbatch size and count.
         alternatives: the next best setups the search found, each with its predicted
             ``step_time_s``.
     """

@@ -410,7 +410,8 @@ def _assemble(whole: TracedGraph, mesh: Mesh, config: Config, setup: PipelineSet
                 "ilp_groups": sum(p.solver["ilp_groups"] for p in plans),
                 "capture_time_s": whole.capture_time_s},
         warnings=warnings, topology=mesh.topology.name, config=config.to_dict(),
-        input_shapes=tuple(i.shape for i in whole.inputs), pipeline=pipe)
+        input_shapes=tuple(i.shape for i in whole.inputs), pipeline=pipe,
+        techniques=dict(plans[0].techniques))
 
 
 def _point_to_point(stages: list, cand: _Candidate, m: int) -> list[Collective]:

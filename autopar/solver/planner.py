@@ -67,18 +67,28 @@ def make_plan(traced: TracedGraph, mesh: Mesh, config: Config,
     With ``model`` and ``example_inputs`` given, pipelined plans (``pp > 1``) are searched too
     (see :mod:`autopar.solver.pipeline_planner`). ``Config.recompute`` and ``Config.zero`` left
     ``None`` are chosen by memory: the plan uses neither unless nothing fits the budget without
-    them; then the cheapest that fits, in the order of :func:`memory_techniques`.
+    them; then the cheapest that fits, in the order of :func:`memory_techniques`. A pipeline
+    (when the config leaves ``pp`` free) comes after them, without them (set them explicitly
+    for a pipelined plan that recomputes or shards the optimizer).
     """
+    combos = memory_techniques(config)
+    if len(combos) == 1:
+        return _make_plan(traced, mesh, combos[0], cost_passes, progress, model, example_inputs)
     tried: list[InfeasibleMemoryError] = []
-    for concrete in memory_techniques(config):
+    for concrete in combos:  # without a pipeline first: a pipeline's bubble costs more
         try:
-            return _make_plan(traced, mesh, concrete, cost_passes, progress, model, example_inputs)
+            return _make_plan(traced, mesh, concrete, cost_passes, progress, model,
+                              example_inputs, pipeline_fallback=False)
         except InfeasibleMemoryError as e:
             tried.append(e)
             if progress:
                 progress(f"recompute={concrete.recompute} zero={concrete.zero}: nothing fits")
-    best = min(tried, key=lambda e: e.required_bytes)
-    raise best
+    if model is not None and mesh.size > 1:  # then a pipeline, with neither technique
+        try:
+            return _make_plan(traced, mesh, combos[0], cost_passes, progress, model, example_inputs)
+        except InfeasibleMemoryError as e:
+            tried.append(e)
+    raise min(tried, key=lambda e: e.required_bytes)
 
 
 def memory_techniques(config: Config) -> list[Config]:
@@ -93,8 +103,9 @@ def memory_techniques(config: Config) -> list[Config]:
 def _make_plan(traced: TracedGraph, mesh: Mesh, config: Config,
                cost_passes: Sequence[Callable[..., SpaceCosts]] = (),
                progress: Callable[[str], None] | None = None,
-               model: Any = None, example_inputs: Any = None) -> Plan:
-    """:func:`make_plan` for one concrete (recompute, zero) setting."""
+               model: Any = None, example_inputs: Any = None, pipeline_fallback: bool = True) -> Plan:
+    """:func:`make_plan` for one concrete (recompute, zero) setting; ``pipeline_fallback``
+    False searches pipelines only where they are searched even when a flat plan fits."""
     budget = config.memory_bytes if config.memory_bytes is not None else mesh.topology.memory_bytes
     results, infeasible, unplaceable = [], [], []
     cands = mesh_candidates(mesh.size, config) if config.pp in (None, 1) else []
@@ -111,7 +122,7 @@ def _make_plan(traced: TracedGraph, mesh: Mesh, config: Config,
             progress(f"mesh {dict(zip(cand.names, cand.shape))}: predicted "
                      f"{plan.predicted['step_time_s'] * 1e3:.3f} ms")
         results.append(plan)
-    if model is not None and _search_pipelines(config, mesh, results):
+    if model is not None and _search_pipelines(config, mesh, results, pipeline_fallback):
         _add_pipeline(traced, mesh, config, cost_passes, progress, model, example_inputs, budget,
                       results, infeasible, unplaceable)
     elif config.pp not in (None, 1):
@@ -133,7 +144,7 @@ def _make_plan(traced: TracedGraph, mesh: Mesh, config: Config,
     return _replace(best, alternatives=alts)
 
 
-def _search_pipelines(config: Config, mesh: Mesh, flat_plans: list[Plan]) -> bool:
+def _search_pipelines(config: Config, mesh: Mesh, flat_plans: list[Plan], fallback: bool = True) -> bool:
     """Whether to search pipelined plans: when asked (``Config.pp > 1``), when no plan without
     a pipeline fits, or when the mesh spans nodes (where Megatron-LM puts pipeline stages, to
     keep tensor parallelism on the fast links inside a node). On one node with a plan that fits,
@@ -147,7 +158,7 @@ def _search_pipelines(config: Config, mesh: Mesh, flat_plans: list[Plan]) -> boo
                             f"not run under autocast yet; use pp=1 (or None), or build the model "
                             f"in bf16 and leave mixed_precision None.")
         return False
-    return config.pp is not None or not flat_plans or mesh.nodes > 1
+    return config.pp is not None or (fallback and not flat_plans) or mesh.nodes > 1
 
 
 def _add_pipeline(traced: TracedGraph, mesh: Mesh, config: Config, cost_passes: Sequence,
@@ -207,6 +218,7 @@ def solve_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
         params = {p.node for p in traced.params}
         costs = dataclasses.replace(costs, memory={
             n: m if n in params else m * activation_scale for n, m in costs.memory.items()})
+    costs = _with_recompute_peak(traced, costs)
     return space, costs, solve_intra_op(traced, space, costs, budget, config.solver_time_limit_s)
 
 
@@ -266,18 +278,37 @@ _NORMS = {"native_layer_norm", "native_rms_norm", "_fused_rms_norm"}
 
 def _pin_norms(traced: TracedGraph, space: StrategySpace, axis: int, sharded: bool) -> None:
     """Keep the layer-norm strategies whose input on ``axis`` is ``Shard(1)`` (``sharded``) or
-    ``Replicate`` (not ``sharded``)."""
+    ``Replicate`` (not ``sharded``). Sharded, the forward's residual adds (the adds of the
+    shape a layer norm reads) are kept on ``Shard(1)`` too, as in Megatron-LM's sequence
+    parallelism, where the whole region between a row-parallel output and the next
+    column-parallel input is sequence-sharded: the row-parallel partial sum is reduce-scattered
+    into it and all-gathered out of it (Korthikanti et al., MLSys'23, sec. 4.2.2, Fig. 5)."""
     want = Shard(1) if sharded else Replicate()
+    norm_shapes = set()
     for n in traced.gm.graph.nodes:
         name = getattr(n.target, "__name__", "").split(".")[0]
         if n.op != "call_function" or name not in _NORMS or n.name not in space.nodes:
             continue
-        ns = space.nodes[n.name]
-        keep = tuple(s for s in ns.strategies if s.inputs and s.inputs[0][axis] == want)
-        if not keep:
-            raise PlanError(f"layer norm {n.name} has no strategy with its input {want} on the tp "
-                            f"axis; use sequence_parallel={not sharded} or None for this model.")
-        space.nodes[n.name] = dataclasses.replace(ns, strategies=keep)
+        norm_shapes.add(tuple(n.args[0].meta["val"].shape))
+        _keep(space, n.name, lambda s: s.inputs and s.inputs[0][axis] == want,
+              f"layer norm {n.name} has no strategy with its input {want} on the tp axis; use "
+              f"sequence_parallel={not sharded} or None for this model.")
+    if not sharded:
+        return
+    for n in traced.gm.graph.nodes:
+        if n.op == "call_function" and getattr(n.target, "__name__", "") == "add.Tensor" and \
+                n.meta.get("partitioner_tag") != "is_backward" and n.name in space.nodes and \
+                tuple(n.meta["val"].shape) in norm_shapes and len(n.all_input_nodes) == 2:
+            _keep(space, n.name, lambda s: s.outputs[0] is not None and s.outputs[0][axis] == want,
+                  f"residual add {n.name} cannot be sequence-sharded; use sequence_parallel=None.")
+
+
+def _keep(space: StrategySpace, node: str, pred: Callable[[Any], bool], error: str) -> None:
+    ns = space.nodes[node]
+    keep = tuple(s for s in ns.strategies if pred(s))
+    if not keep:
+        raise PlanError(error)
+    space.nodes[node] = dataclasses.replace(ns, strategies=keep)
 
 
 def solve_candidate(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidate,
@@ -357,7 +388,6 @@ def _build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
     collectives, comm_s, comm_fwd = _collectives(traced, cand, nodes, outputs, mesh)
     compute_s = float(sum(costs.compute[n][i] for n, i in res.choice.items()))
     memory = float(sum(costs.memory[n][i] for n, i in res.choice.items()))
-    memory += _recompute_peak(traced, costs, res)
     params = {p.node for p in traced.params}
     state = float(sum(costs.memory[n][i] for n, i in res.choice.items() if n in params))
     graph_nodes = {n.name: n for n in traced.gm.graph.nodes}
@@ -397,14 +427,19 @@ def _precision(traced: TracedGraph, config: Config) -> str:
     return "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes)) or "none"
 
 
-def _recompute_peak(traced: TracedGraph, costs: SpaceCosts, res: IntraOpResult) -> float:
-    """Bytes recomputed values occupy at once: those of the largest block, rematerialized while
-    that block's backward runs (one block at a time, Chen et al. 2016, arXiv:1604.06174 sec. 4)."""
-    per_layer: dict[str, float] = {}
+def _with_recompute_peak(traced: TracedGraph, costs: SpaceCosts) -> SpaceCosts:
+    """Add to the memory the values recomputed values occupy at once: those of one block,
+    rematerialized while that block's backward runs (Chen et al. 2016, arXiv:1604.06174,
+    sec. 4). Each recomputed node carries its bytes divided by the number of blocks, so the ILP
+    sees one block's worth (exact when the blocks are identical, as the ILP links them; their
+    mean otherwise)."""
+    if not costs.recomputed:
+        return costs
+    blocks = len({traced.node_layer.get(n, "") for n in costs.recomputed})
+    memory = dict(costs.memory)
     for name, arr in costs.recomputed.items():
-        layer = traced.node_layer.get(name, "")
-        per_layer[layer] = per_layer.get(layer, 0.0) + float(arr[res.choice[name]])
-    return max(per_layer.values(), default=0.0)
+        memory[name] = memory[name] + arr / blocks
+    return dataclasses.replace(costs, memory=memory)
 
 
 def _collectives(traced: TracedGraph, cand: _Candidate, nodes: dict[str, NodePlan],

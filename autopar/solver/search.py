@@ -72,7 +72,10 @@ class LayerSolver:
 
     def __init__(self, model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config,
                  cost_passes: Sequence[Callable[..., Any]]) -> None:
-        self.mesh, self.config, self.cost_passes = mesh, config, cost_passes
+        # the layer ILP prices one microbatch's block as it runs; recomputation and ZeRO are
+        # priced in closed form on top of it (cost_models/training_step.py), not twice
+        self.config = dataclasses.replace(config, recompute="none", zero=0)
+        self.mesh, self.cost_passes = mesh, cost_passes
         self.example_inputs = example_inputs
         self.batch = _batch(example_inputs)
         self.model, self.prefix, self.num_blocks = _two_block_copy(model)
@@ -279,6 +282,30 @@ def _schedule_options(pp: int, m: int, num_blocks: int, config: Config) -> list[
             and config.virtual_stages in (None, v)]
 
 
+_RECOMPUTE_ORDER = RECOMPUTE  # least recomputation first
+
+
+def _only_when_needed(ranked: list[StepCost]) -> list[StepCost]:
+    """Drop a setup that recomputes or shards the optimizer when a twin doing less of either
+    (same degrees, microbatches and schedule) fits too: the techniques are for memory, and
+    turned on only when memory requires them (as ``make_plan`` does). A twin that fits is always
+    in ``ranked``, so the best setup is never lost, only a faster-on-paper one that trades
+    memory the job does not need (ZeRO-1's optimizer step is priced 1/dp: that alone is not a
+    reason to shard)."""
+    def key(setup: Setup) -> Setup:
+        return dataclasses.replace(setup, even_split=False)
+
+    fits = {key(c.setup) for c in ranked}
+
+    def needed(setup: Setup) -> bool:
+        r = _RECOMPUTE_ORDER.index(setup.recompute)
+        return not any(key(dataclasses.replace(setup, recompute=r2, zero=z2)) in fits
+                       for r2 in _RECOMPUTE_ORDER[:r + 1] for z2 in range(setup.zero + 1)
+                       if (r2, z2) != (setup.recompute, setup.zero))
+
+    return [c for c in ranked if needed(c.setup)]
+
+
 def search(model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config | None = None,
            cost_passes: Sequence[Callable[..., Any]] = (),
            progress: Callable[[str], None] | None = None,
@@ -315,6 +342,7 @@ def search(model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config | N
         raise PlanError(f"no setup of {mesh.size} devices matches the batch of {rep.batch} and "
                         f"the config {config}; choose a batch divisible by the data-parallel "
                         f"degree or relax the config.")
+    ranked = _only_when_needed(ranked)
     ranked.sort(key=lambda c: (c.step_time_s, max(c.rank_memory_bytes)))
     if not ranked:
         need = min(max(c.rank_memory_bytes) for c in pruned)

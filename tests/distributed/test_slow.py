@@ -18,9 +18,15 @@ def test_compiled_program_matches_single_process(results_dir):
 
 
 def test_free_mesh_gpt_and_hugging_face_models_on_four_processes(results_dir):
-    from test_equivalence import SLOW_ONLY
+    from test_equivalence import BF16_COMBINED, DATA_PARALLEL, SLOW_ONLY, check_data_parallel
 
-    results = run_worker(4, sorted(SLOW_ONLY), results_dir)
+    results = run_worker(4, sorted(SLOW_ONLY) + [DATA_PARALLEL[4], BF16_COMBINED], results_dir)
+    check_data_parallel(results[DATA_PARALLEL[4]], 4)
+    bf16 = results[BF16_COMBINED]
+    assert "error" not in bf16, bf16.get("trace")
+    # bf16 bound and reasoning as test_bf16_matches_a_single_process_bf16_run
+    assert abs(bf16["loss"] - bf16["ref_loss"]) <= 1e-2 * abs(bf16["ref_loss"]), bf16
+    assert bf16["grad_abs_err"] <= 3e-2 * bf16["grad_scale"], bf16
     for check in SLOW_ONLY:
         r = results[check]
         assert "error" not in r, r.get("trace")

@@ -2,7 +2,10 @@
 
 Usage: torchrun --nproc_per_node=N worker.py OUT.json CHECK [CHECK ...]
 A CHECK is ``kind:key=value,key=value`` (kind in mlp, gpt, gpt2, llama; keys: dp, tp, pp,
-schedule, virtual_stages, microbatch_size, sequence_parallel (0/1) for the Config, dim/batch/seq/layers/heads for the model, topo for the topology preset). Rank 0 writes
+schedule, virtual_stages, microbatch_size, recompute, zero, sequence_parallel (0/1),
+mixed_precision for the Config, dim/batch/seq/layers/heads for the model, topo for the topology
+preset; memory=1 also measures the peak memory of a step, curve=1 records a 20-step loss curve
+instead). Rank 0 writes
 one JSON record per check; an exception in a check is recorded, not raised, so one failure does
 not hide the others.
 """
@@ -76,8 +79,7 @@ def _call(model, inputs):
 def run_check(check: str) -> dict:
     kind, cfg, mk, topo = _parse(check)
     compile = mk.pop("_compile", False)
-    if mk.pop("_memory", False):
-        return run_memory(kind, cfg, mk, topo)
+    memory = mk.pop("_memory", False)
     if mk.pop("_curve", False):
         return run_curve(kind, cfg, mk, topo)
     model, inputs = build(kind, **dict(mk))
@@ -121,7 +123,8 @@ def run_check(check: str) -> dict:
     for c in plan.collectives:
         key = f"{c.layer}|{c.phase}|{c.axis}|{c.kind}"
         per_layer[key] = per_layer.get(key, 0) + 1
-    return {
+    record = run_memory(pm, inputs) if memory else {}
+    return record | {
         "loss": loss.item(), "ref_loss": ref_loss.item(), "grad_abs_err": abs_err,
         "autograd_loss": loss2.item(), "autograd_grad_abs_err": autograd_err,
         "grad_scale": scale, "degrees": plan.degrees, "mesh_shape": list(plan.mesh_shape),
@@ -199,14 +202,11 @@ def _pipeline_record(pm, ref, inputs, ref_loss, setup_s: float) -> dict:
     }
 
 
-def run_memory(kind: str, cfg: dict, mk: dict, topo: str) -> dict:
+def run_memory(pm, inputs) -> dict:
     """Peak memory of a training step (forward, backward, AdamW step) on every rank, measured
     with autopar.runtime.memory, against the plan's prediction."""
     from autopar.runtime.memory import measure_peak_memory
 
-    model, inputs = build(kind, **dict(mk))
-    pm = autopar.parallelize(model, autopar.Mesh.from_torchrun(topology=topology(topo)), inputs,
-                             config=autopar.Config(**cfg))
     opt = torch.optim.AdamW(pm.parameters())
 
     def step() -> None:
@@ -220,7 +220,7 @@ def run_memory(kind: str, cfg: dict, mk: dict, topo: str) -> dict:
     peaks = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
     dist.all_gather(peaks, torch.tensor([float(report.peak_bytes)], dtype=torch.float64))
     return {"measured": [float(p.item()) for p in peaks], "by_kind_rank0": report.by_kind,
-            "predicted": pm.plan.predicted["peak_memory_bytes"], "degrees": pm.plan.degrees}
+            "predicted": pm.plan.predicted["peak_memory_bytes"]}
 
 
 def run_curve(kind: str, cfg: dict, mk: dict, topo: str, steps: int = 20) -> dict:
@@ -274,10 +274,12 @@ def main() -> None:
     dist.init_process_group("gloo")
     results = {}
     for check in checks:
+        t0 = time.perf_counter()
         try:
             results[check] = run_errors() if check == "errors" else run_check(check)
         except Exception as e:  # recorded for the test to report; the job goes on
             results[check] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+        results[check]["wall_s"] = time.perf_counter() - t0
         dist.barrier()
     if dist.get_rank() == 0:
         with open(out, "w") as f:

@@ -119,13 +119,20 @@ def test_pipeline_is_chosen_only_when_nothing_else_fits():
     fits = autopar.plan(model, FOUR, (ids, ids), config=autopar.Config(tp=2))
     assert fits.degrees["pp"] == 1 and fits.pipeline is None
     with pytest.raises(autopar.PlanError) as err:  # the smallest plan without a pipeline
-        autopar.plan(model, FOUR, (ids, ids), config=autopar.Config(tp=2, pp=1, memory_bytes=1.0))
+        autopar.plan(model, FOUR, (ids, ids), config=autopar.Config(tp=2, pp=1, memory_bytes=1.0,
+                                                                    recompute="none", zero=0))
     smallest = err.value.required_bytes
     budget = 0.8 * smallest
-    plan = autopar.plan(model, FOUR, (ids, ids), config=autopar.Config(tp=2, memory_bytes=budget))
+    # without recomputation and ZeRO, only a pipeline fits
+    plan = autopar.plan(model, FOUR, (ids, ids), config=autopar.Config(
+        tp=2, memory_bytes=budget, recompute="none", zero=0))
     assert plan.degrees["pp"] == 2 and plan.degrees["tp"] == 2
     assert plan.pipeline is not None
     assert plan.predicted["peak_memory_bytes"] <= budget
+    # left free, they come first: cheaper than a pipeline's bubble
+    free = autopar.plan(model, FOUR, (ids, ids), config=autopar.Config(tp=2, memory_bytes=budget))
+    assert free.pipeline is None and free.predicted["peak_memory_bytes"] <= budget
+    assert (free.techniques["recompute"], free.techniques["zero"]) != ("none", 0)
 
 
 def test_pipelined_plan_tables_json_and_digest():

@@ -1,0 +1,184 @@
+"""Part 4's techniques on one process: recomputation (selection, pass, pricing), ZeRO's
+placement, mixed-precision capture, and the choice of recomputation / ZeRO by memory.
+
+The multi-process numerics, collective counts and measured memory of each technique are in
+tests/distributed/test_equivalence.py.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.utils._pytree import tree_flatten
+
+import autopar
+from autopar.capture import capture
+from autopar.passes.recompute import TAG, recompute_nodes, recompute_pass
+from autopar.presets import megatron_gpt
+from autopar.solver.planner import memory_techniques, zero_placement
+from models import build
+
+
+def _feeds(traced, model, inputs):
+    """Real inputs of the joint graph: parameters, user inputs, the loss tangent (1)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    by_node = {p.node: params[p.name].detach() for p in traced.params}
+    user = iter(inputs)
+    out = []
+    for n in traced.gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        if n.name in by_node:
+            out.append(by_node[n.name])
+        elif n.name in traced.tangent_nodes:
+            out.append(torch.ones(()))
+        else:
+            out.append(next(user))
+    return out
+
+
+def _saved_forward_values(gm: torch.fx.GraphModule) -> set[str]:
+    """Forward nodes some backward node reads (what stays alive between the passes)."""
+    fwd = {n for n in gm.graph.nodes if n.op == "call_function"
+           and n.meta.get("partitioner_tag") != "is_backward"}
+    return {a.name for n in gm.graph.nodes if n.op == "call_function" and n not in fwd
+            for a in n.all_input_nodes if a in fwd}
+
+
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_recompute_pass_keeps_every_number_and_saves_fewer_values(policy):
+    model, inputs = build("gpt", layers=2)
+    traced = capture(model, inputs)
+    picked = recompute_nodes(traced, policy)
+    assert picked and all(traced.node_layer[n].startswith("blocks.") for n in picked)
+    gm = copy.deepcopy(traced.gm)
+    for n in gm.graph.nodes:
+        if n.name in picked:
+            n.meta[TAG] = True
+    before = _saved_forward_values(gm)
+    gm = recompute_pass(gm)
+    after = _saved_forward_values(gm)
+    assert not any(TAG in n.meta for n in gm.graph.nodes)  # torch's partitioner would act on it
+    assert not (after & picked), "a recomputed value is still read by the backward"
+    assert len(after) < len(before)
+    feeds = _feeds(traced, model, inputs)
+    ref = torch.fx.Interpreter(traced.gm).run(*feeds)
+    out = torch.fx.Interpreter(gm).run(*feeds)
+    ref, out = tree_flatten(ref)[0], tree_flatten(out)[0]
+    assert len(ref) == len(out)
+    for a, b in zip(ref, out):
+        if isinstance(a, torch.Tensor):  # same ops on the same inputs: bit-identical
+            assert torch.equal(a, b)
+
+
+def test_full_recompute_keeps_block_outputs_and_selective_takes_the_attention_core():
+    model, inputs = build("gpt", layers=2)
+    traced = capture(model, inputs)
+    full = recompute_nodes(traced, "full")
+    nodes = {n.name: n for n in traced.gm.graph.nodes}
+    # each block's output (read by the next block or the head) is saved, not recomputed
+    for n in nodes.values():
+        layer = traced.node_layer.get(n.name, "")
+        if layer and n.meta.get("partitioner_tag") == "is_forward" and any(
+                traced.node_layer.get(u.name) != layer and u.meta.get("partitioner_tag") == "is_forward"
+                for u in n.users):
+            assert n.name not in full, n.name
+    sdpa = {n for n in recompute_nodes(traced, "selective")
+            if "scaled_dot_product" in str(nodes[n].target)}
+    assert len(sdpa) == 2  # the fused attention op of each block
+    # explicit attention (Megatron's layer): every softmax-shaped value of the block
+    mega, mega_inputs = megatron_gpt(dict(hidden=64, layers=2, heads=4), batch=2, seq=32, vocab=128)
+    t2 = capture(mega, mega_inputs)
+    sel = recompute_nodes(t2, "selective")
+    shapes = {tuple(t2.node(n).meta["val"].shape) for n in sel
+              if isinstance(t2.node(n).meta.get("val"), torch.Tensor)}
+    assert any(s[-2:] == (32, 32) for s in shapes), shapes
+    softmax = [n.name for n in t2.gm.graph.nodes if "_softmax.default" == str(n.target).split("aten.")[-1]]
+    assert softmax and set(softmax) <= sel
+
+
+def test_recompute_is_priced_as_compute_and_memory():
+    model, inputs = build("gpt", dim=128, layers=2, batch=8, seq=64)
+    mesh = autopar.Mesh.virtual("cpu-gloo", gpus_per_node=1)
+    plans = {r: autopar.plan(model, mesh, inputs, config=autopar.Config(recompute=r))
+             for r in ("none", "selective", "full")}
+    mem = {r: p.predicted["peak_memory_bytes"] for r, p in plans.items()}
+    comp = {r: p.predicted["compute_s"] for r, p in plans.items()}
+    assert mem["full"] < mem["selective"] < mem["none"]
+    assert comp["none"] < comp["selective"] < comp["full"]
+    assert all(p.techniques["recompute"] == r for r, p in plans.items())
+
+
+def test_zero_placement_shards_a_free_dim_over_dp():
+    # mesh (dp=2, tp=2): a column-parallel weight [out, in] sharded S(0) on tp gets S(1) on dp
+    assert zero_placement((Replicate(), Shard(0)), (64, 32), (2, 2), (0,)) == (Shard(1), Shard(0))
+    assert zero_placement((Replicate(), Replicate()), (64, 32), (2, 2), (0,)) == (Shard(0), Replicate())
+    # a bias sharded on its only dim by tp, or a dim that does not divide, stays replicated
+    assert zero_placement((Replicate(), Shard(0)), (64,), (2, 2), (0,)) == (Replicate(), Shard(0))
+    assert zero_placement((Replicate(),), (3,), (2,), (0,)) == (Replicate(),)
+
+
+def test_zero_plan_shards_parameters_and_state_over_dp():
+    # large batch, narrow layers on A100s: plain data parallelism (as in test_equivalence)
+    model, inputs = build("gpt", dim=64, layers=2, batch=256, seq=128)
+    mesh = autopar.Mesh.virtual("a100-dgx", gpus_per_node=2)
+    plain = autopar.plan(model, mesh, inputs, config=autopar.Config(dp=2))
+    zero = autopar.plan(model, mesh, inputs, config=autopar.Config(dp=2, zero=1))
+    assert zero.degrees == plain.degrees == {"dp": 2, "tp": 1, "pp": 1}
+    sharded = [n for n, p in zero.params.items() if p[0].startswith("S")]
+    assert len(sharded) == len(zero.params)  # every GPT parameter has a dim divisible by 2
+    # every gradient all-reduce of plain data parallelism becomes a reduce-scatter
+    # (the 4-byte all-reduce is the scalar loss's gradient, in both)
+    def grad_reductions(plan: autopar.Plan, kind: str) -> list:
+        return [c for c in plan.collectives if c.phase == "backward" and c.kind == kind and c.bytes > 4]
+
+    assert len(grad_reductions(plain, "all_reduce")) == 28  # 29 parameters, one tied
+    assert len(grad_reductions(zero, "reduce_scatter")) == 28
+    assert not grad_reductions(zero, "all_reduce")
+    # per parameter element: 16 B of state becomes 16/dp, plus the 4 B gathered copy
+    assert zero.predicted["state_bytes"] == pytest.approx(plain.predicted["state_bytes"] * (8 + 4) / 16, rel=0.01)
+
+
+def test_memory_decides_recompute_and_zero_when_left_to_the_planner():
+    assert [(c.recompute, c.zero) for c in memory_techniques(autopar.Config())][:2] == [("none", 0), ("none", 1)]
+    model, inputs = build("gpt", dim=64, layers=2, batch=256, seq=128)
+    mesh = autopar.Mesh.virtual("a100-dgx", gpus_per_node=2)
+    free = autopar.plan(model, mesh, inputs, config=autopar.Config(dp=2))
+    assert (free.techniques["recompute"], free.techniques["zero"]) == ("none", 0)
+    need = free.predicted["peak_memory_bytes"]
+    tight = autopar.plan(model, mesh, inputs, config=autopar.Config(dp=2, memory_bytes=0.8 * need))
+    assert (tight.techniques["recompute"], tight.techniques["zero"]) != ("none", 0)
+    assert tight.predicted["peak_memory_bytes"] <= 0.8 * need
+    with pytest.raises(autopar.PlanError, match="memory budget"):
+        autopar.plan(model, mesh, inputs, config=autopar.Config(dp=2, memory_bytes=0.05 * need))
+
+
+def test_bf16_mixed_precision_traces_bf16_matmuls_and_fp32_gradients():
+    model, inputs = build("gpt", layers=1)
+    traced = capture(model, inputs, "bf16")
+    mms = [n for n in traced.gm.graph.nodes if str(n.target) in ("aten.mm.default", "aten.addmm.default")]
+    assert mms and all(n.meta["val"].dtype == torch.bfloat16 for n in mms)
+    out = next(n for n in traced.gm.graph.nodes if n.op == "output")
+    grads = [out.args[0][p.grad_output_index] for p in traced.params
+             if p.grad_output_index is not None and out.args[0][p.grad_output_index] is not None]
+    assert grads and all(g.meta["val"].dtype == torch.float32 for g in grads)  # fp32 master grads
+    plan = autopar.plan(model, autopar.Mesh.virtual("cpu-gloo", gpus_per_node=1), inputs,
+                        config=autopar.Config(mixed_precision="bf16"))
+    assert plan.techniques["mixed_precision"] == "bf16-autocast"
+    with pytest.raises(ValueError, match="mixed_precision"):
+        autopar.Config(mixed_precision="fp16")
+
+
+def test_search_turns_recompute_and_zero_on_only_when_memory_requires_it():
+    model, inputs = megatron_gpt(dict(hidden=1024, layers=8, heads=16), batch=64, seq=1024)
+    mesh = autopar.Mesh.virtual("a100-dgx", nodes=1, gpus_per_node=8)
+    cfg = dict(microbatch_size=2, tp=2, pp=1)  # degrees fixed: memory is met by the techniques
+    roomy = autopar.search(model, mesh, inputs, config=autopar.Config(**cfg))
+    assert (roomy.techniques["recompute"], roomy.techniques["zero"]) == ("none", 0)
+    need = roomy.predicted["peak_memory_bytes"]
+    tight = autopar.search(model, mesh, inputs, config=autopar.Config(memory_bytes=0.7 * need, **cfg))
+    assert (tight.techniques["recompute"], tight.techniques["zero"]) != ("none", 0)
+    assert tight.predicted["peak_memory_bytes"] <= 0.7 * need
