@@ -34,8 +34,11 @@ class Config:
         microbatch_size: samples per microbatch (the global batch is the example inputs'
             batch), or ``None`` to search.
         recompute: activation recomputation, ``"none"``, ``"selective"`` (attention core) or
-            ``"full"`` (each block's forward re-run in the backward), or ``None`` to search.
-        zero: ZeRO stage, 0 or 1 (optimizer state sharded over dp), or ``None`` to search.
+            ``"full"`` (each block's forward re-run in the backward), or ``None``: turned on
+            only when the plan does not fit memory without it.
+        zero: ZeRO stage, 0 or 1 (parameters stored sharded over dp, so the optimizer's
+            states are too; gradients reduce-scattered, parameters all-gathered where used),
+            or ``None``: turned on only when the plan does not fit memory without it.
         sequence_parallel: shard layer norms and dropouts on the sequence dim over the tp axis
             (Megatron-LM's sequence parallelism), or ``None`` to search.
         mixed_precision: ``"bf16"`` runs the model under ``torch.autocast`` (bf16 matmuls, fp32

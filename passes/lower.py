@@ -10,6 +10,8 @@ Requires: ``gm`` is the TracedGraph's joint graph and ``plan`` was made for it; 
 DeviceMesh of ``plan.mesh_shape`` in the running job. Guarantees: the local program's inputs are
 the local shards of the placeholders (same order), its outputs the local loss (replicated) and the
 local gradient shards in their parameter's placement; it issues exactly ``plan.collectives``.
+Every output is moved to its placement as soon as it is computed (the loss in the forward, each
+gradient where the backward produces it), so an unreduced gradient dies at its reduction.
 """
 
 from __future__ import annotations

@@ -202,11 +202,11 @@ def solve_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
     if base_space is None:
         base_space = unpinned_space(traced, cand, config)
     space = dataclasses.replace(base_space, nodes=dict(base_space.nodes))
+    if config.zero and cand.dp_axes:
+        _shard_states(traced, space, cand)
     for p in traced.params:
         if fixed and p.name in fixed:
             _pin(space, p.node, p.name, fixed[p.name])
-    if config.zero and cand.dp_axes:
-        _shard_states(traced, space, cand)
     if sequence_parallel is None:
         sequence_parallel = config.sequence_parallel
     if sequence_parallel is not None and "tp" in cand.names:

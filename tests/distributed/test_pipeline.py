@@ -1,4 +1,5 @@
-"""Pipeline parallelism against one process: every schedule on pp=2, and pp=2 x tp=2, pp=2 x dp=2.
+"""Pipeline parallelism against one process: every schedule on pp=2, and pp=2 x tp=2, pp=2 x dp=2
+(also with full recomputation and ZeRO-1).
 
 The GPT models tie their embedding and LM head, which land on different stages, so these checks
 also prove the tied gradient is the sum of both stages' parts. One torchrun job per world size
@@ -20,7 +21,10 @@ SCHEDULES = {  # schedule -> virtual stages per rank
 HF = [f"{kind}:layers=2,batch=8,microbatch_size=2,pp=2,schedule=1f1b" for kind in ("gpt2", "llama")]
 CHECKS = {
     2: [f"{MODEL},pp=2,schedule={s},virtual_stages={v}" for s, v in SCHEDULES.items()] + HF,
-    4: [f"{MODEL},pp=2,tp=2,schedule=1f1b", f"{MODEL},pp=2,dp=2,schedule=1f1b"],
+    4: [f"{MODEL},pp=2,tp=2,schedule=1f1b", f"{MODEL},pp=2,dp=2,schedule=1f1b",
+        # part 4's recomputation and ZeRO-1 inside pipeline stages (the tied weight is sharded
+        # over dp on both of its stages)
+        f"{MODEL},pp=2,dp=2,schedule=1f1b,zero=1,recompute=full"],
 }
 
 
