@@ -25,11 +25,12 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """GPT-2 block: LayerNorm, fused QKV projection, SDPA (causal), GELU MLP."""
+    """GPT-2 block: LayerNorm, fused QKV projection, SDPA (causal), GELU MLP; ``explicit``
+    computes attention as matmul, mask, softmax, matmul (its s x s values are saved)."""
 
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, explicit: bool = False) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.explicit = heads, explicit
         self.ln1 = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
@@ -42,7 +43,12 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
         shape = (b, t, self.heads, c // self.heads)
         q, k, v = (z.view(shape).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.explicit:
+            scores = (q @ k.transpose(-2, -1)) * (c // self.heads) ** -0.5
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            y = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
@@ -51,11 +57,11 @@ class GPT(nn.Module):
     """A GPT-2-style language model in plain torch with tied embedding and LM head."""
 
     def __init__(self, vocab: int = 128, dim: int = 64, heads: int = 4, layers: int = 2,
-                 seq: int = 16) -> None:
+                 seq: int = 16, explicit: int = 0) -> None:
         super().__init__()
         self.wte = nn.Embedding(vocab, dim)
         self.wpe = nn.Embedding(seq, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, heads, bool(explicit)) for _ in range(layers))
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.wte.weight

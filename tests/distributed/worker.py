@@ -3,7 +3,7 @@
 Usage: torchrun --nproc_per_node=N worker.py OUT.json CHECK [CHECK ...]
 A CHECK is ``kind:key=value,key=value`` (kind in mlp, gpt, gpt2, llama; keys: dp, tp, pp,
 schedule, virtual_stages, microbatch_size, recompute, zero, sequence_parallel (0/1),
-mixed_precision for the Config, dim/batch/seq/layers/heads for the model, topo for the topology
+mixed_precision for the Config, dim/batch/seq/layers/heads/explicit (attention) for the model, topo for the topology
 preset; memory=1 also measures the peak memory of a step, curve=1 records a 20-step loss curve
 instead). Rank 0 writes
 one JSON record per check; an exception in a check is recorded, not raised, so one failure does
@@ -30,7 +30,7 @@ import autopar  # noqa: E402
 from autopar.capture import extract_loss  # noqa: E402
 from models import build  # noqa: E402
 
-_MODEL_KEYS = {"dim", "batch", "seq", "layers", "heads", "d_in", "d_hidden", "d_out"}
+_MODEL_KEYS = {"dim", "batch", "seq", "layers", "heads", "d_in", "d_hidden", "d_out", "explicit"}
 _RUN_KEYS = {"compile", "memory", "curve"}
 _TEXT_KEYS = {"schedule", "recompute", "mixed_precision"}
 
