@@ -142,6 +142,20 @@ class Plan:
     pipeline: PipelinePlan | None = None
     techniques: dict[str, Any] = field(default_factory=dict)
 
+    # ---- pictures ----------------------------------------------------------------------------
+    def to_chrome_trace(self, path: str | Path) -> Path:
+        """Write the simulated step (per pipeline rank: each microbatch's forward and backward,
+        and the point-to-point sends) as Chrome trace JSON, for Perfetto or chrome://tracing."""
+        from autopar.timeline import to_chrome_trace
+
+        return to_chrome_trace(self, path)
+
+    def to_svg(self, path: str | Path) -> Path:
+        """Write the simulated step as an SVG timeline that opens in a browser."""
+        from autopar.timeline import to_svg
+
+        return to_svg(self, path)
+
     # ---- persistence -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form (``format`` versioned)."""

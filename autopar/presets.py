@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["MegatronBlock", "MegatronGPT", "GPT_CONFIGS", "megatron_gpt"]
+__all__ = ["MegatronBlock", "MegatronGPT", "GPT_CONFIGS", "LlamaBlock", "Llama", "LLAMA_CONFIGS",
+           "megatron_gpt", "llama", "preset"]
 
 
 class MegatronBlock(nn.Module):
@@ -97,6 +98,11 @@ GPT_CONFIGS: dict[str, dict[str, int]] = {
     "gpt-310b": dict(hidden=16384, layers=96, heads=128),
     "gpt-530b": dict(hidden=20480, layers=105, heads=128),
     "gpt-1t": dict(hidden=25600, layers=128, heads=160),
+    # GPT-2 sizes (Radford et al. 2019, Table 2), in Megatron's layout
+    "gpt2-small": dict(hidden=768, layers=12, heads=12),
+    "gpt2-medium": dict(hidden=1024, layers=24, heads=16),
+    "gpt2-large": dict(hidden=1280, layers=36, heads=20),
+    "gpt2-xl": dict(hidden=1600, layers=48, heads=25),
 }
 
 
@@ -112,3 +118,99 @@ def megatron_gpt(name_or_sizes: str | dict[str, int], batch: int, seq: int = 204
         model = MegatronGPT(seq=seq, vocab=vocab, **sizes, **kw)
     ids = torch.zeros(batch, seq, dtype=torch.long)
     return model, (ids, ids)
+
+
+class LlamaBlock(nn.Module):
+    """A Llama layer (Touvron et al., arXiv:2302.13971, sec. 2.2): RMSNorm before attention and
+    MLP, rotary position embeddings on q and k, causal attention, SwiGLU MLP, no biases."""
+
+    def __init__(self, hidden: int, heads: int, intermediate: int,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"hidden size {hidden} must be divisible by heads {heads}")
+        self.heads = heads
+        self.norm1 = nn.RMSNorm(hidden, eps=1e-6, dtype=dtype)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False, dtype=dtype)
+        self.proj = nn.Linear(hidden, hidden, bias=False, dtype=dtype)
+        self.norm2 = nn.RMSNorm(hidden, eps=1e-6, dtype=dtype)
+        self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False, dtype=dtype)
+        self.down = nn.Linear(intermediate, hidden, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """One layer on ``x`` (batch, seq, hidden) with the rotary tables ``cos``/``sin``."""
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(h, dim=2)
+        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, s, h))
+        gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (Su et al., arXiv:2104.09864, eq. 34), halves layout as in Llama."""
+    a, b = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-b, a), dim=-1) * sin
+
+
+class Llama(nn.Module):
+    """Llama language model returning the mean next-token cross-entropy of ``(ids, targets)``."""
+
+    def __init__(self, hidden: int, layers: int, heads: int, intermediate: int, seq: int = 2048,
+                 vocab: int = 32000, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        self.heads, self.seq = heads, seq
+        self.embed = nn.Embedding(vocab, hidden, dtype=dtype)
+        self.blocks = nn.ModuleList(LlamaBlock(hidden, heads, intermediate, dtype)
+                                    for _ in range(layers))
+        self.norm = nn.RMSNorm(hidden, eps=1e-6, dtype=dtype)
+        self.head = nn.Linear(hidden, vocab, bias=False, dtype=dtype)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Loss of predicting ``targets`` (batch, seq) from ``ids`` (batch, seq)."""
+        s, d = ids.shape[1], self.embed.embedding_dim // self.heads
+        # theta_i = 10000^(-2i/d) [Su et al., eq. 15]
+        inv = 10000.0 ** (-torch.arange(0, d, 2, device=ids.device, dtype=torch.float32) / d)
+        angles = torch.outer(torch.arange(s, device=ids.device, dtype=torch.float32), inv)
+        angles = torch.cat((angles, angles), dim=-1)
+        x = self.embed(ids)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
+
+# Touvron et al., arXiv:2302.13971, Table 2 (intermediate size 2/3 * 4h rounded up to 256)
+LLAMA_CONFIGS: dict[str, dict[str, int]] = {
+    "llama-7b": dict(hidden=4096, layers=32, heads=32, intermediate=11008),
+    "llama-13b": dict(hidden=5120, layers=40, heads=40, intermediate=13824),
+    "llama-65b": dict(hidden=8192, layers=80, heads=64, intermediate=22016),
+}
+
+
+def llama(name_or_sizes: str | dict[str, int], batch: int, seq: int = 2048, vocab: int = 32000,
+          **kw: Any) -> tuple[Llama, tuple[torch.Tensor, ...]]:
+    """A :class:`Llama` built under ``FakeTensorMode`` and example inputs of ``batch``
+    sequences; ``name_or_sizes`` is a key of :data:`LLAMA_CONFIGS` or a dict of its sizes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    sizes = LLAMA_CONFIGS[name_or_sizes] if isinstance(name_or_sizes, str) else dict(name_or_sizes)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = Llama(seq=seq, vocab=vocab, **sizes, **kw)
+    ids = torch.zeros(batch, seq, dtype=torch.long)
+    return model, (ids, ids)
+
+
+def preset(name: str, batch: int, seq: int = 2048) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """A built-in model by name (:data:`GPT_CONFIGS` or :data:`LLAMA_CONFIGS`), under
+    ``FakeTensorMode``, with example inputs of ``batch`` sequences of ``seq`` tokens."""
+    if name in GPT_CONFIGS:
+        return megatron_gpt(name, batch, seq)
+    if name in LLAMA_CONFIGS:
+        return llama(name, batch, seq)
+    known = ", ".join([*GPT_CONFIGS, *LLAMA_CONFIGS])
+    raise ValueError(f"unknown model preset {name!r}; built-in presets: {known}; or give "
+                     f"'module:function' returning (model, example_inputs).")

@@ -109,7 +109,9 @@ class Setup:
 
 @dataclass(frozen=True)
 class StepCost:
-    """Predicted step of one setup: time, its parts, and memory per pipeline rank."""
+    """Predicted step of one setup: time, its parts, and memory per pipeline rank
+    (``stage_time_s``: forward + backward of one microbatch per stage, ``stage_forward_s`` its
+    forward part)."""
 
     setup: Setup
     step_time_s: float
@@ -119,6 +121,7 @@ class StepCost:
     rank_memory_bytes: tuple[float, ...]
     budget_bytes: float
     stage_memory_bytes: tuple[float, ...] = ()
+    stage_forward_s: tuple[float, ...] = ()
 
     @property
     def fits(self) -> bool:
@@ -213,7 +216,7 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
              "p2p_s": m * 2 * send if p > 1 else 0.0}
     return StepCost(setup, pipe + dp_s + tied_s + opt_s, parts, counts,
                     tuple(f + b for f, b in zip(fw, bw)), tuple(memory), budget_bytes,
-                    tuple(stage_memory))
+                    tuple(stage_memory), tuple(fw))
 
 
 def _step_end(lc: LayerCosts, setup: Setup, elements: float, topology: Topology

@@ -386,6 +386,7 @@ def _assemble(whole: TracedGraph, mesh: Mesh, config: Config, setup: PipelineSet
         stages=tuple(plans),
         predicted={"step_time_s": sim.step_time_s + tied_s, "bubble_fraction": sim.bubble_fraction,
                    "stage_time_s": [f + b for f, b in zip(fw, bw)], "peak_memory_bytes": memory,
+                   "p2p_s": p2p, "weight_fraction": _WEIGHT_FRACTION,
                    "search_estimate_s": setup.predicted_s},
         cut_solver={"search_estimate_s": setup.predicted_s, "stage_planning_s": elapsed})
     degrees = dict(plans[0].degrees, pp=pp)

@@ -386,6 +386,7 @@ def to_plan(result: SearchResult, layers: LayerSolver, config: Config, top_k: in
             predicted={"step_time_s": float(best.step_time_s),
                        "bubble_fraction": float(parts["bubble_s"] / best.step_time_s),
                        "stage_time_s": [float(t) for t in best.stage_time_s],
+                       "stage_forward_s": [float(t) for t in best.stage_forward_s],
                        "stage_memory_bytes": [float(b) for b in best.stage_memory_bytes],
                        "peak_memory_bytes": [float(b) for b in best.rank_memory_bytes]})
     alts = tuple({"setup": c.setup.describe(), "degrees": {"dp": c.setup.dp, "tp": c.setup.tp,

@@ -1,0 +1,65 @@
+"""Pictures of a plan (autopar.timeline): the Chrome trace and the SVG timeline of the
+simulated step."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+
+import autopar
+from autopar.timeline import simulate_plan
+from models import build
+
+
+@pytest.fixture(scope="module")
+def pipelined():
+    model, inputs = build("gpt", layers=4, batch=8)
+    mesh = autopar.Mesh.virtual("cpu-gloo", gpus_per_node=2)
+    return autopar.plan(model, mesh, inputs, config=autopar.Config(
+        pp=2, schedule="interleaved-1f1b", virtual_stages=2, microbatch_size=2))
+
+
+def test_chrome_trace_has_a_track_per_rank_and_every_microbatch(pipelined, tmp_path):
+    path = pipelined.to_chrome_trace(tmp_path / "step.json")
+    events = json.loads(path.read_text())["traceEvents"]
+    tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert sorted(n for n in tracks.values() if not n.endswith("sends")) == ["pp rank 0", "pp rank 1"]
+    m = pipelined.pipeline.microbatches
+    for rank in (0, 1):
+        work = [e for e in events if e["ph"] == "X" and e["tid"] == 2 * rank]
+        # each of the rank's two stages runs a forward and a backward of every microbatch
+        for kind in ("forward", "backward"):
+            for stage in {e["args"]["stage"] for e in work}:
+                mbs = sorted(e["args"]["microbatch"] for e in work
+                             if e["cat"] == kind and e["args"]["stage"] == stage)
+                assert mbs == list(range(m)), (rank, kind, stage, mbs)
+        assert all(e["ts"] >= 0 and e["dur"] >= 0 for e in work)
+    sends = [e for e in events if e["ph"] == "X" and e["cat"] == "communication"]
+    assert sends and pipelined.pipeline.predicted["p2p_s"] > 0
+    end = max(e["ts"] + e["dur"] for e in events if e["ph"] == "X" and e["cat"] != "communication")
+    # the trace is the simulation the plan's step time comes from
+    assert end == pytest.approx(simulate_plan(pipelined).step_time_s * 1e6)
+    assert simulate_plan(pipelined).step_time_s <= pipelined.pipeline.predicted["step_time_s"]
+
+
+def test_svg_timeline_parses_with_a_box_per_action(pipelined, tmp_path):
+    root = ET.parse(pipelined.to_svg(tmp_path / "step.svg")).getroot()
+    assert root.tag.endswith("svg")
+    ns = "{http://www.w3.org/2000/svg}"
+    boxes = [r for r in root.iter(f"{ns}rect") if "microbatch" in r.findtext(f"{ns}title", "")
+             and not r.findtext(f"{ns}title", "").startswith("send")]
+    actions = sum(len(a) for a in simulate_plan(pipelined).actions)
+    assert len(boxes) == actions == 2 * 2 * 2 * pipelined.pipeline.microbatches  # 4 stages: F + B
+    labels = {t.text for t in root.iter(f"{ns}text")}
+    assert {"pp rank 0", "pp rank 1"} <= labels
+
+
+def test_a_plan_without_pipeline_is_one_rank_forward_then_backward(tmp_path):
+    model, inputs = build("mlp")
+    plan = autopar.plan(model, autopar.Mesh.virtual("cpu-gloo", gpus_per_node=1), inputs)
+    events = json.loads(plan.to_chrome_trace(tmp_path / "t.json").read_text())["traceEvents"]
+    work = [(e["cat"], e["ts"], e["dur"]) for e in events if e["ph"] == "X"]
+    assert [w[0] for w in work] == ["forward", "backward"]
+    assert (work[1][1] + work[1][2]) / 1e6 == pytest.approx(plan.predicted["step_time_s"])
