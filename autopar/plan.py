@@ -256,6 +256,32 @@ class Plan:
                        if (phase is None or c.phase == phase) and (axis is None or c.axis == axis)
                        and mine(c))
 
+    def compare(self, other: "Plan") -> str:
+        """What differs between this plan (``A``) and ``other`` (``B``), as tables: degrees,
+        schedule, techniques and predictions, collectives by kind, and the parameters placed
+        differently."""
+        def summary(p: "Plan") -> dict[str, Any]:
+            pipe = p.pipeline
+            return {"mesh": " x ".join(f"{n}={s}" for n, s in zip(p.axis_names, p.mesh_shape)),
+                    **{f"degree {k}": v for k, v in p.degrees.items()},
+                    "schedule": f"{pipe.schedule} v={pipe.virtual_stages} m={pipe.microbatches}"
+                    if pipe else "none",
+                    **{f"technique {k}": v for k, v in p.techniques.items()},
+                    "step ms": round(p.predicted.get("step_time_s", 0.0) * 1e3, 3),
+                    "peak MiB / device": round(p.predicted.get("peak_memory_bytes", 0.0) / 2**20, 1),
+                    **{f"{k} per step": v for k, v in sorted(p.collective_counts().items())}}
+
+        a, b = summary(self), summary(other)
+        rows = [[k, a.get(k, "-"), b.get(k, "-")] for k in dict.fromkeys([*a, *b])
+                if a.get(k, "-") != b.get(k, "-")]
+        parts = [tabulate(rows, headers=["", "A", "B"]) if rows else "same setup and predictions"]
+        moved = [[n, ", ".join(self.params[n]), ", ".join(other.params[n])]
+                 for n in self.params if n in other.params and self.params[n] != other.params[n]]
+        if moved:
+            parts += ["", f"parameters placed differently ({len(moved)})",
+                      tabulate(moved, headers=["name", "A", "B"])]
+        return "\n".join(parts)
+
     def __str__(self) -> str:
         head = [
             ["mesh", " x ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.mesh_shape))

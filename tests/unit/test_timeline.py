@@ -1,5 +1,5 @@
-"""Pictures of a plan (autopar.timeline): the Chrome trace and the SVG timeline of the
-simulated step."""
+"""Looking at a plan: the Chrome trace and the SVG timeline of the simulated step
+(autopar.timeline), and Plan.compare."""
 
 from __future__ import annotations
 
@@ -63,3 +63,14 @@ def test_a_plan_without_pipeline_is_one_rank_forward_then_backward(tmp_path):
     work = [(e["cat"], e["ts"], e["dur"]) for e in events if e["ph"] == "X"]
     assert [w[0] for w in work] == ["forward", "backward"]
     assert (work[1][1] + work[1][2]) / 1e6 == pytest.approx(plan.predicted["step_time_s"])
+
+
+def test_compare_lists_only_what_differs(pipelined):
+    model, inputs = build("gpt", layers=4, batch=8)
+    flat = autopar.plan(model, autopar.Mesh.virtual("cpu-gloo", gpus_per_node=2), inputs,
+                        config=autopar.Config(pp=1, dp=2))
+    text = pipelined.compare(flat)
+    rows = {line.split("  ")[0].strip() for line in text.splitlines()[2:] if line.strip()}
+    assert {"degree pp", "degree dp", "schedule", "step ms"} <= rows, text
+    assert "degree tp" not in rows  # the same in both: not listed
+    assert pipelined.compare(pipelined) == "same setup and predictions"
