@@ -291,6 +291,9 @@ class Plan:
             ["  compute / comm", f"{self.predicted.get('compute_s', 0) * 1e3:.3f} / "
                                  f"{self.predicted.get('comm_s', 0) * 1e3:.3f} ms"],
             ["peak memory / device", f"{self.predicted.get('peak_memory_bytes', 0) / 2**20:.1f} MiB"],
+            *([["model FLOPs / MFU", f"{self.predicted['model_flops'] / 1e12:.4g} TFLOP per step, "
+                                     f"MFU {self.predicted['mfu']:.1%}"]]
+              if "mfu" in self.predicted else []),
             ["solver", f"{self.solver.get('status')} ({self.solver.get('backend')}, gap "
                        f"{self.solver.get('gap', 0):.2g}, {self.solver.get('solve_time_s', 0):.2f} s)"],
         ]

@@ -29,6 +29,8 @@ __all__ = [
     "op_time",
     "flops_of_node",
     "bytes_of_node",
+    "graph_flops",
+    "mfu",
 ]
 
 aten = torch.ops.aten
@@ -159,3 +161,31 @@ def bytes_of_node(args: Any, kwargs: Any, out: Any) -> float:
     for t in _tensors((args, kwargs or {}, out)):
         total += t.numel() * t.element_size()
     return float(total)
+
+
+def graph_flops(gm: Any) -> float:
+    """FLOPs of one run of ``gm`` (an FX graph with ``meta["val"]`` on its nodes, e.g. a traced
+    joint forward+backward graph) on its global shapes: the sum of :func:`flops_of_node`."""
+    import torch.fx as fx
+
+    total = 0.0
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        args = fx.node.map_arg(n.args, lambda a: a.meta.get("val"))
+        kwargs = fx.node.map_arg(n.kwargs, lambda a: a.meta.get("val"))
+        try:
+            total += flops_of_node(n.target, args, kwargs, n.meta.get("val"))
+        except (RuntimeError, TypeError, ValueError, IndexError, AssertionError):
+            continue  # no usable formula for these arguments: counted as 0, as in pricing
+    return total
+
+
+def mfu(model_flops: float, step_time_s: float, devices: int, topology: Any, dtype: str) -> float:
+    """Model FLOPs utilization: the model's FLOPs per step over what ``devices`` devices could
+    do at ``dtype`` peak in the step time (Chowdhery et al., PaLM, arXiv:2204.02311, app. B;
+    recomputation is not counted as model FLOPs there, and it is not here either)."""
+    if step_time_s <= 0 or devices <= 0:
+        return 0.0
+    return model_flops / (step_time_s * devices * topology.peak_flops[dtype])
+

@@ -29,7 +29,9 @@ from autopar.mesh import Mesh
 from autopar.passes.stages import layer_units
 from autopar.plan import Collective, PipelinePlan, Plan
 from autopar.solver.ilp import InfeasibleMemoryError
-from autopar.solver.planner import _Candidate, mesh_candidates, solve_candidate, solve_space
+from autopar.solver.planner import (
+    _Candidate, _utilization, mesh_candidates, solve_candidate, solve_space,
+)
 from autopar.solver.stage_cuts import LayerCost, solve_cuts
 from autopar.stage_capture import (
     ForwardGraph, capture_stages, capture_with_forward, export_forward, microbatch_inputs,
@@ -400,7 +402,8 @@ def _assemble(whole: TracedGraph, mesh: Mesh, config: Config, setup: PipelineSet
         model_fingerprint=whole.fingerprint(), mesh_shape=(pp, *cand.shape),
         axis_names=("pp", *cand.names), degrees=degrees, params=params, inputs=inputs,
         output_placements=(), nodes={}, collectives=tuple(collectives),
-        predicted={"step_time_s": sim.step_time_s + tied_s, "compute_s": compute,
+        predicted={**_utilization(whole, config, mesh, sim.step_time_s + tied_s, pp * stride),
+                   "step_time_s": sim.step_time_s + tied_s, "compute_s": compute,
                    "comm_s": comm + tied_s,
                    "peak_memory_bytes": max(memory), "bubble_fraction": sim.bubble_fraction},
         solver={"status": "optimal" if all(p.solver["status"] == "optimal" for p in plans) else "feasible",

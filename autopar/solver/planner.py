@@ -12,6 +12,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar.config import Config
 from autopar.cost_models.comm import axis_collective_time
+from autopar.cost_models.compute import graph_flops, mfu
 from autopar.cost_models.passes import run_cost_passes
 from autopar.cost_models.sharding import SpaceCosts, price_space
 from autopar.errors import PlanError
@@ -405,7 +406,8 @@ def _build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
         params={p.name: nodes[p.node].outputs[0] for p in traced.params},
         inputs=tuple(nodes[i.node].outputs[0] for i in traced.inputs),
         output_placements=tuple(outputs), nodes=nodes, collectives=tuple(collectives),
-        predicted={"step_time_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s,
+        predicted={**_utilization(traced, config, mesh, compute_s + comm_s, int(np.prod(cand.shape))),
+                   "step_time_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s,
                    "forward_s": compute_fwd + comm_fwd, "state_bytes": state,
                    "peak_memory_bytes": memory, "ilp_objective_s": sol.objective},
         solver={"status": sol.status, "gap": sol.gap, "backend": sol.backend,
@@ -417,6 +419,15 @@ def _build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
         techniques={"recompute": config.recompute or "none", "zero": config.zero or 0,
                     "mixed_precision": _precision(traced, config)},
     )
+
+
+def _utilization(traced: TracedGraph, config: Config, mesh: Mesh, step_s: float,
+                 devices: int) -> dict[str, float]:
+    """The model's FLOPs per step (forward and backward, without recomputation) and the
+    predicted MFU at the peak of the dtype the matmuls run in."""
+    flops = graph_flops(traced.gm)
+    dtype = "bf16" if _precision(traced, config) in ("bf16-autocast", "bfloat16", "float16") else "fp32"
+    return {"model_flops": flops, "mfu": mfu(flops, step_s, devices, mesh.topology, dtype)}
 
 
 def _precision(traced: TracedGraph, config: Config) -> str:
