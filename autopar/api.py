@@ -95,6 +95,11 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: Any = None, *,
                         "config=Config(dp=..., tp=..., pp=...)) using its degrees, and run that.")
     mesh.check_world()
     precision = plan.techniques.get("mixed_precision") if plan is not None else config.mixed_precision
+    if plan is not None and config.mixed_precision is not None and \
+            (config.mixed_precision == "bf16") != (precision == "bf16-autocast"):
+        raise PlanError(f"Config(mixed_precision={config.mixed_precision!r}) disagrees with the "
+                        f"plan given, made with mixed_precision={precision!r}: drop the config "
+                        f"field (the plan's is used) or re-plan with it.")
     traced = capture(model, example_inputs, "bf16" if precision in ("bf16", "bf16-autocast") else None)
     if plan is None:
         the_plan = make_plan(traced, mesh, config, cost_passes, None, model, example_inputs)

@@ -39,8 +39,9 @@ class Config:
         zero: ZeRO stage, 0 or 1 (parameters stored sharded over dp, so the optimizer's
             states are too; gradients reduce-scattered, parameters all-gathered where used),
             or ``None``: turned on only when the plan does not fit memory without it.
-        sequence_parallel: shard layer norms and dropouts on the sequence dim over the tp axis
-            (Megatron-LM's sequence parallelism), or ``None`` to search.
+        sequence_parallel: shard the layer norms and the residual adds on the sequence dim over
+            the tp axis (Megatron-LM's sequence parallelism: reduce-scatter + all-gather instead
+            of all-reduce), or ``None`` to let the solver choose.
         mixed_precision: ``"bf16"`` runs the model under ``torch.autocast`` (bf16 matmuls, fp32
             master weights, gradients reduced in fp32), ``"fp32"`` or ``None`` as the model is
             (never changed behind the user's back: precision changes the numbers).

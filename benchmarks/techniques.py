@@ -68,6 +68,7 @@ def run(name: str, cfg: dict, args: argparse.Namespace) -> list:
 
 
 def main() -> None:
+    """Run every technique's row on this torchrun job; rank 0 prints the table."""
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--dim", type=int, default=256)

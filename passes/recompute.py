@@ -49,8 +49,13 @@ def _name(n: fx.Node) -> str:
 
 
 def is_random(n: fx.Node) -> bool:
-    """Whether ``n`` draws random numbers (its recomputation would not reproduce its value)."""
-    return n.op == "call_function" and (_name(n) in _RANDOM or bool(getattr(n.target, "is_random", False)))
+    """Whether ``n`` draws random numbers (its recomputation would not reproduce its value), or
+    is a view or ``getitem`` of such a value (re-running it would re-run the draw)."""
+    if n.op != "call_function":
+        return False
+    if _name(n) in _RANDOM or bool(getattr(n.target, "is_random", False)):
+        return True
+    return _name(n) in _ALIAS and bool(n.all_input_nodes) and is_random(n.all_input_nodes[0])
 
 
 def _is_comm(n: fx.Node) -> bool:
@@ -86,22 +91,45 @@ def recompute_nodes(traced: TracedGraph, policy: str) -> frozenset[str]:
     return frozenset(_with_aliases(traced.gm.graph.nodes, picked))
 
 
+_MATMUL = {"mm", "bmm", "matmul", "baddbmm", "addmm"}
+
+
 def _attention_core(fwd: list[fx.Node], layer: dict[str, str]) -> set[str]:
-    """Fused attention ops, and for each softmax the connected values of its size in its block."""
-    fwd_names = {n.name for n in fwd}
+    """Fused attention ops, and for each softmax its block's chain from the scores matmul
+    (``QK^T``) through scaling and masking to the softmax and what follows it up to the matmul
+    with ``V`` (not included): the values of the softmax's shape, through views."""
+    fwd_set = set(fwd)
     picked = {n.name for n in fwd if _name(n).startswith(_ATTENTION)}
     for sm in (n for n in fwd if _name(n) in ("_softmax", "softmax")):
-        size, stack = _numel(sm), [sm]
-        while stack:
-            n = stack.pop()
-            if n.name in picked or is_random(n):
-                continue
-            picked.add(n.name)
-            for m in (*n.all_input_nodes, *n.users):
-                if m.name in fwd_names and layer[m.name] == layer[sm.name] and _numel(m) == size \
-                        and m.name not in picked:
-                    stack.append(m)
+        shape, size = _shape(sm), _numel(sm)
+
+        def joins(m: fx.Node) -> bool:
+            """Same block, same size, and the softmax's shape (or a view, or the scores matmul)."""
+            return (m in fwd_set and layer[m.name] == layer[sm.name] and _numel(m) == size
+                    and not is_random(m) and m.name not in picked
+                    and (_shape(m) == shape or _name(m) in _ALIAS or _name(m) in _MATMUL))
+
+        picked.add(sm.name)
+        up, down = [sm], [sm]
+        while up:  # back to the scores matmul, which is taken and not gone past
+            for a in up.pop().all_input_nodes:
+                if joins(a):
+                    picked.add(a.name)
+                    if _name(a) not in _MATMUL:
+                        up.append(a)
+        while down:  # on to the matmul with V, which is not taken
+            for u in down.pop().users:
+                if joins(u) and _name(u) not in _MATMUL:
+                    picked.add(u.name)
+                    down.append(u)
     return picked
+
+
+def _shape(n: fx.Node) -> tuple[int, ...] | None:
+    val = n.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
 def _with_aliases(nodes: Iterable[fx.Node], picked: set[str]) -> set[str]:

@@ -72,6 +72,10 @@ def make_plan(traced: TracedGraph, mesh: Mesh, config: Config,
     (when the config leaves ``pp`` free) comes after them, without them (set them explicitly
     for a pipelined plan that recomputes or shards the optimizer).
     """
+    if config.mixed_precision == "bf16" and config.pp not in (None, 1):
+        raise PlanError(f"Config(mixed_precision='bf16', pp={config.pp}): pipeline stages do "
+                        f"not run under autocast yet; use pp=1 (or None), or build the model "
+                        f"in bf16 and leave mixed_precision None.")
     combos = memory_techniques(config)
     if len(combos) == 1:
         return _make_plan(traced, mesh, combos[0], cost_passes, progress, model, example_inputs)
@@ -84,12 +88,20 @@ def make_plan(traced: TracedGraph, mesh: Mesh, config: Config,
             tried.append(e)
             if progress:
                 progress(f"recompute={concrete.recompute} zero={concrete.zero}: nothing fits")
-    if model is not None and mesh.size > 1:  # then a pipeline, with neither technique
-        try:
-            return _make_plan(traced, mesh, combos[0], cost_passes, progress, model, example_inputs)
+    pipeline = ""
+    if model is not None and _search_pipelines(combos[0], mesh, [], True) and config.pp is None:
+        try:  # then a pipeline, with neither technique (the flat plans are known not to fit)
+            return _make_plan(traced, mesh, combos[0], cost_passes, progress, model,
+                              example_inputs, flat=False)
         except InfeasibleMemoryError as e:
             tried.append(e)
-    raise min(tried, key=lambda e: e.required_bytes)
+            pipeline = ", then a pipeline"
+        except PlanError as e:  # no pipeline can be placed: the memory error is the answer
+            pipeline = f", then a pipeline, which cannot be placed ({e})"
+    best = min(tried, key=lambda e: e.required_bytes)
+    settings = ", ".join(f"recompute={c.recompute} zero={c.zero}" for c in combos)
+    raise InfeasibleMemoryError(f"{best} Tried {settings}{pipeline}.",
+                                required_bytes=best.required_bytes, budget_bytes=best.budget_bytes)
 
 
 def memory_techniques(config: Config) -> list[Config]:
@@ -104,12 +116,14 @@ def memory_techniques(config: Config) -> list[Config]:
 def _make_plan(traced: TracedGraph, mesh: Mesh, config: Config,
                cost_passes: Sequence[Callable[..., SpaceCosts]] = (),
                progress: Callable[[str], None] | None = None,
-               model: Any = None, example_inputs: Any = None, pipeline_fallback: bool = True) -> Plan:
+               model: Any = None, example_inputs: Any = None, pipeline_fallback: bool = True,
+               flat: bool = True) -> Plan:
     """:func:`make_plan` for one concrete (recompute, zero) setting; ``pipeline_fallback``
-    False searches pipelines only where they are searched even when a flat plan fits."""
+    False searches pipelines only where they are searched even when a flat plan fits;
+    ``flat`` False skips the plans without a pipeline."""
     budget = config.memory_bytes if config.memory_bytes is not None else mesh.topology.memory_bytes
     results, infeasible, unplaceable = [], [], []
-    cands = mesh_candidates(mesh.size, config) if config.pp in (None, 1) else []
+    cands = mesh_candidates(mesh.size, config) if config.pp in (None, 1) and flat else []
     for cand in cands:
         try:
             plan = solve_candidate(traced, mesh, config, cand, cost_passes, budget)
@@ -153,11 +167,7 @@ def _search_pipelines(config: Config, mesh: Mesh, flat_plans: list[Plan], fallba
     (a trace per microbatch size) is skipped."""
     if mesh.size == 1 or config.pp == 1:
         return False
-    if config.mixed_precision == "bf16":
-        if config.pp is not None:
-            raise PlanError(f"Config(mixed_precision='bf16', pp={config.pp}): pipeline stages do "
-                            f"not run under autocast yet; use pp=1 (or None), or build the model "
-                            f"in bf16 and leave mixed_precision None.")
+    if config.mixed_precision == "bf16":  # refused with pp > 1 by make_plan
         return False
     return config.pp is not None or (fallback and not flat_plans) or mesh.nodes > 1
 
@@ -198,7 +208,10 @@ def solve_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
     every layer norm take its input sharded on the sequence dim (dim 1) over the ``tp`` axis
     (Korthikanti et al., MLSys'23, sec. 4.2.2), False makes it take it replicated there; None
     leaves the choice to the ILP. ``base_space``: the unpinned space of this graph and mesh,
-    built earlier (it is copied, not changed).
+    built earlier (it is copied, not changed). With ``config.zero`` the parameters take
+    :func:`zero_placement` on the dp axes; with sequence parallelism on, the forward's residual
+    adds are pinned to ``Shard(1)`` too (:func:`_pin_norms`); recomputation
+    (``config.recompute``) is priced by :func:`~autopar.cost_models.sharding.price_space`.
     """
     if base_space is None:
         base_space = unpinned_space(traced, cand, config)
@@ -301,10 +314,13 @@ def _pin_norms(traced: TracedGraph, space: StrategySpace, axis: int, sharded: bo
                 n.meta.get("partitioner_tag") != "is_backward" and n.name in space.nodes and \
                 tuple(n.meta["val"].shape) in norm_shapes and len(n.all_input_nodes) == 2:
             _keep(space, n.name, lambda s: s.outputs[0] is not None and s.outputs[0][axis] == want,
-                  f"residual add {n.name} cannot be sequence-sharded; use sequence_parallel=None.")
+                  f"residual add {n.name} has no strategy with its output Shard(1) on the tp "
+                  f"axis, which sequence parallelism requires; use sequence_parallel=None or "
+                  f"False for this model.")
 
 
 def _keep(space: StrategySpace, node: str, pred: Callable[[Any], bool], error: str) -> None:
+    """Keep the strategies of ``node`` that satisfy ``pred``; none left raises ``error``."""
     ns = space.nodes[node]
     keep = tuple(s for s in ns.strategies if pred(s))
     if not keep:
@@ -340,9 +356,10 @@ def _phase(node: Any) -> str:
 
 def _axis_roles(traced: TracedGraph, space: StrategySpace, res: IntraOpResult,
                 cand: _Candidate) -> tuple[dict[str, int], list[str]]:
-    """Degrees from what the solver chose, whatever the axis is called: an axis on which every
-    parameter is replicated is data parallel (the batch is split, or nothing is); any other axis
-    is tensor parallel. Also warns about axes on which nothing at all is split."""
+    """Degrees from what the solver chose: a data-parallel axis of the candidate (parameters
+    replicated on it, or ZeRO-sharded) or an axis on which every parameter is replicated is data
+    parallel (the batch is split, or nothing is); any other axis is tensor parallel. Also warns
+    about axes on which nothing at all is split."""
     dp, tp, notes = 1, 1, []
     for axis, size in enumerate(cand.shape):
         params_rep = axis in cand.dp_axes or all(
@@ -396,7 +413,8 @@ def _build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
                             if _phase(graph_nodes[n]) == "forward"))
     sol = res.solution
     degrees, notes = _axis_roles(traced, space, res, cand)
-    warnings = list(space.warnings) + notes
+    techniques, applied_notes = _applied(traced, config, cand, nodes)
+    warnings = list(space.warnings) + notes + applied_notes
     if sol.status != "optimal":
         warnings.append(f"ILP stopped at the time limit ({config.solver_time_limit_s} s) with "
                         f"gap {sol.gap:.3g}; raise Config.solver_time_limit_s for a better plan")
@@ -416,9 +434,27 @@ def _build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
                 "capture_time_s": traced.capture_time_s},
         warnings=tuple(warnings), topology=mesh.topology.name, config=config.to_dict(),
         input_shapes=tuple(i.shape for i in traced.inputs),
-        techniques={"recompute": config.recompute or "none", "zero": config.zero or 0,
-                    "mixed_precision": _precision(traced, config)},
+        techniques=techniques,
     )
+
+
+def _applied(traced: TracedGraph, config: Config, cand: _Candidate,
+             nodes: dict[str, NodePlan]) -> tuple[dict[str, Any], list[str]]:
+    """The techniques the plan really uses (a setting that changes nothing is recorded as off,
+    with a warning saying why)."""
+    notes = []
+    recompute = config.recompute or "none"
+    if recompute != "none" and not recompute_nodes(traced, recompute):
+        notes.append(f"recompute={recompute!r} found nothing to recompute (it needs repeated "
+                     f"blocks, and 'selective' an attention core); the plan recomputes nothing")
+        recompute = "none"
+    zero = int(bool(config.zero) and any(
+        nodes[p.node].outputs[0][a].startswith("S") for p in traced.params for a in cand.dp_axes))
+    if config.zero and not zero:
+        notes.append("zero=1 shards nothing on this mesh (no data-parallel axis, or no parameter "
+                     "dim divides by it); the optimizer state is not sharded")
+    return {"recompute": recompute, "zero": zero,
+            "mixed_precision": _precision(traced, config)}, notes
 
 
 def _utilization(traced: TracedGraph, config: Config, mesh: Mesh, step_s: float,

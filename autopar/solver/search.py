@@ -72,6 +72,10 @@ class LayerSolver:
 
     def __init__(self, model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config,
                  cost_passes: Sequence[Callable[..., Any]]) -> None:
+        if config.mixed_precision == "bf16":
+            raise PlanError("autopar.search prices the model in its own dtype and does not trace "
+                            "under autocast: build the model in bf16 (the presets are) and leave "
+                            "Config.mixed_precision None.")
         # the layer ILP prices one microbatch's block as it runs; recomputation and ZeRO are
         # priced in closed form on top of it (cost_models/training_step.py), not twice
         self.config = dataclasses.replace(config, recompute="none", zero=0)
@@ -282,9 +286,6 @@ def _schedule_options(pp: int, m: int, num_blocks: int, config: Config) -> list[
             and config.virtual_stages in (None, v)]
 
 
-_RECOMPUTE_ORDER = RECOMPUTE  # least recomputation first
-
-
 def _only_when_needed(ranked: list[StepCost]) -> list[StepCost]:
     """Drop a setup that recomputes or shards the optimizer when a twin doing less of either
     (same degrees, microbatches and schedule) fits too: the techniques are for memory, and
@@ -293,14 +294,16 @@ def _only_when_needed(ranked: list[StepCost]) -> list[StepCost]:
     memory the job does not need (ZeRO-1's optimizer step is priced 1/dp: that alone is not a
     reason to shard)."""
     def key(setup: Setup) -> Setup:
+        """The setup with the stage split normalised (an even-split variant is the same twin)."""
         return dataclasses.replace(setup, even_split=False)
 
     fits = {key(c.setup) for c in ranked}
 
     def needed(setup: Setup) -> bool:
-        r = _RECOMPUTE_ORDER.index(setup.recompute)
+        """Whether no twin with less recomputation or no ZeRO fits."""
+        r = RECOMPUTE.index(setup.recompute)
         return not any(key(dataclasses.replace(setup, recompute=r2, zero=z2)) in fits
-                       for r2 in _RECOMPUTE_ORDER[:r + 1] for z2 in range(setup.zero + 1)
+                       for r2 in RECOMPUTE[:r + 1] for z2 in range(setup.zero + 1)
                        if (r2, z2) != (setup.recompute, setup.zero))
 
     return [c for c in ranked if needed(c.setup)]

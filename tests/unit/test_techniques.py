@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten
 
 import autopar
 from autopar.capture import capture
-from autopar.passes.recompute import TAG, recompute_nodes, recompute_pass
+from autopar.passes.recompute import TAG, is_random, recompute_nodes, recompute_pass
 from autopar.presets import megatron_gpt
 from autopar.solver.planner import memory_techniques, zero_placement
 from models import build
@@ -182,3 +182,35 @@ def test_search_turns_recompute_and_zero_on_only_when_memory_requires_it():
     tight = autopar.search(model, mesh, inputs, config=autopar.Config(memory_bytes=0.7 * need, **cfg))
     assert (tight.techniques["recompute"], tight.techniques["zero"]) != ("none", 0)
     assert tight.predicted["peak_memory_bytes"] <= 0.7 * need
+
+
+def test_selective_takes_only_the_attention_core_and_nothing_random():
+    # seq == head_dim (16): q, k, v, the scores and a [b, s, h] slice all have 1024 elements per
+    # sample; the core is still only the scores-to-softmax chain of each block
+    model, inputs = build("gpt", layers=2, explicit=1, dim=64, heads=4, seq=16)
+    traced = capture(model, inputs)
+    sel = recompute_nodes(traced, "selective")
+    ops = {str(traced.node(n).target).split(".")[1] for n in sel}
+    assert "_softmax" in ops and "bmm" in ops
+    assert not ops & {"add", "native_layer_norm", "addmm", "gelu"}, ops
+    assert len(sel) <= 2 * 10
+    # a dropout (random) value, or a getitem of one, is never recomputed: its mask would change
+    mega, mega_inputs = megatron_gpt(dict(hidden=64, layers=2, heads=4), batch=2, seq=32, vocab=128)
+    t2 = capture(mega, mega_inputs)
+    for policy in ("selective", "full"):
+        picked = recompute_nodes(t2, policy)
+        assert picked and not any(is_random(t2.node(n)) for n in picked), policy
+        assert not any(str(t2.node(n).target) == "<built-in function getitem>" and
+                       "dropout" in str(t2.node(n).args[0].target) for n in picked), policy
+
+
+def test_a_setting_that_changes_nothing_is_recorded_as_off():
+    model, inputs = build("mlp")
+    mesh = autopar.Mesh.virtual("cpu-gloo", gpus_per_node=2)
+    plan = autopar.plan(model, mesh, inputs, config=autopar.Config(tp=2, recompute="full", zero=1))
+    assert (plan.techniques["recompute"], plan.techniques["zero"]) == ("none", 0)
+    assert any("nothing to recompute" in w for w in plan.warnings)
+    assert any("zero=1 shards nothing" in w for w in plan.warnings)
+    bf16, bf16_inputs = megatron_gpt(dict(hidden=64, layers=2, heads=4), batch=8, seq=32, vocab=128)
+    with pytest.raises(autopar.PlanError, match="autocast"):
+        autopar.search(bf16, mesh, bf16_inputs, config=autopar.Config(mixed_precision="bf16"))
