@@ -154,6 +154,9 @@ def _make_plan(traced: TracedGraph, mesh: Mesh, config: Config,
             required_bytes=need, budget_bytes=budget)
     results.sort(key=lambda p: p.predicted["step_time_s"])
     best = results[0]
+    if "mfu" not in best.predicted:  # pipelined plans have it from their assembly
+        best = _replace(best, predicted={**best.predicted, **_utilization(
+            traced, config, mesh, best.predicted["step_time_s"], mesh.size)})
     alts = tuple({"degrees": p.degrees, "mesh_shape": p.mesh_shape, "axis_names": p.axis_names,
                   "step_time_s": p.predicted["step_time_s"]} for p in results[1:])
     return _replace(best, alternatives=alts)
@@ -424,8 +427,7 @@ def _build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
         params={p.name: nodes[p.node].outputs[0] for p in traced.params},
         inputs=tuple(nodes[i.node].outputs[0] for i in traced.inputs),
         output_placements=tuple(outputs), nodes=nodes, collectives=tuple(collectives),
-        predicted={**_utilization(traced, config, mesh, compute_s + comm_s, int(np.prod(cand.shape))),
-                   "step_time_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s,
+        predicted={"step_time_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s,
                    "forward_s": compute_fwd + comm_fwd, "state_bytes": state,
                    "peak_memory_bytes": memory, "ilp_objective_s": sol.objective},
         solver={"status": sol.status, "gap": sol.gap, "backend": sol.backend,
