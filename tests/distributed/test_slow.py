@@ -17,6 +17,17 @@ def test_compiled_program_matches_single_process(results_dir):
     assert r["grad_abs_err"] <= 1e-5 * max(1.0, r["grad_scale"])
 
 
+def test_free_mesh_hugging_face_models_and_llama_dp_on_two_processes(results_dir):
+    from test_equivalence import SLOW_ONLY_2
+
+    results = run_worker(2, sorted(SLOW_ONLY_2) + ["gpt2:dp=2,zero=1,recompute=full"], results_dir)
+    for check, r in results.items():
+        assert "error" not in r, r.get("trace")
+        # same fp32 bound and reasoning as test_loss_and_gradients_match_single_process
+        assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * max(1.0, abs(r["ref_loss"])), (check, r)
+        assert r["grad_abs_err"] <= 1e-5 * max(1.0, r["grad_scale"]), (check, r)
+
+
 def test_free_mesh_gpt_and_hugging_face_models_on_four_processes(results_dir):
     from test_equivalence import BF16_COMBINED, DATA_PARALLEL, SLOW_ONLY, check_data_parallel
 

@@ -129,6 +129,16 @@ def test_pipeline_is_chosen_only_when_nothing_else_fits():
     assert plan.degrees["pp"] == 2 and plan.degrees["tp"] == 2
     assert plan.pipeline is not None
     assert plan.predicted["peak_memory_bytes"] <= budget
+
+
+@pytest.mark.slow
+def test_recompute_and_zero_come_before_a_pipeline():
+    model = _fake_gpt(vocab=512, dim=256, heads=4, layers=4, seq=32)
+    ids = torch.randint(0, 512, (8, 32))
+    with pytest.raises(autopar.PlanError) as err:
+        autopar.plan(model, FOUR, (ids, ids), config=autopar.Config(tp=2, pp=1, memory_bytes=1.0,
+                                                                    recompute="none", zero=0))
+    budget = 0.8 * err.value.required_bytes  # too small without a pipeline or the techniques
     # left free, they come first: cheaper than a pipeline's bubble (the ILP under a binding
     # memory budget may run to its time limit: 5 s keeps the test short, any feasible plan does)
     free = autopar.plan(model, FOUR, (ids, ids), config=autopar.Config(
