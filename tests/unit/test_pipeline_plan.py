@@ -113,6 +113,7 @@ def test_large_vocabulary_gets_time_balanced_cuts():
     assert max(times) < head_and_block, times
 
 
+@pytest.mark.slow  # three plans with pipeline searches (~20 s): the default suite's margin
 def test_pipeline_is_chosen_only_when_nothing_else_fits():
     model = _fake_gpt(vocab=512, dim=256, heads=4, layers=4, seq=32)
     ids = torch.randint(0, 512, (8, 32))
