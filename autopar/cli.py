@@ -82,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", type=int, choices=(0, 1), default=None)
     p.add_argument("--memory-gib", type=float, default=None, help="per-device budget (default: the hardware's)")
     p.add_argument("--per-operator", action="store_true", help="autopar.plan (whole-model ILP) instead of the search")
+    p.add_argument("--operators", action="store_true", help="list every operator (with --per-operator)")
+    p.add_argument("--explain", metavar="TARGET", action="append", default=[],
+                   help="why a node, parameter or module is placed as it is (with --per-operator; repeatable)")
     _outputs(p)
     s = sub.add_parser("simulate", help="replay a saved plan's step; print it, draw it")
     s.add_argument("plan", help="a plan saved with plan.save / --json")
@@ -146,8 +149,14 @@ def main(argv: list[str]) -> int:
     """Run ``plan`` or ``simulate`` with ``argv`` (the words after ``python -m autopar``)."""
     args = _parser().parse_args(argv)
     if args.command == "plan":
+        if (args.explain or args.operators) and not args.per_operator:
+            raise SystemExit("--explain and --operators need per-operator choices: add --per-operator")
         plan = _plan(args)
         print(plan)
+        if args.operators:
+            print("\nevery operator\n" + plan.operator_table(expand=True))
+        for target in args.explain:
+            print(f"\n{plan.explain(target)}")
     else:
         plan = _simulate(args)
     _write(plan, args)

@@ -6,7 +6,7 @@ import json
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from tabulate import tabulate
 
@@ -44,10 +44,33 @@ class Collective:
 
 @dataclass(frozen=True)
 class NodePlan:
-    """Chosen placements of one node: outputs and required inputs, in text form per mesh axis."""
+    """Chosen placements of one node: outputs and required inputs, in text form per mesh axis.
+
+    ``op``: the aten op (``aten.mm``), ``module``: the innermost module path that ran it
+    (``blocks.0.attn.qkv``; ``""`` outside any submodule), ``layer``: its repeated layer
+    (``blocks.0``; ``""`` outside them), ``phase``: ``"forward"`` or ``"backward"``.
+    ``compute_s``: its predicted compute seconds per step on one device; ``comm_s``: the
+    predicted seconds of the collectives that bring its inputs to the placements it needs (and
+    a graph output it computes to its final placement).
+    """
 
     outputs: tuple[tuple[str, ...] | None, ...]
     inputs: tuple[tuple[str, ...], ...]
+    op: str = ""
+    module: str = ""
+    layer: str = ""
+    phase: str = ""
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "NodePlan":
+        """Inverse of ``dataclasses.asdict`` (plans saved before the cost fields load too)."""
+        t = lambda x: tuple(x) if x is not None else None  # noqa: E731
+        return cls(tuple(t(o) for o in d["outputs"]), tuple(tuple(i) for i in d["inputs"]),
+                   str(d.get("op", "")), str(d.get("module", "")), str(d.get("layer", "")),
+                   str(d.get("phase", "")), float(d.get("compute_s", 0.0)),
+                   float(d.get("comm_s", 0.0)))
 
 
 @dataclass(frozen=True)
@@ -156,6 +179,20 @@ class Plan:
 
         return to_svg(self, path)
 
+    def explain(self, target: str | None = None, max_nodes: int = 4,
+                max_alternatives: int = 6) -> Any:
+        """Why the solver placed ``target`` as it did: each strategy of its node with its
+        compute, communication and memory, every other node held at its choice (see
+        :mod:`autopar.explain`). ``target``: a node name (``plan.operator_table(expand=True)``),
+        a parameter name, or a module or layer path (its costliest ``max_nodes`` nodes).
+        Without a target, the setups (degrees, techniques) the planner compared.
+
+        Needs a plan made in this process by :func:`autopar.plan`; print the result.
+        """
+        from autopar.explain import explain
+
+        return explain(self, target, max_nodes, max_alternatives)
+
     # ---- persistence -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form (``format`` versioned)."""
@@ -184,8 +221,7 @@ class Plan:
                 params={k: tuple(v) for k, v in d["params"].items()},
                 inputs=tuple(tuple(x) for x in d["inputs"]),
                 output_placements=tuple(t(o) for o in d["output_placements"]),
-                nodes={k: NodePlan(tuple(t(o) for o in v["outputs"]), tuple(tuple(i) for i in v["inputs"]))
-                       for k, v in d["nodes"].items()},
+                nodes={k: NodePlan.from_dict(v) for k, v in d["nodes"].items()},
                 collectives=tuple(Collective(**c) for c in d["collectives"]),
                 predicted=dict(d["predicted"]), solver=dict(d["solver"]),
                 warnings=tuple(d["warnings"]), topology=d["topology"], config=dict(d["config"]),
@@ -214,7 +250,8 @@ class Plan:
 
         d = self.to_dict()
         keep = {k: d[k] for k in ("model_fingerprint", "mesh_shape", "axis_names", "degrees",
-                                  "params", "inputs", "output_placements", "nodes", "collectives")}
+                                  "params", "inputs", "output_placements", "collectives")}
+        keep["nodes"] = {k: [v["outputs"], v["inputs"]] for k, v in d["nodes"].items()}
         if self.pipeline is not None:
             p = d["pipeline"]
             keep["pipeline"] = [p["schedule"], p["microbatches"], p["virtual_stages"],
@@ -226,19 +263,101 @@ class Plan:
     def _stage_table(self) -> str:
         pipe = self.pipeline
         times = pipe.predicted.get("stage_time_s", [])
+        forward = pipe.predicted.get("stage_forward_s") or [
+            s.predicted.get("forward_s", 0.0) for s in pipe.stages]
         memory = pipe.predicted.get("peak_memory_bytes", [])
-        stage_memory = pipe.predicted.get("stage_memory_bytes", [])
+        stage_memory = pipe.predicted.get("stage_memory_bytes") or [
+            s.predicted.get("peak_memory_bytes", 0.0) for s in pipe.stages]
         pp = self.degrees.get("pp", 1)
+        per_rank = max(1, self.degrees.get("dp", 1) * self.degrees.get("tp", 1))
         rows = []
         for j in range(pipe.num_stages):
             units = pipe.stage_units(j)
             span = units[0] if len(units) == 1 else f"{units[0]} .. {units[-1]} ({len(units)})"
-            rows.append([j, j % pp, span,
-                         f"{times[j] * 1e3:.3f}" if j < len(times) else "",
+            first = (j % pp) * per_rank  # the pp axis is outermost: rank = pp_rank * dp * tp + ...
+            devices = f"{first}" if per_rank == 1 else f"{first}-{first + per_rank - 1}"
+            fw = forward[j] if j < len(forward) else None
+            rows.append([j, devices, span,
+                         f"{fw * 1e3:.3f}" if fw is not None else "",
+                         f"{(times[j] - fw) * 1e3:.3f}" if fw is not None and j < len(times) else "",
                          f"{stage_memory[j] / 2**20:.1f}" if j < len(stage_memory) else "",
                          f"{memory[j % pp] / 2**20:.1f}" if j % pp < len(memory) else ""])
-        return tabulate(rows, headers=["stage", "pp rank", "layers", "ms / microbatch",
-                                       "stage peak MiB", "rank peak MiB"])
+        return tabulate(rows, headers=["stage", "ranks", "layers", "forward ms / mb",
+                                       "backward ms / mb", "stage peak MiB", "rank peak MiB"])
+
+    def step_breakdown(self) -> dict[str, float]:
+        """The predicted training step, split into ``compute_s``, ``exposed_comm_s`` (the
+        collectives and pipeline sends no compute hides), ``bubble_s`` (pipeline fill and
+        drain), ``optimizer_s`` (the optimizer's update); ``total_s`` is their sum.
+
+        ``predicted["step_time_s"]`` is the forward and backward as ``pmodel.step()`` runs them
+        (the optimizer is the user's ``opt.step()``), except in a plan from
+        :func:`autopar.search`, whose step includes the optimizer; ``total_s`` includes it in both.
+        """
+        p = self.predicted
+        step, opt = p.get("step_time_s", 0.0), p.get("optimizer_s", 0.0)
+        if self.solver.get("status") == "search":
+            total, bubble = step, p.get("bubble_s", 0.0)
+        else:
+            total, bubble = step + opt, 0.0
+            if self.pipeline is not None:  # the busiest rank's idle time ([MEG] sec. 2.2)
+                times, pp = self.pipeline.predicted.get("stage_time_s", []), self.degrees["pp"]
+                busy = self.pipeline.microbatches * max(
+                    (sum(times[r::pp]) for r in range(pp)), default=0.0)
+                bubble = max(step - busy, 0.0)
+        compute = p.get("compute_s", 0.0)
+        return {"compute_s": compute, "exposed_comm_s": max(total - compute - bubble - opt, 0.0),
+                "bubble_s": bubble, "optimizer_s": opt, "total_s": total}
+
+    def _breakdown_table(self) -> str:
+        parts = self.step_breakdown()
+        total = parts["total_s"] or 1.0
+        rows = [[label, f"{parts[k] * 1e3:.3f}", f"{parts[k] / total:.1%}"]
+                for k, label in (("compute_s", "compute"), ("exposed_comm_s", "exposed communication"),
+                                 ("bubble_s", "pipeline bubble"), ("optimizer_s", "optimizer"))]
+        rows.append(["training step", f"{parts['total_s'] * 1e3:.3f}", "100.0%"])
+        return tabulate(rows, headers=["predicted step", "ms", "share"])
+
+    def operator_table(self, expand: bool | Sequence[str] = False) -> str:
+        """Per operator: its placements per mesh axis (outputs, then the inputs it needs) and
+        its predicted compute and communication milliseconds per step.
+
+        ``expand=False`` collapses each layer to one line (layers with identical figures in a
+        row share one line), ``True`` lists every operator, a list of layer names (``"blocks.3"``,
+        ``""`` for nodes outside the repeated layers) lists those layers' operators. A pipelined
+        plan's operators are in its stages: ``plan.pipeline.stages[j].operator_table()``.
+        """
+        if not self.nodes:
+            return "(no per-operator choices in this plan)"
+        ops = [(name, n) for name, n in self.nodes.items() if n.op and n.op not in ("placeholder", "getitem")]
+        if not ops:
+            return "(this plan was saved without per-operator costs; plan again to see them)"
+        show = (lambda layer: True) if expand is True else (
+            (lambda layer: False) if expand is False else (lambda layer, e=set(expand): layer in e))
+        fmt = lambda pl: "[" + ", ".join(pl) + "]" if pl is not None else "-"  # noqa: E731
+        by_layer: dict[str, list[tuple[str, NodePlan]]] = {}
+        for name, n in ops:
+            by_layer.setdefault(n.layer, []).append((name, n))
+        rows: list[list[Any]] = []
+        for layer, members in by_layer.items():
+            if show(layer):
+                rows += [[name, n.op, n.module or "-", n.phase, " ".join(fmt(o) for o in n.outputs),
+                          " ".join(fmt(i) for i in n.inputs), f"{n.compute_s * 1e3:.4f}",
+                          f"{n.comm_s * 1e3:.4f}"] for name, n in members]
+                continue
+            fw = sum(n.compute_s for _, n in members if n.phase == "forward")
+            bw = sum(n.compute_s for _, n in members if n.phase != "forward")
+            comm = sum(n.comm_s for _, n in members)
+            row = [layer or "(outside the layers)", f"{len(members)} ops", "", "", "", "",
+                   f"{fw * 1e3:.4f} fw + {bw * 1e3:.4f} bw", f"{comm * 1e3:.4f}"]
+            prev = rows[-1] if rows else None
+            if prev is not None and prev[1:] == row[1:] and layer and prev[0].startswith(
+                    layer.rsplit(".", 1)[0] + "."):
+                prev[0] = prev[0].split(" .. ")[0] + f" .. {layer}"
+            else:
+                rows.append(row)
+        return tabulate(rows, headers=["node / layer", "op", "module", "phase", "outputs per axis",
+                                       "inputs per axis", "compute ms", "comm ms"])
 
     def collective_counts(self, phase: str | None = None, axis: str | None = None,
                           pp_rank: int | None = None) -> Counter:
@@ -304,10 +423,16 @@ class Plan:
             head += [["pipeline", f"{pipe.schedule}, {pipe.num_stages} stages ({pipe.virtual_stages} "
                                   f"per rank), {pipe.microbatches} microbatches of "
                                   f"{pipe.microbatch_size}"],
-                     ["  bubble", f"{pipe.predicted.get('bubble_fraction', 0):.1%} of the step"]]
-        parts = ["autopar plan", tabulate(head, tablefmt="simple")]
+                     ["  idle", f"{pipe.predicted.get('bubble_fraction', 0):.1%} of the step, "
+                                f"mean over pipeline ranks"]]
+        parts = ["autopar plan", tabulate(head, tablefmt="simple"), "", self._breakdown_table()]
         if self.pipeline is not None:
             parts += ["", "pipeline stages", self._stage_table()]
+        if self.nodes:
+            many = sum(1 for n in self.nodes.values() if n.op not in ("", "placeholder", "getitem")) > 40
+            parts += ["", "operators" + (" (one line per layer; plan.operator_table(expand=True) "
+                                         "lists each)" if many else ""),
+                      self.operator_table(expand=not many)]
         if self.params:
             prm = [[name, "[" + ", ".join(p) + "]"] for name, p in self.params.items()]
             parts += ["", "parameters", tabulate(prm, headers=["name", "placement per axis"])]

@@ -163,14 +163,15 @@ def bytes_of_node(args: Any, kwargs: Any, out: Any) -> float:
     return float(total)
 
 
-def graph_flops(gm: Any) -> float:
+def graph_flops(gm: Any, nodes: Any = None) -> float:
     """FLOPs of one run of ``gm`` (an FX graph with ``meta["val"]`` on its nodes, e.g. a traced
-    joint forward+backward graph) on its global shapes: the sum of :func:`flops_of_node`."""
+    joint forward+backward graph) on its global shapes: the sum of :func:`flops_of_node`, over
+    the nodes named in ``nodes`` when given."""
     import torch.fx as fx
 
     total = 0.0
     for n in gm.graph.nodes:
-        if n.op != "call_function":
+        if n.op != "call_function" or (nodes is not None and n.name not in nodes):
             continue
         args = fx.node.map_arg(n.args, lambda a: a.meta.get("val"))
         kwargs = fx.node.map_arg(n.kwargs, lambda a: a.meta.get("val"))

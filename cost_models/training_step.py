@@ -34,7 +34,7 @@ from autopar.cost_models.pipeline import in_flight
 from autopar.cost_models.topology import Topology
 
 __all__ = ["UnitCosts", "LayerCosts", "Setup", "StepCost", "price_setup", "RECOMPUTE",
-           "blocks_per_stage", "model_flops_megatron"]
+           "blocks_per_stage", "model_flops_megatron", "optimizer_step_time"]
 
 RECOMPUTE = ("none", "selective", "full")
 _ADAM_STEP_BYTES = 28  # [ADAM], per parameter, mixed precision
@@ -235,10 +235,16 @@ def _step_end(lc: LayerCosts, setup: Setup, elements: float, topology: Topology
     if setup.pp > 1 and lc.tied_elements:  # the first and last stage sum the tied weight's grad
         tied_s = axis_collective_time("all_reduce", lc.tied_elements * lc.param_itemsize, 2,
                                       setup.dp * setup.tp, topology)
-    step_bytes = _ADAM_STEP_BYTES if lc.optimizer == "adam" else _SGD_STEP_BYTES
-    opt_s = elements / (setup.dp if setup.zero else 1) * step_bytes / (
-        topology.mem_bandwidth_Bps * topology.pointwise_efficiency)
+    opt_s = optimizer_step_time(elements / (setup.dp if setup.zero else 1), lc.optimizer, topology)
     return dp_s, tied_s, opt_s
+
+
+def optimizer_step_time(elements: float, optimizer: str, topology: Topology) -> float:
+    """Seconds of the optimizer's update of ``elements`` parameters on one device: a
+    memory-bound pass over the bytes it reads and writes per parameter (Adam in mixed precision
+    28 B: [ADAM]; SGD 12 B) at the topology's pointwise share of memory bandwidth."""
+    step_bytes = _ADAM_STEP_BYTES if optimizer == "adam" else _SGD_STEP_BYTES
+    return elements * step_bytes / (topology.mem_bandwidth_Bps * topology.pointwise_efficiency)
 
 
 def _comm_per_stage(lc: LayerCosts, counts: tuple[int, ...], recompute: str) -> list[float]:

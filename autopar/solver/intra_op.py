@@ -24,7 +24,7 @@ from autopar.graph import TracedGraph
 from autopar.solver.ilp import ILPEdge, ILPProblem, ILPSolution, solve_ilp
 from autopar.strategies.space import StrategySpace, representatives
 
-__all__ = ["IntraOpResult", "solve_intra_op"]
+__all__ = ["IntraOpResult", "ilp_groups", "solve_intra_op"]
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,9 @@ class IntraOpResult:
     groups: int
 
 
-def _groups(traced: TracedGraph, space: StrategySpace) -> tuple[dict[str, int], list[str]]:
+def ilp_groups(traced: TracedGraph, space: StrategySpace) -> tuple[dict[str, int], list[str]]:
+    """The ILP group of every node (nodes of identical layers and tied parameters share one)
+    and each group's representative node."""
     rep = representatives(traced)
     param_node = {p.name: p.node for p in traced.params}
     tied = {p.node: param_node[p.tied_to] for p in traced.params if p.tied_to is not None}
@@ -57,7 +59,7 @@ def _groups(traced: TracedGraph, space: StrategySpace) -> tuple[dict[str, int], 
 def solve_intra_op(traced: TracedGraph, space: StrategySpace, costs: SpaceCosts,
                    memory_budget: float | None, time_limit_s: float) -> IntraOpResult:
     """Build the linked ILP for ``space`` priced by ``costs`` and solve it."""
-    group_of, order = _groups(traced, space)
+    group_of, order = ilp_groups(traced, space)
     size = [len(space.nodes[r].strategies) for r in order]
     node_cost = [np.zeros(s) for s in size]
     node_mem = [np.zeros(s) for s in size]

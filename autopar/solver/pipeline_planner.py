@@ -30,7 +30,7 @@ from autopar.passes.stages import layer_units
 from autopar.plan import Collective, PipelinePlan, Plan
 from autopar.solver.ilp import InfeasibleMemoryError
 from autopar.solver.planner import (
-    _Candidate, _utilization, mesh_candidates, solve_candidate, solve_space,
+    _Candidate, _utilization, mesh_candidates, param_shards, solve_candidate, solve_space,
 )
 from autopar.solver.stage_cuts import LayerCost, solve_cuts
 from autopar.stage_capture import (
@@ -375,7 +375,7 @@ def _assemble(whole: TracedGraph, mesh: Mesh, config: Config, setup: PipelineSet
     tied_s = 0.0
     for name in sorted(n for n, h in holders.items() if len(h) > 1):
         info = whole.param(name)
-        nbytes = info.numel * info.dtype.itemsize // _shards(params[name], cand)
+        nbytes = info.numel * info.dtype.itemsize // param_shards(params[name], cand.shape)
         collectives.append(Collective("all_reduce", "pp", int(nbytes), "backward", "", name, None))
         tied_s += axis_collective_time("all_reduce", nbytes, pp, stride, mesh.topology)
     collectives.append(Collective("all_reduce", "pp", 4, "forward", "", "loss", None))
@@ -398,14 +398,17 @@ def _assemble(whole: TracedGraph, mesh: Mesh, config: Config, setup: PipelineSet
                   for r in range(pp)) * m
     comm = max(sum(p.predicted["comm_s"] for j, p in enumerate(plans) if j % pp == r)
                for r in range(pp)) * m
+    optimizer = max(sum(p.predicted["optimizer_s"] for j, p in enumerate(plans) if j % pp == r)
+                    for r in range(pp))
+    step = sim.step_time_s + tied_s
     return Plan(
         model_fingerprint=whole.fingerprint(), mesh_shape=(pp, *cand.shape),
         axis_names=("pp", *cand.names), degrees=degrees, params=params, inputs=inputs,
         output_placements=(), nodes={}, collectives=tuple(collectives),
-        predicted={**_utilization(whole, config, mesh, sim.step_time_s + tied_s, pp * stride),
-                   "step_time_s": sim.step_time_s + tied_s, "compute_s": compute,
-                   "comm_s": comm + tied_s,
-                   "peak_memory_bytes": max(memory), "bubble_fraction": sim.bubble_fraction},
+        predicted={**_utilization(whole, config, mesh, step + optimizer, pp * stride),
+                   "step_time_s": step, "compute_s": compute, "comm_s": comm + tied_s,
+                   "optimizer_s": optimizer, "peak_memory_bytes": max(memory),
+                   "bubble_fraction": sim.bubble_fraction},
         solver={"status": "optimal" if all(p.solver["status"] == "optimal" for p in plans) else "feasible",
                 "backend": plans[0].solver["backend"], "gap": max(p.solver["gap"] for p in plans),
                 "solve_time_s": sum(p.solver["solve_time_s"] for p in plans),
@@ -434,14 +437,6 @@ def _point_to_point(stages: list, cand: _Candidate, m: int) -> list[Collective]:
                     out.append(Collective(fwd_kind, "pp", nbytes, "forward", "", name, st.index))
                     out.append(Collective(bwd_kind, "pp", nbytes, "backward", "", name, st.index))
     return out
-
-
-def _shards(placements: Sequence[str], cand: _Candidate) -> int:
-    n = 1
-    for p, size in zip(placements, cand.shape):
-        if p.startswith("S") or p.startswith("SS"):
-            n *= size
-    return n
 
 
 def _rank_memory(plans: list[Plan], setup: PipelineSetup, pp: int) -> list[float]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
+from torch._ops import OpOverload
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar.config import Config
@@ -15,13 +16,16 @@ from autopar.cost_models.comm import axis_collective_time
 from autopar.cost_models.compute import graph_flops, mfu
 from autopar.cost_models.passes import run_cost_passes
 from autopar.cost_models.sharding import SpaceCosts, price_space
+from autopar.cost_models.training_step import optimizer_step_time
+from autopar.capture import _module_paths
 from autopar.errors import PlanError
 from autopar.graph import TracedGraph
 from autopar.mesh import Mesh, planning_device_mesh
 from autopar.placements import to_str
 from autopar.plan import Collective, NodePlan, Plan
 from autopar.solver.ilp import InfeasibleMemoryError
-from autopar.solver.intra_op import IntraOpResult, solve_intra_op
+from autopar.solver.intra_op import IntraOpResult, ilp_groups, solve_intra_op
+from autopar.explain import ExplainContext, attach, context_of
 from autopar.strategies.reshard import reshard_steps
 from autopar.passes.recompute import recompute_nodes
 from autopar.strategies.space import StrategySpace, boundary_placements, build_space
@@ -156,7 +160,8 @@ def _make_plan(traced: TracedGraph, mesh: Mesh, config: Config,
     best = results[0]
     if "mfu" not in best.predicted:  # pipelined plans have it from their assembly
         best = _replace(best, predicted={**best.predicted, **_utilization(
-            traced, config, mesh, best.predicted["step_time_s"], mesh.size)})
+            traced, config, mesh, best.predicted["step_time_s"] + best.predicted["optimizer_s"],
+            mesh.size)})
     alts = tuple({"degrees": p.degrees, "mesh_shape": p.mesh_shape, "axis_names": p.axis_names,
                   "step_time_s": p.predicted["step_time_s"]} for p in results[1:])
     return _replace(best, alternatives=alts)
@@ -344,13 +349,17 @@ def solve_candidate(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Cand
     space, costs, res = solve_space(traced, mesh, config, cand, cost_passes, budget, fixed,
                                     activation_scale)
     plan = _build_plan(traced, mesh, config, cand, space, costs, res)
+    attach(plan, ExplainContext(traced, space, costs, res.choice, budget,
+                                ilp_groups(traced, space)[0]))
     if stage is not None:
-        plan = _replace(plan, collectives=tuple(_replace(c, stage=stage) for c in plan.collectives))
+        plan = _replace(plan, collectives=tuple(dataclasses.replace(c, stage=stage)
+                                                for c in plan.collectives))
     return plan
 
 
 def _replace(plan: Plan, **kw: Any) -> Plan:
-    return dataclasses.replace(plan, **kw)
+    """``dataclasses.replace`` that keeps what ``plan.explain`` needs."""
+    return attach(dataclasses.replace(plan, **kw), context_of(plan))
 
 
 def _phase(node: Any) -> str:
@@ -406,11 +415,15 @@ def _build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
             outputs.append(edge)
         else:
             outputs.append(nodes[param_of_grad[i].node].outputs[0])
-    collectives, comm_s, comm_fwd = _collectives(traced, cand, nodes, outputs, mesh)
+    collectives, comm_s, comm_fwd, node_comm = _collectives(traced, cand, nodes, outputs, mesh)
+    nodes = _describe_nodes(traced, nodes, {n: float(costs.compute[n][i])
+                                            for n, i in res.choice.items()}, node_comm)
     compute_s = float(sum(costs.compute[n][i] for n, i in res.choice.items()))
     memory = float(sum(costs.memory[n][i] for n, i in res.choice.items()))
     params = {p.node for p in traced.params}
     state = float(sum(costs.memory[n][i] for n, i in res.choice.items() if n in params))
+    elements = sum(p.numel / param_shards(nodes[p.node].outputs[0], cand.shape)
+                   for p in traced.params if p.tied_to is None)
     graph_nodes = {n.name: n for n in traced.gm.graph.nodes}
     compute_fwd = float(sum(costs.compute[n][i] for n, i in res.choice.items()
                             if _phase(graph_nodes[n]) == "forward"))
@@ -429,7 +442,8 @@ def _build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
         output_placements=tuple(outputs), nodes=nodes, collectives=tuple(collectives),
         predicted={"step_time_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s,
                    "forward_s": compute_fwd + comm_fwd, "state_bytes": state,
-                   "peak_memory_bytes": memory, "ilp_objective_s": sol.objective},
+                   "peak_memory_bytes": memory, "ilp_objective_s": sol.objective,
+                   "optimizer_s": optimizer_step_time(elements, config.optimizer, mesh.topology)},
         solver={"status": sol.status, "gap": sol.gap, "backend": sol.backend,
                 "solve_time_s": sol.solve_time_s, "ilp_variables": sol.num_variables,
                 "ilp_variables_unlinked": res.variables_unlinked, "ilp_groups": res.groups,
@@ -438,6 +452,33 @@ def _build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
         input_shapes=tuple(i.shape for i in traced.inputs),
         techniques=techniques,
     )
+
+
+def _describe_nodes(traced: TracedGraph, nodes: dict[str, NodePlan], compute: dict[str, float],
+                    comm: dict[str, float]) -> dict[str, NodePlan]:
+    """``nodes`` with each node's op, module, layer, phase and predicted costs filled in."""
+    out = {}
+    for n in traced.gm.graph.nodes:
+        if n.name not in nodes:
+            continue
+        paths = _module_paths(n) if n.op == "call_function" else []
+        op = (str(n.target).removesuffix(".default") if isinstance(n.target, OpOverload)
+              else getattr(n.target, "__name__", str(n.target)) if n.op == "call_function"
+              else n.op)
+        out[n.name] = dataclasses.replace(
+            nodes[n.name], op=op, module=paths[-1] if paths else "",
+            layer=traced.node_layer.get(n.name, ""), phase=_phase(n),
+            compute_s=compute.get(n.name, 0.0), comm_s=comm.get(n.name, 0.0))
+    return out
+
+
+def param_shards(placements: Sequence[str], mesh_shape: Sequence[int]) -> int:
+    """Into how many pieces ``placements`` (text, per axis) cut a tensor on ``mesh_shape``."""
+    n = 1
+    for p, size in zip(placements, mesh_shape):
+        if p.startswith("S"):  # S(d) and strided SS(d,f)
+            n *= size
+    return n
 
 
 def _applied(traced: TracedGraph, config: Config, cand: _Candidate,
@@ -462,7 +503,8 @@ def _applied(traced: TracedGraph, config: Config, cand: _Candidate,
 def _utilization(traced: TracedGraph, config: Config, mesh: Mesh, step_s: float,
                  devices: int) -> dict[str, float]:
     """The model's FLOPs per step (forward and backward, without recomputation) and the
-    predicted MFU at the peak of the dtype the matmuls run in."""
+    predicted MFU at the peak of the dtype the matmuls run in, over ``step_s`` (the training
+    step with its optimizer update)."""
     flops = graph_flops(traced.gm)
     dtype = "bf16" if _precision(traced, config) in ("bf16-autocast", "bfloat16", "float16") else "fp32"
     return {"model_flops": flops, "mfu": mfu(flops, step_s, devices, mesh.topology, dtype)}
@@ -492,9 +534,11 @@ def _with_recompute_peak(traced: TracedGraph, costs: SpaceCosts) -> SpaceCosts:
 
 
 def _collectives(traced: TracedGraph, cand: _Candidate, nodes: dict[str, NodePlan],
-                 outputs: list, mesh: Mesh) -> tuple[list[Collective], float, float]:
+                 outputs: list, mesh: Mesh
+                 ) -> tuple[list[Collective], float, float, dict[str, float]]:
     """Walk the graph as the runtime does and list every collective (deduplicated moves);
-    also their total time and the forward's share of it."""
+    also their total time, the forward's share of it and the time per node that needs them
+    (a graph output's move counts for the node computing it)."""
     from autopar.placements import from_str
     from autopar.strategies.space import _tensor_inputs
 
@@ -503,6 +547,7 @@ def _collectives(traced: TracedGraph, cand: _Candidate, nodes: dict[str, NodePla
     out: list[Collective] = []
     total = 0.0
     forward = 0.0
+    per_node: dict[str, float] = {}
 
     def move(arg: Any, dst: tuple[str, ...], phase: str, layer: str, consumer: str) -> None:
         nonlocal total, forward
@@ -521,6 +566,8 @@ def _collectives(traced: TracedGraph, cand: _Candidate, nodes: dict[str, NodePla
                                      mesh.topology)
             total += t
             forward += t if phase == "forward" else 0.0
+            who = arg.name if consumer == "output" else consumer
+            per_node[who] = per_node.get(who, 0.0) + t
 
     out_node = next(n for n in traced.gm.graph.nodes if n.op == "output")
     early = {a.name: i for i, a in enumerate(out_node.args[0])  # as the lowering does
@@ -542,4 +589,4 @@ def _collectives(traced: TracedGraph, cand: _Candidate, nodes: dict[str, NodePla
                     is_fwd = i == traced.loss_output_index or i in traced.boundary_outputs
                     move(a, outputs[i], "forward" if is_fwd else "backward",
                          traced.node_layer.get(a.name, ""), "output")
-    return out, total, forward
+    return out, total, forward, per_node

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from autopar.config import Config
+from autopar.cost_models.compute import graph_flops, mfu
 from autopar.cost_models.sharding import state_bytes_per_element
 from autopar.cost_models.training_step import (
     RECOMPUTE, LayerCosts, Setup, StepCost, UnitCosts, price_setup,
@@ -381,6 +382,11 @@ def to_plan(result: SearchResult, layers: LayerSolver, config: Config, top_k: in
                                  + parts["p2p_s"]),
                  "peak_memory_bytes": float(max(best.rank_memory_bytes)),
                  **{k: float(v) for k, v in parts.items()}}
+    flops = model_flops(layers, st.microbatch_size) * st.microbatches * st.dp
+    dtype = "fp32" if layers.costs(st.tp, st.microbatch_size,
+                                   st.sequence_parallel).param_itemsize >= 4 else "bf16"
+    predicted.update(model_flops=flops, mfu=mfu(flops, best.step_time_s, result.num_devices,
+                                                layers.mesh.topology, dtype))
     pipe = None
     if st.pp > 1:
         pipe = PipelinePlan(
@@ -414,6 +420,18 @@ def to_plan(result: SearchResult, layers: LayerSolver, config: Config, top_k: in
         techniques={"microbatch_size": st.microbatch_size, "microbatches": st.microbatches,
                     "recompute": st.recompute, "zero": st.zero,
                     "sequence_parallel": st.sequence_parallel})
+
+
+def model_flops(layers: LayerSolver, b: int) -> float:
+    """The model's FLOPs for one microbatch of ``b`` samples (forward and backward, without
+    recomputation), from the two-block trace: everything outside the blocks plus the number of
+    blocks times the second block's count."""
+    traced, _ = layers._trace(b)
+    block = {n for n, layer in traced.node_layer.items() if layer == f"{layers.prefix}.1"}
+    first = {n for n, layer in traced.node_layer.items() if layer == f"{layers.prefix}.0"}
+    per_block = graph_flops(traced.gm, block)
+    rest = graph_flops(traced.gm) - graph_flops(traced.gm, block | first)
+    return rest + layers.num_blocks * per_block
 
 
 def _pruned_examples(result: SearchResult, limit: int = 3) -> list[str]:

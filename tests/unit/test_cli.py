@@ -42,9 +42,12 @@ def test_plan_a_module_function_per_operator(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))  # load_model adds the working directory
     assert main(["plan", "mymodel:make", "--mesh", "1x2", "--hardware", "cpu-gloo", "--batch", "8",
-                 "--seq", "16", "--per-operator"]) == 0
+                 "--seq", "16", "--per-operator", "--operators", "--explain", "blocks.0.fc1"]) == 0
     out = capsys.readouterr().out
-    assert "collectives" in out or "parameters" in out
+    assert "parameters" in out and "every operator" in out and "aten.addmm" in out
+    assert "why 'blocks.0.fc1'" in out and "vs chosen" in out
+    with pytest.raises(SystemExit, match="add --per-operator"):
+        main(["plan", "mymodel:make", "--batch", "8", "--explain", "blocks.0.fc1"])
     with pytest.raises(SystemExit, match="cannot load"):
         main(["plan", "mymodel:nope", "--batch", "8"])
     with pytest.raises(SystemExit, match="unknown model preset"):

@@ -131,7 +131,19 @@ def test_plan_view_has_alternatives_stage_memory_and_round_trips(tmp_path):
     assert len(pipe.predicted["stage_memory_bytes"]) == pipe.num_stages
     assert set(plan.techniques) >= {"recompute", "zero", "sequence_parallel"}
     text = str(plan)
-    assert "stage peak MiB" in text and "techniques" in text
+    assert "stage peak MiB" in text and "techniques" in text and "pipeline bubble" in text
+    parts = plan.step_breakdown()  # a search's step includes the optimizer
+    assert parts["total_s"] == plan.predicted["step_time_s"]
+    assert sum(parts[k] for k in ("compute_s", "exposed_comm_s", "bubble_s", "optimizer_s")) \
+        == pytest.approx(parts["total_s"], rel=1e-9)
+    assert parts["bubble_s"] > 0 and parts["optimizer_s"] > 0 and parts["exposed_comm_s"] > 0
+    # model FLOPs without recomputation: 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) (Narayanan et
+    # al., SC'21, Eq. 3 with 3 instead of 4 passes); the graph also counts the attention
+    # scaling, softmax and norms' few FLOPs, so it is a little above
+    b, s_, l_, h, v = 64, 512, 8, 1024, 51200
+    eq3 = 72 * b * s_ * l_ * h**2 * (1 + s_ / (6 * h) + v / (12 * l_ * h))
+    assert 1.0 <= plan.predicted["model_flops"] / eq3 < 1.02
+    assert 0 < plan.predicted["mfu"] < 1
     plan.save(tmp_path / "p.json")
     again = autopar.Plan.load(tmp_path / "p.json")
     assert again.techniques == plan.techniques and again.alternatives == plan.alternatives

@@ -75,3 +75,19 @@ def test_compare_lists_only_what_differs(pipelined):
     assert {"degree pp", "degree dp", "schedule", "step ms"} <= rows, text
     assert "degree tp" not in rows  # the same in both: not listed
     assert pipelined.compare(pipelined) == "same setup and predictions"
+
+
+def test_step_breakdown_of_a_pipelined_plan(pipelined):
+    parts = pipelined.step_breakdown()
+    step = pipelined.predicted["step_time_s"]
+    # the pipelined step is forward and backward; the optimizer comes after it
+    assert parts["total_s"] == pytest.approx(step + parts["optimizer_s"], rel=1e-9)
+    pipe = pipelined.pipeline
+    busiest = pipe.microbatches * max(sum(pipe.predicted["stage_time_s"][r::2]) for r in range(2))
+    assert parts["bubble_s"] == pytest.approx(step - busiest, rel=1e-9)
+    assert parts["bubble_s"] > 0 and parts["exposed_comm_s"] > 0  # fill/drain and the sends
+    assert sum(parts[k] for k in ("compute_s", "exposed_comm_s", "bubble_s", "optimizer_s")) \
+        == pytest.approx(parts["total_s"], rel=1e-9)
+    text = str(pipelined)
+    assert "forward ms / mb" in text and "ranks" in text and "pipeline bubble" in text
+
