@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -37,6 +38,12 @@ class Mesh:
                 f"Mesh(nodes={self.nodes}, devices_per_node={self.devices_per_node}): both must "
                 f"be >= 1."
             )
+        if self.topology.gpus_per_node != self.devices_per_node:
+            # the cost model tells intra- from inter-node links by the topology's node size:
+            # it must be this cluster's (a100-dgx has 8 GPUs a node; a 2-GPU-node cluster of
+            # the same parts has 2)
+            object.__setattr__(self, "topology", dataclasses.replace(
+                self.topology, gpus_per_node=self.devices_per_node))
 
     @property
     def size(self) -> int:

@@ -29,10 +29,15 @@ def test_free_mesh_hugging_face_models_and_llama_dp_on_two_processes(results_dir
 
 
 def test_free_mesh_gpt_and_hugging_face_models_on_four_processes(results_dir):
-    from test_equivalence import BF16_COMBINED, DATA_PARALLEL, SLOW_ONLY, check_data_parallel
+    from test_equivalence import (BF16_COMBINED, DATA_PARALLEL, MEGATRON, SLOW_ONLY,
+                                  check_data_parallel, check_megatron_layout)
 
-    results = run_worker(4, sorted(SLOW_ONLY) + [DATA_PARALLEL[4], BF16_COMBINED], results_dir)
+    results = run_worker(4, sorted(SLOW_ONLY) + [DATA_PARALLEL[4], BF16_COMBINED, *MEGATRON[4]],
+                         results_dir)
     check_data_parallel(results[DATA_PARALLEL[4]], 4)
+    for check, model in zip(MEGATRON[4], ("gpt", "gpt2")):
+        assert "error" not in results[check], results[check].get("trace")
+        check_megatron_layout(results[check], model)
     bf16 = results[BF16_COMBINED]
     assert "error" not in bf16, bf16.get("trace")
     # bf16 bound and reasoning as test_bf16_matches_a_single_process_bf16_run

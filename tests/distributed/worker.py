@@ -5,8 +5,8 @@ A CHECK is ``kind:key=value,key=value`` (kind in mlp, gpt, gpt2, llama; keys: dp
 schedule, virtual_stages, microbatch_size, recompute, zero, sequence_parallel (0/1),
 mixed_precision for the Config, dim/batch/seq/layers/heads/explicit (attention) for the model, topo for the topology
 preset; memory=1 also measures the peak memory of a step, curve=1 records a 20-step loss curve
-instead). Rank 0 writes
-one JSON record per check; an exception in a check is recorded, not raised, so one failure does
+instead), or ``example:NAME`` to run a training example of ``examples/`` (``examples_check.py``).
+Rank 0 writes one JSON record per check; an exception in a check is recorded, not raised, so one failure does
 not hide the others.
 """
 
@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar.capture import extract_loss  # noqa: E402
+from examples_check import run_example  # noqa: E402
 from models import build  # noqa: E402
 
 _MODEL_KEYS = {"dim", "batch", "seq", "layers", "heads", "d_in", "d_hidden", "d_out", "explicit"}
@@ -276,7 +277,10 @@ def main() -> None:
     for check in checks:
         t0 = time.perf_counter()
         try:
-            results[check] = run_errors() if check == "errors" else run_check(check)
+            if check.startswith("example:"):
+                results[check] = run_example(check.split(":", 1)[1])
+            else:
+                results[check] = run_errors() if check == "errors" else run_check(check)
         except Exception as e:  # recorded for the test to report; the job goes on
             results[check] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
         results[check]["wall_s"] = time.perf_counter() - t0
