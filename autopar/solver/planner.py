@@ -422,8 +422,6 @@ def _build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
     memory = float(sum(costs.memory[n][i] for n, i in res.choice.items()))
     params = {p.node for p in traced.params}
     state = float(sum(costs.memory[n][i] for n, i in res.choice.items() if n in params))
-    elements = sum(p.numel / param_shards(nodes[p.node].outputs[0], cand.shape)
-                   for p in traced.params if p.tied_to is None)
     graph_nodes = {n.name: n for n in traced.gm.graph.nodes}
     compute_fwd = float(sum(costs.compute[n][i] for n, i in res.choice.items()
                             if _phase(graph_nodes[n]) == "forward"))
@@ -443,7 +441,8 @@ def _build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
         predicted={"step_time_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s,
                    "forward_s": compute_fwd + comm_fwd, "state_bytes": state,
                    "peak_memory_bytes": memory, "ilp_objective_s": sol.objective,
-                   "optimizer_s": optimizer_step_time(elements, config.optimizer, mesh.topology)},
+                   "optimizer_s": optimizer_step_time(_local_elements(traced, nodes, cand),
+                                                      config.optimizer, mesh.topology)},
         solver={"status": sol.status, "gap": sol.gap, "backend": sol.backend,
                 "solve_time_s": sol.solve_time_s, "ilp_variables": sol.num_variables,
                 "ilp_variables_unlinked": res.variables_unlinked, "ilp_groups": res.groups,
@@ -470,6 +469,12 @@ def _describe_nodes(traced: TracedGraph, nodes: dict[str, NodePlan], compute: di
             layer=traced.node_layer.get(n.name, ""), phase=_phase(n),
             compute_s=compute.get(n.name, 0.0), comm_s=comm.get(n.name, 0.0))
     return out
+
+
+def _local_elements(traced: TracedGraph, nodes: dict[str, NodePlan], cand: _Candidate) -> float:
+    """Parameter elements one device holds (a tied parameter once)."""
+    return sum(p.numel / param_shards(nodes[p.node].outputs[0], cand.shape)
+               for p in traced.params if p.tied_to is None)
 
 
 def param_shards(placements: Sequence[str], mesh_shape: Sequence[int]) -> int:
