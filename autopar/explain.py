@@ -188,7 +188,7 @@ def explain_node(ctx: ExplainContext, node: str, limit: int, plan_node: Any,
 
 def _resolve(plan: Any, target: str) -> list[str]:
     """Nodes of ``plan`` that ``target`` names: a node, a parameter, a module or a layer path
-    (its nodes with the most compute first)."""
+    (its nodes with the most compute first, then the most communication)."""
     if target in plan.nodes and target in (context_of(plan).space.nodes if context_of(plan) else ()):
         return [target]
     params = {p.name: p.node for p in context_of(plan).traced.params} if context_of(plan) else {}
@@ -197,7 +197,7 @@ def _resolve(plan: Any, target: str) -> list[str]:
     inside = [(name, n) for name, n in plan.nodes.items()
               if n.op not in ("", "placeholder", "getitem")
               and (n.module == target or n.module.startswith(target + ".") or n.layer == target)]
-    inside.sort(key=lambda x: -(x[1].compute_s + x[1].comm_s))
+    inside.sort(key=lambda x: (-x[1].compute_s, -x[1].comm_s))  # the matmuls first
     return [name for name, _ in inside]
 
 
