@@ -139,9 +139,10 @@ class Plan:
             ``mesh_shape`` starts with the ``pp`` axis, ``nodes`` is empty and each stage's
             per-node choices are in ``pipeline.stages``), else ``None``.
         techniques: the memory and communication techniques the plan uses: ``recompute``
-            (``"none"``, ``"selective"``, ``"full"``), ``zero`` (0 or 1), ``mixed_precision``
-            (``"bf16-autocast"`` or the parameters' dtype); the cluster search adds
-            ``sequence_parallel`` and the microbatch size and count.
+            (``"none"``, ``"selective"``, ``"full"``), ``zero`` (0 or 1), ``sequence_parallel``
+            (whether the layer norms run sharded on the sequence dim over tp),
+            ``mixed_precision`` (``"bf16-autocast"`` or the parameters' dtype); the cluster
+            search adds the microbatch size and count.
         alternatives: the next best setups the search found, each with its predicted
             ``step_time_s``.
     """

@@ -30,8 +30,9 @@ from autopar.passes.stages import layer_units
 from autopar.plan import Collective, PipelinePlan, Plan
 from autopar.solver.ilp import InfeasibleMemoryError
 from autopar.solver.planner import (
-    _Candidate, _utilization, mesh_candidates, param_shards, solve_candidate, solve_space,
+    _Candidate, _utilization, mesh_candidates, solve_candidate, solve_space,
 )
+from autopar.solver.records import param_shards
 from autopar.solver.stage_cuts import LayerCost, solve_cuts
 from autopar.stage_capture import (
     ForwardGraph, capture_stages, capture_with_forward, export_forward, microbatch_inputs,

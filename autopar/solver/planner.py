@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
-from torch._ops import OpOverload
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar.config import Config
@@ -17,7 +16,6 @@ from autopar.cost_models.compute import graph_flops, mfu
 from autopar.cost_models.passes import run_cost_passes
 from autopar.cost_models.sharding import SpaceCosts, price_space
 from autopar.cost_models.training_step import optimizer_step_time
-from autopar.capture import _module_paths
 from autopar.errors import PlanError
 from autopar.graph import TracedGraph
 from autopar.mesh import Mesh, planning_device_mesh
@@ -25,6 +23,9 @@ from autopar.placements import to_str
 from autopar.plan import Collective, NodePlan, Plan
 from autopar.solver.ilp import InfeasibleMemoryError
 from autopar.solver.intra_op import IntraOpResult, ilp_groups, solve_intra_op
+from autopar.solver.records import (
+    _NORMS, _applied, _describe_nodes, _local_elements, _phase, _precision,
+)
 from autopar.explain import ExplainContext, attach, context_of
 from autopar.strategies.reshard import reshard_steps
 from autopar.passes.recompute import recompute_nodes
@@ -295,7 +296,6 @@ def _shard_states(traced: TracedGraph, space: StrategySpace, cand: _Candidate) -
         space.nodes[p.node] = dataclasses.replace(ns, strategies=tuple(dict.fromkeys(strategies)))
 
 
-_NORMS = {"native_layer_norm", "native_rms_norm", "_fused_rms_norm"}
 
 
 def _pin_norms(traced: TracedGraph, space: StrategySpace, axis: int, sharded: bool) -> None:
@@ -360,10 +360,6 @@ def solve_candidate(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Cand
 def _replace(plan: Plan, **kw: Any) -> Plan:
     """``dataclasses.replace`` that keeps what ``plan.explain`` needs."""
     return attach(dataclasses.replace(plan, **kw), context_of(plan))
-
-
-def _phase(node: Any) -> str:
-    return "backward" if node.meta.get("partitioner_tag") == "is_backward" else "forward"
 
 
 def _axis_roles(traced: TracedGraph, space: StrategySpace, res: IntraOpResult,
@@ -453,58 +449,6 @@ def _build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
     )
 
 
-def _describe_nodes(traced: TracedGraph, nodes: dict[str, NodePlan], compute: dict[str, float],
-                    comm: dict[str, float]) -> dict[str, NodePlan]:
-    """``nodes`` with each node's op, module, layer, phase and predicted costs filled in."""
-    out = {}
-    for n in traced.gm.graph.nodes:
-        if n.name not in nodes:
-            continue
-        paths = _module_paths(n) if n.op == "call_function" else []
-        op = (str(n.target).removesuffix(".default") if isinstance(n.target, OpOverload)
-              else getattr(n.target, "__name__", str(n.target)) if n.op == "call_function"
-              else n.op)
-        out[n.name] = dataclasses.replace(
-            nodes[n.name], op=op, module=paths[-1] if paths else "",
-            layer=traced.node_layer.get(n.name, ""), phase=_phase(n),
-            compute_s=compute.get(n.name, 0.0), comm_s=comm.get(n.name, 0.0))
-    return out
-
-
-def _local_elements(traced: TracedGraph, nodes: dict[str, NodePlan], cand: _Candidate) -> float:
-    """Parameter elements one device holds (a tied parameter once)."""
-    return sum(p.numel / param_shards(nodes[p.node].outputs[0], cand.shape)
-               for p in traced.params if p.tied_to is None)
-
-
-def param_shards(placements: Sequence[str], mesh_shape: Sequence[int]) -> int:
-    """Into how many pieces ``placements`` (text, per axis) cut a tensor on ``mesh_shape``."""
-    n = 1
-    for p, size in zip(placements, mesh_shape):
-        if p.startswith("S"):  # S(d) and strided SS(d,f)
-            n *= size
-    return n
-
-
-def _applied(traced: TracedGraph, config: Config, cand: _Candidate,
-             nodes: dict[str, NodePlan]) -> tuple[dict[str, Any], list[str]]:
-    """The techniques the plan really uses (a setting that changes nothing is recorded as off,
-    with a warning saying why)."""
-    notes = []
-    recompute = config.recompute or "none"
-    if recompute != "none" and not recompute_nodes(traced, recompute):
-        notes.append(f"recompute={recompute!r} found nothing to recompute (it needs repeated "
-                     f"blocks, and 'selective' an attention core); the plan recomputes nothing")
-        recompute = "none"
-    zero = int(bool(config.zero) and any(
-        nodes[p.node].outputs[0][a].startswith("S") for p in traced.params for a in cand.dp_axes))
-    if config.zero and not zero:
-        notes.append("zero=1 shards nothing on this mesh (no data-parallel axis, or no parameter "
-                     "dim divides by it); the optimizer state is not sharded")
-    return {"recompute": recompute, "zero": zero,
-            "mixed_precision": _precision(traced, config)}, notes
-
-
 def _utilization(traced: TracedGraph, config: Config, mesh: Mesh, step_s: float,
                  devices: int) -> dict[str, float]:
     """The model's FLOPs per step (forward and backward, without recomputation) and the
@@ -513,14 +457,6 @@ def _utilization(traced: TracedGraph, config: Config, mesh: Mesh, step_s: float,
     flops = graph_flops(traced.gm)
     dtype = "bf16" if _precision(traced, config) in ("bf16-autocast", "bfloat16", "float16") else "fp32"
     return {"model_flops": flops, "mfu": mfu(flops, step_s, devices, mesh.topology, dtype)}
-
-
-def _precision(traced: TracedGraph, config: Config) -> str:
-    """``"bf16-autocast"`` for Config(mixed_precision="bf16"), else the parameters' dtype."""
-    if config.mixed_precision == "bf16":
-        return "bf16-autocast"
-    dtypes = {traced.node(p.node).meta["val"].dtype for p in traced.params}
-    return "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes)) or "none"
 
 
 def _with_recompute_peak(traced: TracedGraph, costs: SpaceCosts) -> SpaceCosts:

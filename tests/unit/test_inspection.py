@@ -135,3 +135,12 @@ def test_plans_saved_without_node_costs_still_load(megatron):
     assert all(n.compute_s == 0.0 for n in old.nodes.values())
     assert "saved without per-operator costs" in old.operator_table()
     assert math.isfinite(old.step_breakdown()["total_s"])
+
+
+def test_techniques_record_sequence_parallelism(megatron):
+    model, inputs, mesh, plan = megatron
+    assert plan.techniques["sequence_parallel"] is False  # layer norms replicated on tp
+    sp = autopar.plan(model, mesh, inputs, config=autopar.Config(tp=2, sequence_parallel=True))
+    assert sp.techniques["sequence_parallel"] is True
+    assert "sequence_parallel=True" in str(sp)
+

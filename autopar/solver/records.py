@@ -1,0 +1,96 @@
+"""What a plan records about its own choices: each node's op, module, layer, phase and costs;
+the techniques it really applies; the parameter elements a device holds; the precision."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+from torch._ops import OpOverload
+
+from autopar.capture import _module_paths
+from autopar.config import Config
+from autopar.graph import TracedGraph
+from autopar.passes.recompute import recompute_nodes
+from autopar.plan import NodePlan
+
+__all__ = ["param_shards"]
+
+# the normalisation ops sequence parallelism shards (as planner._pin_norms pins them)
+_NORMS = {"native_layer_norm", "native_rms_norm", "_fused_rms_norm"}
+
+
+def _phase(node: Any) -> str:
+    return "backward" if node.meta.get("partitioner_tag") == "is_backward" else "forward"
+
+
+def _describe_nodes(traced: TracedGraph, nodes: dict[str, NodePlan], compute: dict[str, float],
+                    comm: dict[str, float]) -> dict[str, NodePlan]:
+    """``nodes`` with each node's op, module, layer, phase and predicted costs filled in."""
+    out = {}
+    for n in traced.gm.graph.nodes:
+        if n.name not in nodes:
+            continue
+        paths = _module_paths(n) if n.op == "call_function" else []
+        op = (str(n.target).removesuffix(".default") if isinstance(n.target, OpOverload)
+              else getattr(n.target, "__name__", str(n.target)) if n.op == "call_function"
+              else n.op)
+        out[n.name] = dataclasses.replace(
+            nodes[n.name], op=op, module=paths[-1] if paths else "",
+            layer=traced.node_layer.get(n.name, ""), phase=_phase(n),
+            compute_s=compute.get(n.name, 0.0), comm_s=comm.get(n.name, 0.0))
+    return out
+
+
+def _local_elements(traced: TracedGraph, nodes: dict[str, NodePlan], cand: Any) -> float:
+    """Parameter elements one device holds (a tied parameter once)."""
+    return sum(p.numel / param_shards(nodes[p.node].outputs[0], cand.shape)
+               for p in traced.params if p.tied_to is None)
+
+
+def param_shards(placements: Sequence[str], mesh_shape: Sequence[int]) -> int:
+    """Into how many pieces ``placements`` (text, per axis) cut a tensor on ``mesh_shape``."""
+    n = 1
+    for p, size in zip(placements, mesh_shape):
+        if p.startswith("S"):  # S(d) and strided SS(d,f)
+            n *= size
+    return n
+
+
+def _applied(traced: TracedGraph, config: Config, cand: Any,
+             nodes: dict[str, NodePlan]) -> tuple[dict[str, Any], list[str]]:
+    """The techniques the plan really uses (a setting that changes nothing is recorded as off,
+    with a warning saying why)."""
+    notes = []
+    recompute = config.recompute or "none"
+    if recompute != "none" and not recompute_nodes(traced, recompute):
+        notes.append(f"recompute={recompute!r} found nothing to recompute (it needs repeated "
+                     f"blocks, and 'selective' an attention core); the plan recomputes nothing")
+        recompute = "none"
+    zero = int(bool(config.zero) and any(
+        nodes[p.node].outputs[0][a].startswith("S") for p in traced.params for a in cand.dp_axes))
+    if config.zero and not zero:
+        notes.append("zero=1 shards nothing on this mesh (no data-parallel axis, or no parameter "
+                     "dim divides by it); the optimizer state is not sharded")
+    return {"recompute": recompute, "zero": zero, "sequence_parallel": _sequence_sharded(
+        traced, cand, nodes), "mixed_precision": _precision(traced, config)}, notes
+
+
+def _sequence_sharded(traced: TracedGraph, cand: Any, nodes: dict[str, NodePlan]) -> bool:
+    """Whether the plan runs sequence parallelism: its layer norms read their input sharded on
+    the sequence dim over tp (set by ``Config.sequence_parallel``, or chosen by the ILP)."""
+    if "tp" not in cand.names:
+        return False
+    axis = cand.names.index("tp")
+    norms = [n.name for n in traced.gm.graph.nodes if n.op == "call_function"
+             and getattr(n.target, "__name__", "").split(".")[0] in _NORMS and n.name in nodes
+             and nodes[n.name].inputs]
+    return bool(norms) and all(nodes[n].inputs[0][axis] == "S(1)" for n in norms)
+
+
+def _precision(traced: TracedGraph, config: Config) -> str:
+    """``"bf16-autocast"`` for Config(mixed_precision="bf16"), else the parameters' dtype."""
+    if config.mixed_precision == "bf16":
+        return "bf16-autocast"
+    dtypes = {traced.node(p.node).meta["val"].dtype for p in traced.params}
+    return "/".join(sorted(str(d).removeprefix("torch.") for d in dtypes)) or "none"
