@@ -54,17 +54,19 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """A GPT-2-style language model in plain torch with tied embedding and LM head."""
+    """A GPT-2-style language model in plain torch, its embedding and LM head tied unless
+    ``tied=0``."""
 
     def __init__(self, vocab: int = 128, dim: int = 64, heads: int = 4, layers: int = 2,
-                 seq: int = 16, explicit: int = 0) -> None:
+                 seq: int = 16, explicit: int = 0, tied: int = 1) -> None:
         super().__init__()
         self.wte = nn.Embedding(vocab, dim)
         self.wpe = nn.Embedding(seq, dim)
         self.blocks = nn.ModuleList(Block(dim, heads, bool(explicit)) for _ in range(layers))
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
-        self.head.weight = self.wte.weight
+        if tied:
+            self.head.weight = self.wte.weight
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         t = idx.shape[1]

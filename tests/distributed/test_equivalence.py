@@ -258,6 +258,10 @@ def test_bad_input_in_a_job_gets_clear_errors(world):
     assert "(4, 16)" in r["shape"] and "Re-plan" in r["shape"], r["shape"]
     assert "torch.int32" in r["dtype"] and "torch.int64" in r["dtype"], r["dtype"]
     assert "structured" in r["arity"], r["arity"]
+    assert r["plan_model"].startswith("PlanError") and "another model" in r["plan_model"] \
+        and "re-plan" in r["plan_model"], r["plan_model"]
+    assert r["plan_mesh"].startswith("MeshError") and "4 devices" in r["plan_mesh"] \
+        and "re-plan for this mesh" in r["plan_mesh"], r["plan_mesh"]
 
 
 def test_training_examples_run_and_learn(world):

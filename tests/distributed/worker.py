@@ -3,7 +3,7 @@
 Usage: torchrun --nproc_per_node=N worker.py OUT.json CHECK [CHECK ...]
 A CHECK is ``kind:key=value,key=value`` (kind in mlp, gpt, gpt2, llama; keys: dp, tp, pp,
 schedule, virtual_stages, microbatch_size, recompute, zero, sequence_parallel (0/1),
-mixed_precision for the Config, dim/batch/seq/layers/heads/explicit (attention) for the model, topo for the topology
+mixed_precision for the Config, dim/batch/seq/layers/heads/explicit (attention)/tied for the model, topo for the topology
 preset; memory=1 also measures the peak memory of a step, curve=1 records a 20-step loss curve
 instead), or ``example:NAME`` to run a training example of ``examples/`` (``examples_check.py``).
 Rank 0 writes one JSON record per check; an exception in a check is recorded, not raised, so one failure does
@@ -31,7 +31,8 @@ from autopar.capture import extract_loss  # noqa: E402
 from examples_check import run_example  # noqa: E402
 from models import build  # noqa: E402
 
-_MODEL_KEYS = {"dim", "batch", "seq", "layers", "heads", "d_in", "d_hidden", "d_out", "explicit"}
+_MODEL_KEYS = {"dim", "batch", "seq", "layers", "heads", "d_in", "d_hidden", "d_out", "explicit",
+               "tied"}
 _RUN_KEYS = {"compile", "memory", "curve"}
 _TEXT_KEYS = {"schedule", "recompute", "mixed_precision"}
 
@@ -248,7 +249,8 @@ def run_curve(kind: str, cfg: dict, mk: dict, topo: str, steps: int = 20) -> dic
 
 
 def run_errors() -> dict:
-    """Bad input in a real job: a mesh of another size, and call-time inputs unlike the plan's."""
+    """Bad input in a real job: a mesh of another size, a saved plan of another model or mesh,
+    and call-time inputs unlike the plan's."""
     model, inputs = build("gpt")
     world = dist.get_world_size()
     out = {}
@@ -259,6 +261,16 @@ def run_errors() -> dict:
     except autopar.MeshError as e:
         out["mesh"] = str(e)
     pm = autopar.parallelize(model, autopar.Mesh.from_torchrun(), inputs)
+    # a saved plan of another model, and one made for another mesh
+    other, other_inputs = build("gpt", layers=3)
+    four = autopar.plan(model, autopar.Mesh.virtual("cpu-gloo", gpus_per_node=2 * world), inputs)
+    for name, args, plan in (("plan_model", (other, autopar.Mesh.from_torchrun(), other_inputs), pm.plan),
+                             ("plan_mesh", (model, autopar.Mesh.from_torchrun(), inputs), four)):
+        try:
+            autopar.parallelize(*args, plan=plan)
+            out[name] = "no error"
+        except (autopar.PlanError, autopar.MeshError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
     ids, tgt = inputs
     for name, bad in (("shape", (ids[:, :8], tgt[:, :8])), ("dtype", (ids.int(), tgt)),
                       ("arity", (ids,))):

@@ -292,3 +292,23 @@ def test_large_problem_with_binding_budget(time_limit_s: float) -> None:
     assert sol.status in ("optimal", "feasible")
     assert sol.memory_bytes <= problem.memory_budget * (1 + 1e-9)
     assert 0.0 <= sol.gap < 0.1
+
+
+def test_a_time_limited_solve_reaches_the_plan_as_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When the solver stops at its time limit, the plan keeps its best feasible choice, records
+    status and gap, and warns with the fix."""
+    import dataclasses
+
+    import autopar
+    import autopar.solver.intra_op as intra_op
+    from models import build
+
+    real = intra_op.solve_ilp
+    monkeypatch.setattr(intra_op, "solve_ilp",
+                        lambda p: dataclasses.replace(real(p), status="feasible", gap=0.05))
+    model, inputs = build("mlp")
+    plan = autopar.plan(model, autopar.Mesh.virtual("cpu-gloo", gpus_per_node=2), inputs,
+                        config=autopar.Config(tp=2, solver_time_limit_s=7))
+    assert plan.solver["status"] == "feasible" and plan.solver["gap"] == 0.05
+    assert any("time limit (7" in w and "gap 0.05" in w and "solver_time_limit_s" in w
+               for w in plan.warnings), plan.warnings
