@@ -189,9 +189,10 @@ def explain_node(ctx: ExplainContext, node: str, limit: int, plan_node: Any,
 def _resolve(plan: Any, target: str) -> list[str]:
     """Nodes of ``plan`` that ``target`` names: a node, a parameter, a module or a layer path
     (its nodes with the most compute first, then the most communication)."""
-    if target in plan.nodes and target in (context_of(plan).space.nodes if context_of(plan) else ()):
+    ctx = context_of(plan)
+    if ctx is not None and target in ctx.space.nodes:
         return [target]
-    params = {p.name: p.node for p in context_of(plan).traced.params} if context_of(plan) else {}
+    params = {p.name: p.node for p in ctx.traced.params} if ctx is not None else {}
     if target in params:
         return [params[target]]
     inside = [(name, n) for name, n in plan.nodes.items()

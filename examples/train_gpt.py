@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.demo import DemoGPT
-from train_hf import _init
+from train_hf import _init, train
 
 
 def main(argv: Sequence[str] | None = None) -> list[float]:
@@ -32,22 +32,15 @@ def main(argv: Sequence[str] | None = None) -> list[float]:
         mesh = autopar.Mesh.from_torchrun(topology=args.topology)
         torch.manual_seed(0)
         model = DemoGPT()
-        batch = (torch.randint(0, 256, (8, 64)), torch.randint(0, 256, (8, 64)))
-        pmodel = autopar.parallelize(model, mesh, batch)
-        if dist.get_rank() == 0:
-            print(pmodel.plan)
-        opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
-        losses = []
-        for step in range(args.steps):
+        example = (torch.randint(0, 256, (8, 64)), torch.randint(0, 256, (8, 64)))
+        pmodel = autopar.parallelize(model, mesh, example)
+
+        def batch(step: int) -> tuple[tuple, dict]:
             g = torch.Generator().manual_seed(step)
             ids = torch.randint(0, 256, (8, 65), generator=g)
-            opt.zero_grad()
-            loss = pmodel.step(ids[:, :-1].contiguous(), ids[:, 1:].contiguous())
-            opt.step()
-            losses.append(float(loss))
-            if dist.get_rank() == 0:
-                print(f"step {step}: loss {losses[-1]:.4f}", flush=True)
-        return losses
+            return (ids[:, :-1].contiguous(), ids[:, 1:].contiguous()), {}
+
+        return train(pmodel, batch, args.steps, 1e-3)
     finally:
         if created:
             dist.destroy_process_group()

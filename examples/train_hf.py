@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,26 @@ def build_model(name: str, layers: int, hidden: int, heads: int, vocab: int, seq
         raise SystemExit(f"--model {name!r}: choose gpt2 or llama")
     model.loss_type = "ForCausalLM"
     return model
+
+
+def train(pmodel: Any, batch: Callable[[int], tuple[tuple, dict]], steps: int,
+          lr: float) -> list[float]:
+    """Print the plan on rank 0, then run ``steps`` AdamW steps on ``batch(step)`` (positional
+    and keyword inputs); returns the loss of every step."""
+    rank0 = dist.get_rank() == 0
+    if rank0:
+        print(pmodel.plan)
+    opt = torch.optim.AdamW(pmodel.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        args, kwargs = batch(step)
+        opt.zero_grad()
+        loss = pmodel.step(*args, **kwargs)
+        opt.step()
+        losses.append(float(loss))
+        if rank0:
+            print(f"step {step}: loss {losses[-1]:.4f}", flush=True)
+    return losses
 
 
 def _init(device: str) -> None:
@@ -83,20 +103,9 @@ def main(argv: Sequence[str] | None = None) -> list[float]:
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g)
         pmodel = autopar.parallelize(model, mesh, {"input_ids": ids, "labels": ids})
-        rank0 = dist.get_rank() == 0
-        if rank0:
-            print(pmodel.plan)
-        opt = torch.optim.AdamW(pmodel.parameters(), lr=args.lr)
-        losses = []
-        for step in range(args.steps):
-            # one batch, over and over: the loss must fall (a real job reads new data here)
-            opt.zero_grad()
-            loss = pmodel.step(input_ids=ids, labels=ids)
-            opt.step()
-            losses.append(float(loss))
-            if rank0:
-                print(f"step {step}: loss {losses[-1]:.4f}", flush=True)
-        return losses
+        # one batch, over and over: the loss must fall (a real job reads new data here)
+        return train(pmodel, lambda step: ((), {"input_ids": ids, "labels": ids}), args.steps,
+                     args.lr)
     finally:
         if created:
             dist.destroy_process_group()
