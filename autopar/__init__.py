@@ -6,6 +6,7 @@
 """
 
 from autopar.api import parallelize, plan, search
+from autopar.checkpoint import load_checkpoint, save_checkpoint
 from autopar.config import Config
 from autopar.cost_models.passes import cost_pass
 from autopar.errors import (
@@ -14,6 +15,7 @@ from autopar.errors import (
     InputMismatchError,
     MeshError,
     PlanError,
+    RankFailureError,
     UnsupportedOpError,
 )
 from autopar.mesh import Mesh
@@ -25,7 +27,9 @@ from autopar.strategies.rules import register_op_rule
 __all__ = [
     "AutoparError", "CaptureError", "Collective", "Config", "InfeasibleMemoryError",
     "InputMismatchError", "Mesh", "MeshError", "ParallelModule", "Plan", "PlanError",
-    "UnsupportedOpError", "cost_pass", "parallelize", "plan", "register_op_rule", "search",
+    "RankFailureError",
+    "UnsupportedOpError", "cost_pass", "load_checkpoint", "parallelize", "plan",
+    "register_op_rule", "save_checkpoint", "search",
 ]
 
 __version__ = "0.1.0"

@@ -23,6 +23,7 @@ __all__ = [
     "enumerate_op_strategy",
     "redistribute_local",
     "init_fake_process_group",
+    "process_group_options",
     "export_joint",
     "no_redistribute_costs",
     "partition_joint",
@@ -130,6 +131,25 @@ def init_fake_process_group(world_size: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
+def process_group_options(backend: str, timeout_s: float) -> Any:
+    """Backend options carrying a collective timeout, for ``init_device_mesh``'s
+    ``backend_override`` (the only way to give a DeviceMesh's groups a timeout: groups it
+    creates otherwise take torch's default, not the default group's)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+    elif backend == "gloo":
+        options = dist.ProcessGroupGloo._Options()
+    else:
+        raise ValueError(f"a collective timeout is supported on the gloo and nccl backends, "
+                         f"not {backend!r}; leave Mesh.timeout_s at None.")
+    options._timeout = timedelta(seconds=timeout_s)
+    return options
 
 
 def export_joint(

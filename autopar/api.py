@@ -14,6 +14,7 @@ from autopar.config import Config
 from autopar.errors import MeshError, PlanError
 from autopar.mesh import Mesh
 from autopar.plan import Plan
+from autopar.runtime.faults import check_same_plan
 from autopar.runtime.module import ParallelModule
 from autopar.solver.planner import make_plan
 
@@ -56,23 +57,18 @@ def search(model: nn.Module, mesh: Mesh, example_inputs: Any, *, config: Config 
 
 
 def _device_mesh(p: Plan, mesh: Mesh) -> Any:
+    """The plan's DeviceMesh; its process groups get ``mesh.timeout_s`` when it is set."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(mesh.device_type, p.mesh_shape, mesh_dim_names=p.axis_names)
+    override = None
+    if mesh.timeout_s is not None:
+        from autopar import _torch_private as private
 
-
-def _check_same_plan(p: Plan) -> None:
-    """Every rank must run the same plan: compare a hash across ranks, fail instead of hanging."""
-    digest = bytes.fromhex(p.digest())[:8]
-    mine = torch.tensor(list(digest), dtype=torch.int64)
-    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
-    bad = [r for r, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
-    if bad:
-        raise PlanError(
-            f"ranks {bad} computed a different plan than rank 0 (different model, inputs, config "
-            f"or library version). Make every rank build the same model and inputs, or load one "
-            f"saved plan everywhere with parallelize(..., plan='plan.json').")
+        backend = dist.get_backend()
+        options = private.process_group_options(backend, mesh.timeout_s)
+        override = {name: (backend, options) for name in p.axis_names}
+    return init_device_mesh(mesh.device_type, p.mesh_shape, mesh_dim_names=p.axis_names,
+                            backend_override=override)
 
 
 def parallelize(model: nn.Module, mesh: Mesh, example_inputs: Any = None, *,
@@ -114,15 +110,16 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: Any = None, *,
         raise MeshError(
             f"the plan is for a mesh {the_plan.mesh_shape} ({int(torch.tensor(the_plan.mesh_shape).prod())} "
             f"devices) but the job has {mesh.size}; re-plan for this mesh.")
-    _check_same_plan(the_plan)
+    check_same_plan(the_plan)
     dm = _device_mesh(the_plan, mesh)
     if the_plan.pipeline is not None:
         if compile:
             raise PlanError("compile=True is not available for pipelined plans yet: use "
                             "compile=False, or Config(pp=1) for a compiled plan without a pipeline.")
-        return _pipelined(model, example_inputs, traced, the_plan, dm)
+        return _pipelined(model, example_inputs, traced, the_plan, dm, mesh.timeout_s)
     local = lower_to_local(traced.gm, the_plan, dm, _recomputed(traced, the_plan))
-    return ParallelModule(model, traced, the_plan, dm, local, compile=compile)
+    return ParallelModule(model, traced, the_plan, dm, local, compile=compile,
+                          timeout_s=mesh.timeout_s)
 
 
 def _recomputed(traced: Any, the_plan: Plan) -> frozenset[str]:
@@ -131,7 +128,8 @@ def _recomputed(traced: Any, the_plan: Plan) -> frozenset[str]:
     return recompute_nodes(traced, the_plan.techniques.get("recompute", "none"))
 
 
-def _pipelined(model: nn.Module, example_inputs: Any, traced: Any, the_plan: Plan, dm: Any) -> Any:
+def _pipelined(model: nn.Module, example_inputs: Any, traced: Any, the_plan: Plan, dm: Any,
+               timeout_s: float | None) -> Any:
     """Trace the plan's stages, lower this rank's, and build the pipelined module."""
     from autopar.passes.lower import lower_to_local
     from autopar.runtime.pipeline import PipelineModule
@@ -147,4 +145,4 @@ def _pipelined(model: nn.Module, example_inputs: Any, traced: Any, the_plan: Pla
         local = (lower_to_local(stage_traced.gm, stage_plan, submesh, _recomputed(stage_traced, stage_plan))
                  if st.index % pp == rank else None)
         built.append((st, stage_traced, local))
-    return PipelineModule(model, the_plan, dm, built, fwd.canonical, traced.input_spec)
+    return PipelineModule(model, the_plan, dm, built, fwd.canonical, traced.input_spec, timeout_s)

@@ -9,6 +9,7 @@ __all__ = [
     "InputMismatchError",
     "UnsupportedOpError",
     "PlanError",
+    "RankFailureError",
 ]
 
 
@@ -34,3 +35,9 @@ class UnsupportedOpError(AutoparError):
 
 class PlanError(AutoparError):
     """A plan cannot be made, loaded or applied (no feasible plan, wrong model, corrupt file)."""
+
+
+class RankFailureError(AutoparError, RuntimeError):
+    """A collective of a running job failed: another rank died, or did not answer within the
+    mesh's timeout (``Mesh.from_torchrun(timeout_s=...)``). Raised on every rank that noticed,
+    with the backend's own error as its ``__cause__``."""

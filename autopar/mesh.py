@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+from datetime import timedelta
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -23,7 +24,9 @@ class Mesh:
 
     Build it with :meth:`from_torchrun` inside a job (the devices that will run the plan) or with
     :meth:`virtual` to plan for hardware you do not have. The logical (dp, tp) mesh is chosen by
-    the planner; this object only describes the physical devices.
+    the planner; this object only describes the physical devices. ``timeout_s`` bounds how long
+    a rank of a running job waits in a collective for the others (a dead or hung rank): ``None``
+    keeps torch's default (30 minutes on gloo, 10 on NCCL).
     """
 
     nodes: int
@@ -31,6 +34,7 @@ class Mesh:
     topology: Topology
     device_type: str = "cpu"
     is_virtual: bool = True
+    timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.devices_per_node < 1:
@@ -38,6 +42,9 @@ class Mesh:
                 f"Mesh(nodes={self.nodes}, devices_per_node={self.devices_per_node}): both must "
                 f"be >= 1."
             )
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise MeshError(f"Mesh(timeout_s={self.timeout_s!r}): must be a positive number of "
+                            f"seconds, or None for torch's default.")
         if self.topology.gpus_per_node != self.devices_per_node:
             # the cost model tells intra- from inter-node links by the topology's node size:
             # it must be this cluster's (a100-dgx has 8 GPUs a node; a 2-GPU-node cluster of
@@ -60,11 +67,15 @@ class Mesh:
         return cls(nodes, gpus_per_node, topo, device_type=device_type, is_virtual=True)
 
     @classmethod
-    def from_torchrun(cls, topology: str | Topology | None = None) -> "Mesh":
+    def from_torchrun(cls, topology: str | Topology | None = None,
+                      timeout_s: float | None = None) -> "Mesh":
         """The world of the running job (``torchrun`` sets ``WORLD_SIZE``/``RANK``).
 
         Initialises the default process group if needed: NCCL when CUDA is available, gloo
         otherwise. CPU ranks get the ``cpu-gloo`` topology; GPUs default to ``h100-dgx``.
+        ``timeout_s``: how long a collective waits for a dead or hung rank before every other
+        rank raises :class:`~autopar.RankFailureError` (the default process group gets it too
+        when this call creates it); ``None`` keeps torch's default.
         """
         if not dist.is_initialized():
             if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
@@ -74,7 +85,8 @@ class Mesh:
                     "--nproc_per_node=N script.py`, or use Mesh.virtual(...) to plan only."
                 )
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend)
+            kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+            dist.init_process_group(backend, **kwargs)
         use_cuda = dist.get_backend() == "nccl"
         world = dist.get_world_size()
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -83,7 +95,8 @@ class Mesh:
         if topology is None:
             topology = "h100-dgx" if use_cuda else "cpu-gloo"
         topo = get_preset(topology) if isinstance(topology, str) else topology
-        return cls(world // local, local, topo, "cuda" if use_cuda else "cpu", is_virtual=False)
+        return cls(world // local, local, topo, "cuda" if use_cuda else "cpu", is_virtual=False,
+                   timeout_s=timeout_s)
 
     def check_world(self) -> None:
         """Raise :class:`MeshError` unless the running job has exactly ``size`` ranks."""

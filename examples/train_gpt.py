@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.demo import DemoGPT
-from train_hf import _init, train
+from train_hf import _init, add_job_flags, train
 
 
 def main(argv: Sequence[str] | None = None) -> list[float]:
@@ -25,11 +25,12 @@ def main(argv: Sequence[str] | None = None) -> list[float]:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--topology", default=None, help="cost preset (default: this hardware)")
+    add_job_flags(parser)
     args = parser.parse_args(argv)
     created = not dist.is_initialized()
     _init(args.device)
     try:
-        mesh = autopar.Mesh.from_torchrun(topology=args.topology)
+        mesh = autopar.Mesh.from_torchrun(topology=args.topology, timeout_s=args.timeout)
         torch.manual_seed(0)
         model = DemoGPT()
         example = (torch.randint(0, 256, (8, 64)), torch.randint(0, 256, (8, 64)))
@@ -40,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> list[float]:
             ids = torch.randint(0, 256, (8, 65), generator=g)
             return (ids[:, :-1].contiguous(), ids[:, 1:].contiguous()), {}
 
-        return train(pmodel, batch, args.steps, 1e-3)
+        return train(pmodel, batch, args.steps, 1e-3, args.checkpoint)
     finally:
         if created:
             dist.destroy_process_group()

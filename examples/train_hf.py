@@ -8,7 +8,9 @@ plan autopar chooses.
 On CPU (the default) the ranks talk over gloo; ``--device cuda`` uses one GPU per rank and
 NCCL. The model is unmodified: given ``labels`` a Hugging Face causal LM returns an output whose
 ``.loss`` autopar trains. Rank 0 prints the plan, then the loss of every step; every rank passes
-the same global batch and keeps the shard its plan says.
+the same global batch and keeps the shard its plan says. ``--checkpoint DIR`` saves a sharded
+checkpoint (model and optimizer) at the end and resumes from it on the next run, under whatever
+plan that run chooses; ``--timeout S`` bounds how long ranks wait for a dead or hung rank.
 """
 
 from __future__ import annotations
@@ -44,15 +46,21 @@ def build_model(name: str, layers: int, hidden: int, heads: int, vocab: int, seq
 
 
 def train(pmodel: Any, batch: Callable[[int], tuple[tuple, dict]], steps: int,
-          lr: float) -> list[float]:
-    """Print the plan on rank 0, then run ``steps`` AdamW steps on ``batch(step)`` (positional
-    and keyword inputs); returns the loss of every step."""
+          lr: float, checkpoint: str | None = None) -> list[float]:
+    """Print the plan on rank 0, then run AdamW steps up to ``steps`` on ``batch(step)``
+    (positional and keyword inputs); returns the loss of every step run. With ``checkpoint``
+    (a directory), resume from it when it holds one (under any plan) and save there at the end."""
     rank0 = dist.get_rank() == 0
     if rank0:
         print(pmodel.plan)
     opt = torch.optim.AdamW(pmodel.parameters(), lr=lr)
+    start = 0
+    if checkpoint is not None and os.path.exists(os.path.join(checkpoint, ".metadata")):
+        start = autopar.load_checkpoint(checkpoint, pmodel, opt)["step"]
+        if rank0:
+            print(f"resumed from {checkpoint} at step {start}", flush=True)
     losses = []
-    for step in range(steps):
+    for step in range(start, steps):
         args, kwargs = batch(step)
         opt.zero_grad()
         loss = pmodel.step(*args, **kwargs)
@@ -60,6 +68,8 @@ def train(pmodel: Any, batch: Callable[[int], tuple[tuple, dict]], steps: int,
         losses.append(float(loss))
         if rank0:
             print(f"step {step}: loss {losses[-1]:.4f}", flush=True)
+    if checkpoint is not None:
+        autopar.save_checkpoint(checkpoint, pmodel, opt, extra={"step": max(start, steps)})
     return losses
 
 
@@ -88,7 +98,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--lr", type=float, default=1e-3)
+    add_job_flags(p)
     return p
+
+
+def add_job_flags(p: argparse.ArgumentParser) -> None:
+    """The flags both training examples share: checkpoint directory and collective timeout."""
+    p.add_argument("--checkpoint", default=None,
+                   help="directory: resume from it if it holds a checkpoint, save to it at the end")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds a rank waits for a dead or hung rank (default: torch's)")
 
 
 def main(argv: Sequence[str] | None = None) -> list[float]:
@@ -97,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> list[float]:
     created = not dist.is_initialized()
     _init(args.device)
     try:
-        mesh = autopar.Mesh.from_torchrun()
+        mesh = autopar.Mesh.from_torchrun(timeout_s=args.timeout)
         torch.manual_seed(0)  # every rank builds the same initial weights
         model = build_model(args.model, args.layers, args.hidden, args.heads, args.vocab, args.seq)
         g = torch.Generator().manual_seed(1)
@@ -105,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> list[float]:
         pmodel = autopar.parallelize(model, mesh, {"input_ids": ids, "labels": ids})
         # one batch, over and over: the loss must fall (a real job reads new data here)
         return train(pmodel, lambda step: ((), {"input_ids": ids, "labels": ids}), args.steps,
-                     args.lr)
+                     args.lr, args.checkpoint)
     finally:
         if created:
             dist.destroy_process_group()

@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from autopar import _torch_private as private
+from autopar.runtime.faults import collective_failures
 
 __all__ = ["split_forward_backward", "split_weight_backward", "WeightSplit", "JointFunction"]
 
@@ -138,7 +139,8 @@ class JointFunction(torch.autograd.Function):
             return JointFunction._split_backward(ctx, grad_outputs)
         tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
         saved = [next(tensors) if is_t else next(others) for is_t in ctx.saved_layout]
-        grads = ctx.bwd(*saved, *grad_outputs)
+        with collective_failures("the backward", None):
+            grads = ctx.bwd(*saved, *grad_outputs)
         return (None, None, None, None, None,
                 *(grads[k] if k is not None else None for k in ctx.grad_slots))
 

@@ -2,7 +2,8 @@
 
 Parameters are ``nn.Parameter``s wrapping DTensors under the original model's names, so
 ``p.full_tensor()``, ``p.grad.full_tensor()``, ``torch.optim`` and DCP work as with PyTorch's own
-tensor parallelism. :meth:`ParallelModule.step` runs forward and backward of the whole batch in
+tensor parallelism; ``state_dict()`` gives the single-device model's state dict with full tensors
+(:mod:`autopar.runtime.state`). :meth:`ParallelModule.step` runs forward and backward of the whole batch in
 one local program (explicit collectives) and leaves gradients in ``p.grad``.
 """
 
@@ -22,15 +23,18 @@ from autopar.graph import TracedGraph
 from autopar.plan import Plan
 from autopar.passes.lower import placements_of
 from autopar.passes.stages import set_module_attr
+from autopar.runtime.faults import collective_failures
+from autopar.runtime.state import StateDictMixin, model_state
 
 __all__ = ["ParallelModule"]
 
 
-class ParallelModule(nn.Module):
+class ParallelModule(StateDictMixin, nn.Module):
     """A model parallelized by a :class:`Plan` on a DeviceMesh (see module docstring)."""
 
     def __init__(self, model: nn.Module, traced: TracedGraph, plan: Plan, mesh: Any,
-                 local_program: fx.GraphModule, compile: bool = False) -> None:
+                 local_program: fx.GraphModule, compile: bool = False,
+                 timeout_s: float | None = None) -> None:
         super().__init__()
         self.plan = plan
         self.device_mesh = mesh
@@ -39,6 +43,7 @@ class ParallelModule(nn.Module):
         self._compile = compile
         self._compiled: Any = None
         self._split: tuple[fx.GraphModule, fx.GraphModule] | None = None
+        self._timeout_s = timeout_s
         self._names: list[str] = []
         originals = dict(model.named_parameters(remove_duplicate=False))
         by_name: dict[str, nn.Parameter] = {}
@@ -52,6 +57,8 @@ class ParallelModule(nn.Module):
             set_module_attr(self, p.name, by_name[p.name])
             self._names.append(p.name)
         self._by_name = by_name
+        self._held, self._owner, self._pp_group = by_name, dict.fromkeys(by_name, 0), None
+        self._state = model_state(model, set(by_name))
         owned = dict(model.named_buffers(remove_duplicate=False))
         self._buffers_local = {b.node: owned[b.name].detach() for b in traced.buffers}
 
@@ -89,7 +96,8 @@ class ParallelModule(nn.Module):
                 feeds.append(torch.ones((), dtype=torch.float32))
             else:
                 feeds.append(next(inputs))
-        outs = self._execute(feeds)
+        with collective_failures("pmodel.step()", self._timeout_s):
+            outs = self._execute(feeds)
         for p in self._traced.params:
             if p.grad_output_index is None or outs[p.grad_output_index] is None:
                 continue
@@ -143,4 +151,6 @@ class ParallelModule(nn.Module):
             else:
                 primals.append(next(inputs))
                 slots.append(None)
-        return self._traced.wrap_loss(JointFunction.apply(fwd, bwd, tuple(slots), 1, False, *primals))
+        with collective_failures("pmodel(...) (forward)", self._timeout_s):
+            loss = JointFunction.apply(fwd, bwd, tuple(slots), 1, False, *primals)
+        return self._traced.wrap_loss(loss)

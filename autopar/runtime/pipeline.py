@@ -35,6 +35,8 @@ from autopar.graph import TracedGraph
 from autopar.passes.lower import placements_of
 from autopar.passes.stages import StageGraph, set_module_attr
 from autopar.plan import Plan
+from autopar.runtime.faults import collective_failures
+from autopar.runtime.state import StateDictMixin, model_state
 from autopar.runtime.autograd import JointFunction, split_forward_backward, split_weight_backward
 from autopar.strategies.reshard import local_shape
 
@@ -134,7 +136,7 @@ def _local(shape: Sequence[int], placements: Sequence[str], mesh: Any) -> tuple[
     return tuple(local_shape(tuple(shape), placements_of(placements), tuple(mesh.shape)))
 
 
-class PipelineModule(nn.Module):
+class PipelineModule(StateDictMixin, nn.Module):
     """A model run as a pipeline by a Plan with ``degrees["pp"] > 1``.
 
     Holds only this rank's stages' parameters (DTensors on its (dp, tp) submesh), under the
@@ -144,12 +146,13 @@ class PipelineModule(nn.Module):
     """
 
     def __init__(self, model: nn.Module, plan: Plan, device_mesh: Any, stages: _Stages,
-                 canonical: dict[str, str], input_spec: Any) -> None:
+                 canonical: dict[str, str], input_spec: Any, timeout_s: float | None = None) -> None:
         super().__init__()
         pipe = plan.pipeline
         if pipe is None:
             raise PlanError("PipelineModule needs a plan with a pipeline; use ParallelModule.")
         self.plan, self.device_mesh = plan, device_mesh
+        self._timeout_s = timeout_s
         self._pp = plan.degrees["pp"]
         self.pp_rank = device_mesh.get_local_rank("pp")
         self._submesh = device_mesh[tuple(plan.axis_names[1:])]
@@ -172,6 +175,8 @@ class PipelineModule(nn.Module):
                 pipe.schedule == "zero-bubble", buffers)
         self._traced = {st.index: traced for st, traced, _ in stages}
         self._tied = self._tied_params(stages, canonical)
+        self._held, self._owner = self._params, self._owners(stages, canonical)
+        self._state = model_state(model, set(self._owner))
         self._schedule = self._build_schedule(stages)
 
     def _add_param(self, name: str, original: torch.Tensor, placements: Sequence[str]) -> None:
@@ -184,6 +189,15 @@ class PipelineModule(nn.Module):
         param = nn.Parameter(dt, requires_grad=original.requires_grad)
         self._params[name] = param
         set_module_attr(self, name, param)
+
+    def _owners(self, stages: _Stages, canonical: dict[str, str]) -> dict[str, int]:
+        """Each parameter's lowest pipeline rank among those holding it."""
+        owner: dict[str, int] = {}
+        for st, traced, _ in stages:
+            for p in traced.params:
+                name = canonical.get(p.name, p.name)
+                owner[name] = min(owner.get(name, self._pp), st.index % self._pp)
+        return owner
 
     def _tied_params(self, stages: _Stages, canonical: dict[str, str]
                      ) -> list[tuple[str, tuple[str, ...], tuple[int, ...]]]:
@@ -277,13 +291,18 @@ class PipelineModule(nn.Module):
         before = {name: self._params[name].grad for name, _, _ in self._tied if name in self._params}
         for name in before:  # tied gradients are summed over ranks: only this step's part
             self._params[name].grad = None
+        with collective_failures("pmodel.step() (pipelined)", self._timeout_s):
+            return self._run_schedule(index, before)
+
+    def _run_schedule(self, index: torch.Tensor, before: dict[str, torch.Tensor | None]
+                      ) -> torch.Tensor:
         losses: list[torch.Tensor] = []
         if 0 in self._stage_modules:
             self._schedule.step(index, target=index, losses=losses, return_outputs=False)
         else:
             self._schedule.step(target=index, losses=losses, return_outputs=False)
         self._sync_tied(before)
-        if len(pipe.stages) - 1 in self._stage_modules:
+        if self.plan.pipeline.num_stages - 1 in self._stage_modules:
             total = torch.stack([loss.detach().reshape(()) for loss in losses]).sum()
         else:
             total = torch.zeros(())

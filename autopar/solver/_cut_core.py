@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from autopar.solver.ilp import InfeasibleMemoryError
+from autopar.solver.ilp import InfeasibleMemoryError, format_bytes
 
 
 _MEM_RTOL = 1e-9  # a cut fits when rank memory <= budget * (1 + _MEM_RTOL)
@@ -313,7 +313,19 @@ def _all_cuts(prob: _Problem):
 
 
 def _gib(x: float) -> str:
-    return f"{x:.0f} bytes ({x / 2**30:.3f} GiB)"
+    return f"{x:.0f} bytes ({format_bytes(x)})"
+
+
+def _stage_excess(prob: _Problem, budget: float, starts: Sequence[int]) -> str:
+    """Each pipeline rank's memory at the cut ``starts`` and how far it is over ``budget``."""
+    ends = list(starts[1:]) + [prob.n_layers]
+    _, rank_mem, _ = _Tables(prob).evaluate(starts)
+    parts = []
+    for r, mem in enumerate(rank_mem):
+        layers = ", ".join(f"{starts[j]}-{ends[j] - 1}" for j in range(r, prob.n_stages, prob.p))
+        over = f"{format_bytes(mem - budget)} over" if mem > budget else "fits"
+        parts.append(f"pipeline rank {r} (layers {layers}) needs {format_bytes(mem)}, {over}")
+    return "; ".join(parts)
 
 
 def _infeasible_error(prob: _Problem, budget: float, required: float, starts: Sequence[int],
@@ -335,7 +347,8 @@ def _infeasible_error(prob: _Problem, budget: float, required: float, starts: Se
         f"virtual_stages={prob.v}) fits the per-device memory budget: given {_gib(budget)}, "
         + ("the smallest budget any cut fits is " if proven else
            "the smallest budget found within the time limit (the exact minimum may be lower) is ")
-        + f"{_gib(required)} (cut starts {tuple(starts)}).{tab_note} Fix: use more pipeline stages "
+        + f"{_gib(required)} (cut starts {tuple(starts)}: {_stage_excess(prob, budget, starts)})."
+        + f"{tab_note} Fix: use more pipeline stages "
         "(more ranks), tensor parallelism to split each layer's parameters and activations, activation "
         "recomputation (or fewer microbatches in flight) to shrink the saved activations, or a device with "
         "more memory (raise the budget)."

@@ -191,6 +191,14 @@ def evaluate_choice(problem: ILPProblem, choice: tuple[int, ...]) -> tuple[float
 
 
 
+def format_bytes(x: float) -> str:
+    """``x`` bytes in the largest binary unit that keeps it >= 1 (``3.2 MiB``)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(x) >= size:
+            return f"{x / size:.3g} {unit}" if abs(x) < 1000 * size else f"{x / size:.0f} {unit}"
+    return f"{x:.0f} B"
+
+
 def min_memory_bytes(problem: ILPProblem) -> float:
     """Minimum per-device memory over all choices (exact: memory has no edge terms)."""
     return problem.memory_constant + math.fsum(float(np.min(m)) for m in problem.node_memory)
@@ -200,10 +208,11 @@ def _infeasible_error(problem: ILPProblem) -> InfeasibleMemoryError:
     required = min_memory_bytes(problem)
     budget = float(problem.memory_budget if problem.memory_budget is not None else math.inf)
     mins = sorted(((float(np.min(m)), g) for g, m in enumerate(problem.node_memory)), reverse=True)[:3]
-    top = ", ".join(f"{_group_name(problem, g)}: {v / 2**30:.3f} GiB" for v, g in mins)
+    top = ", ".join(f"{_group_name(problem, g)}: {format_bytes(v)}" for v, g in mins)
     msg = (
         f"no sharding plan fits the per-device memory budget: given {budget:.0f} bytes "
-        f"({budget / 2**30:.3f} GiB), required at least {required:.0f} bytes ({required / 2**30:.3f} GiB) "
+        f"({format_bytes(budget)}), required at least {required:.0f} bytes ({format_bytes(required)}, "
+        f"{format_bytes(required - budget)} over) "
         f"with every group on its smallest-memory strategy (constant part {problem.memory_constant:.0f} bytes; "
         f"largest groups {top}). Fix: raise Config.memory_bytes, use more devices, or allow more "
         "tensor/pipeline parallelism so parameters and activations are split further."

@@ -28,7 +28,7 @@ from autopar.graph import TracedGraph
 from autopar.mesh import Mesh
 from autopar.passes.stages import layer_units
 from autopar.plan import Collective, PipelinePlan, Plan
-from autopar.solver.ilp import InfeasibleMemoryError
+from autopar.solver.ilp import InfeasibleMemoryError, format_bytes
 from autopar.solver.planner import (
     _Candidate, _utilization, mesh_candidates, solve_candidate, solve_space,
 )
@@ -213,8 +213,18 @@ def _search_point(model: Any, example_inputs: Any, mesh: Mesh, config: Config,
             f"or a model built from repeated blocks.")
     # every stage fits the device only if the whole model fits pp devices (a relaxation: it
     # counts each activation once, the stages hold several microbatches in flight)
-    space, costs, res = solve_space(traced, mesh, config, cand, cost_passes,
-                                    budget * pp if budget is not None else None)
+    try:
+        space, costs, res = solve_space(traced, mesh, config, cand, cost_passes,
+                                        budget * pp if budget is not None else None)
+    except InfeasibleMemoryError as e:
+        raise InfeasibleMemoryError(
+            f"pp={pp}, stage mesh {dict(zip(cand.names, cand.shape))}, {m} microbatches: the "
+            f"{pp} pipeline ranks together ({pp} x {format_bytes(budget)}) cannot hold the model "
+            f"even with one microbatch in flight: it needs {format_bytes(e.required_bytes)}, "
+            f"{format_bytes(e.required_bytes - e.budget_bytes)} over, so no stage split fits.",
+            # (a per-device need this setup surely meets is not known: the whole model's, as
+            # the ILP reported it, keeps the other setups' exact needs first in the error)
+            required_bytes=e.required_bytes, budget_bytes=budget) from e
     prefix = fwd.units[1].rsplit(".", 1)[0] if len(fwd.units) > 2 else None
     every = unit_costs(traced, fwd.units, prefix, space, costs, res.choice, fwd, cand, pp, mesh)
     layers = _merge_empty(every, active)

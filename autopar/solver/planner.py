@@ -21,7 +21,7 @@ from autopar.graph import TracedGraph
 from autopar.mesh import Mesh, planning_device_mesh
 from autopar.placements import to_str
 from autopar.plan import Collective, NodePlan, Plan
-from autopar.solver.ilp import InfeasibleMemoryError
+from autopar.solver.ilp import InfeasibleMemoryError, format_bytes
 from autopar.solver.intra_op import IntraOpResult, ilp_groups, solve_intra_op
 from autopar.solver.records import (
     _NORMS, _applied, _describe_nodes, _local_elements, _phase, _precision,
@@ -151,10 +151,12 @@ def _make_plan(traced: TracedGraph, mesh: Mesh, config: Config,
     if not results and not infeasible:
         raise PlanError("no mesh candidate can place the model:\n" + "\n".join(unplaceable))
     if not results:
-        need = min(e.required_bytes for _, e in infeasible)
+        cand, closest = min(infeasible, key=lambda x: x[1].required_bytes)
+        need = closest.required_bytes
         raise InfeasibleMemoryError(
-            f"no plan fits the memory budget of {budget / 2**30:.3f} GiB per device on "
-            f"{mesh.size} devices; the smallest plan needs {need / 2**30:.3f} GiB. Raise "
+            f"no plan fits the memory budget of {format_bytes(budget)} per device on "
+            f"{mesh.size} devices; the smallest plan needs {format_bytes(need)} "
+            f"({format_bytes(need - budget)} over), on {_describe(cand)}: {closest} Raise "
             f"Config.memory_bytes, use more devices, or a smaller model/batch.",
             required_bytes=need, budget_bytes=budget)
     results.sort(key=lambda p: p.predicted["step_time_s"])
@@ -179,6 +181,13 @@ def _search_pipelines(config: Config, mesh: Mesh, flat_plans: list[Plan], fallba
     if config.mixed_precision == "bf16":  # refused with pp > 1 by make_plan
         return False
     return config.pp is not None or (fallback and not flat_plans) or mesh.nodes > 1
+
+
+def _describe(cand: _Candidate | None) -> str:
+    """``mesh dp=2 x tp=2`` for a flat candidate; a pipelined setup says its own."""
+    if cand is None:
+        return "a pipeline"
+    return "mesh " + " x ".join(f"{n}={s}" for n, s in zip(cand.names, cand.shape))
 
 
 def _add_pipeline(traced: TracedGraph, mesh: Mesh, config: Config, cost_passes: Sequence,

@@ -18,12 +18,20 @@ RUNS = {
                            "--vocab", "128", "--seq", "32", "--batch", "4", "--steps", "4",
                            "--lr", "1e-2"]),
     "gpt": ("train_gpt", ["--steps", "3"]),
+    # 2 steps saved to a checkpoint, then a second run resumes there and goes to step 4
+    "gpt-resume": ("train_gpt", ["--steps", "2", "--timeout", "300"]),
 }
 
 
-def run_example(name: str) -> dict:
-    """Run example ``name`` of :data:`RUNS`; its losses per step."""
+def run_example(name: str, workdir: str) -> dict:
+    """Run example ``name`` of :data:`RUNS`; its losses per step (``gpt-resume``: of the first
+    run and of the resumed run)."""
     if str(EXAMPLES) not in sys.path:
         sys.path.insert(0, str(EXAMPLES))  # as `python examples/x.py` has it
     module, argv = RUNS[name]
-    return {"losses": importlib.import_module(module).main(argv)}
+    main = importlib.import_module(module).main
+    if name != "gpt-resume":
+        return {"losses": main(argv)}
+    ckpt = ["--checkpoint", str(Path(workdir) / "example-ckpt")]
+    first = main(argv + ckpt)
+    return {"losses": first, "resumed": main(["--steps", "4", *ckpt])}

@@ -64,7 +64,7 @@ def _pairs(n: int) -> list[tuple[str, str]]:
 
 # The training examples (examples/train_hf.py for GPT-2 and Llama, examples/train_gpt.py), at
 # small sizes, in the 2-process job
-EXAMPLES = ["example:gpt2", "example:llama", "example:gpt"]
+EXAMPLES = ["example:gpt2", "example:llama", "example:gpt", "example:gpt-resume"]
 
 
 def _checks(n: int) -> list[str]:
@@ -262,6 +262,11 @@ def test_bad_input_in_a_job_gets_clear_errors(world):
         and "re-plan" in r["plan_model"], r["plan_model"]
     assert r["plan_mesh"].startswith("MeshError") and "4 devices" in r["plan_mesh"] \
         and "re-plan for this mesh" in r["plan_mesh"], r["plan_mesh"]
+    # rank 0 planned tp=2, rank 1 dp=2: every rank stops, naming the ranks and the difference
+    for msg in r["plans_differ"]:
+        assert "ranks [1]" in msg and "rank 0 vs rank 1" in msg, msg
+        assert "mesh: tp=2 vs None, dp=None vs 2" in msg and "config: dp=None vs 2, tp=2 vs None" \
+            in msg and "node placements of" in msg, msg
 
 
 def test_training_examples_run_and_learn(world):
@@ -275,4 +280,11 @@ def test_training_examples_run_and_learn(world):
     for check in ("example:gpt2", "example:llama"):
         losses = results[check]["losses"]
         assert losses[-1] < losses[0] - 0.1, (check, losses)
+    # train_gpt.py --checkpoint: 2 steps and a checkpoint, then a run that resumes at step 2;
+    # the same data and initial weights as the uninterrupted 3-step run, so the same losses
+    # (same plan, same reduction order: equal up to fp32 noise, 1e-5 relative)
+    whole, resume = results["example:gpt"]["losses"], results["example:gpt-resume"]
+    assert len(resume["losses"]) == 2 and len(resume["resumed"]) == 2, resume
+    for got, want in zip(resume["losses"] + resume["resumed"][:1], whole, strict=True):
+        assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (whole, resume)
 

@@ -5,7 +5,9 @@ A CHECK is ``kind:key=value,key=value`` (kind in mlp, gpt, gpt2, llama; keys: dp
 schedule, virtual_stages, microbatch_size, recompute, zero, sequence_parallel (0/1),
 mixed_precision for the Config, dim/batch/seq/layers/heads/explicit (attention)/tied for the model, topo for the topology
 preset; memory=1 also measures the peak memory of a step, curve=1 records a 20-step loss curve
-instead), or ``example:NAME`` to run a training example of ``examples/`` (``examples_check.py``).
+instead), ``example:NAME`` to run a training example of ``examples/`` (``examples_check.py``), or
+``ckpt:MODEL|PLAN|PLAN...`` to save a checkpoint under one plan and load it under others
+(``checkpoint_check.py``).
 Rank 0 writes one JSON record per check; an exception in a check is recorded, not raised, so one failure does
 not hide the others.
 """
@@ -28,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import autopar  # noqa: E402
 from autopar.capture import extract_loss  # noqa: E402
+from checkpoint_check import run_checkpoint  # noqa: E402
 from examples_check import run_example  # noqa: E402
 from models import build  # noqa: E402
 
@@ -271,6 +274,19 @@ def run_errors() -> dict:
             out[name] = "no error"
         except (autopar.PlanError, autopar.MeshError) as e:
             out[name] = f"{type(e).__name__}: {e}"
+    # ranks that planned differently (here: other degrees): both stop before the first step,
+    # and the error names the difference
+    rank_plan = autopar.plan(model, autopar.Mesh.from_torchrun(), inputs,
+                             config=autopar.Config(tp=world) if dist.get_rank() == 0 else
+                             autopar.Config(dp=world))
+    try:
+        autopar.parallelize(model, autopar.Mesh.from_torchrun(), inputs, plan=rank_plan)
+        mine = "no error"
+    except autopar.PlanError as e:
+        mine = str(e)
+    every: list = [None] * world
+    dist.all_gather_object(every, mine)
+    out["plans_differ"] = every
     ids, tgt = inputs
     for name, bad in (("shape", (ids[:, :8], tgt[:, :8])), ("dtype", (ids.int(), tgt)),
                       ("arity", (ids,))):
@@ -290,7 +306,9 @@ def main() -> None:
         t0 = time.perf_counter()
         try:
             if check.startswith("example:"):
-                results[check] = run_example(check.split(":", 1)[1])
+                results[check] = run_example(check.split(":", 1)[1], os.path.dirname(out))
+            elif check.startswith("ckpt:"):
+                results[check] = run_checkpoint(check.split(":", 1)[1], os.path.dirname(out))
             else:
                 results[check] = run_errors() if check == "errors" else run_check(check)
         except Exception as e:  # recorded for the test to report; the job goes on

@@ -49,3 +49,12 @@ def test_batch_not_divisible_by_the_data_parallel_degree():
     msg = str(err.value)
     assert "(3, 16)" in msg and "'dp': 2" in msg  # what was given
     assert "divisible by the data-parallel degree" in msg  # and how to fix it
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan")])
+def test_mesh_timeout_must_be_positive(bad):
+    from autopar.cost_models.topology import get_preset
+
+    with pytest.raises(autopar.MeshError) as err:
+        autopar.Mesh(1, 2, get_preset("cpu-gloo"), timeout_s=bad)
+    assert f"timeout_s={bad!r}" in str(err.value) and "positive" in str(err.value)

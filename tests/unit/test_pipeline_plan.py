@@ -230,3 +230,20 @@ def test_zero_bubble_backward_runs_input_and_weight_parts_once_each():
     for a, r in zip(got_in, ref_in):
         if r.requires_grad and r.grad is not None and a is not boundary[0]:
             assert torch.equal(a.grad, r.grad)
+
+
+def test_a_budget_no_stage_split_meets_names_the_stage_and_the_excess():
+    model, inputs = build("gpt", layers=4, batch=8)
+    mesh = autopar.Mesh.virtual("cpu-gloo", gpus_per_node=2)
+    config = dict(pp=2, microbatch_size=2, schedule="1f1b")
+    # just under what the best cut needs: one pipeline rank is over, by a small amount
+    with pytest.raises(autopar.InfeasibleMemoryError) as err:
+        autopar.plan(model, mesh, inputs, config=autopar.Config(memory_bytes=1.9e6, **config))
+    msg, e = str(err.value), err.value
+    assert "pipeline rank 0 (layers 0-2) needs" in msg and "over;" in msg, msg
+    assert "pipeline rank 1 (layers 3-5) needs" in msg and "fits" in msg, msg
+    assert 1.9e6 < e.required_bytes < 1.1 * 1.9e6 and e.budget_bytes == 1.9e6
+    # far below: even all the pipeline ranks together cannot hold the model
+    with pytest.raises(autopar.InfeasibleMemoryError) as err:
+        autopar.plan(model, mesh, inputs, config=autopar.Config(memory_bytes=6e5, **config))
+    assert "the 2 pipeline ranks together (2 x 586 KiB) cannot hold the model" in str(err.value)
