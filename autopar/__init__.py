@@ -21,6 +21,7 @@ from autopar.errors import (
 from autopar.mesh import Mesh
 from autopar.plan import Collective, Plan
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.profile import profile_step
 from autopar.solver.ilp import InfeasibleMemoryError
 from autopar.strategies.rules import register_op_rule
 
@@ -29,7 +30,7 @@ __all__ = [
     "InputMismatchError", "Mesh", "MeshError", "ParallelModule", "Plan", "PlanError",
     "RankFailureError",
     "UnsupportedOpError", "cost_pass", "load_checkpoint", "parallelize", "plan",
-    "register_op_rule", "save_checkpoint", "search",
+    "profile_step", "register_op_rule", "save_checkpoint", "search",
 ]
 
 __version__ = "0.1.0"

@@ -170,8 +170,19 @@ def inductor_compile(gm: Any, example_inputs: list[Any]) -> Callable[..., Any]:
     The lowered program is already a flat aten graph, so dynamo has nothing to do; inductor's
     entry point for FX graphs takes it as is.
     """
+    import copy
+
     import torch._inductor
 
+    # inductor's functionalization refuses in-place functional collectives (the gradient
+    # buckets' all_reduce_); it takes the out-of-place op and makes it in place itself
+    inplace = torch.ops._c10d_functional.all_reduce_.default
+    if any(n.target is inplace for n in gm.graph.nodes):
+        gm = copy.deepcopy(gm)
+        for n in gm.graph.nodes:
+            if n.target is inplace:
+                n.target = torch.ops._c10d_functional.all_reduce.default
+        gm.recompile()
     return torch._inductor.compile(gm, example_inputs)
 
 

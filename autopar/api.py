@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -73,16 +74,24 @@ def _device_mesh(p: Plan, mesh: Mesh) -> Any:
 
 def parallelize(model: nn.Module, mesh: Mesh, example_inputs: Any = None, *,
                 plan: Plan | str | Path | None = None, config: Config | None = None,
-                cost_passes: Sequence[Callable[..., Any]] = (), compile: bool = False) -> Any:
+                cost_passes: Sequence[Callable[..., Any]] = (), compile: bool = False,
+                plan_cache: bool | str | Path | None = None) -> Any:
     """Plan (or load ``plan``), lower and return a :class:`ParallelModule` for this job (a
     :class:`~autopar.runtime.pipeline.PipelineModule` when the plan is pipelined).
 
     Must run on every rank of the job, with the same model (same initial weights) and inputs.
-    ``compile=True`` compiles the per-rank program with inductor on the first ``step``.
+    ``compile=True`` compiles the per-rank program with inductor on the first ``step`` (a
+    pipeline: each stage's forward and backward graphs, on the first microbatch).
+    ``plan_cache``: where plans are cached so that the next launch of the same job skips the
+    search (:mod:`autopar.plan_cache`; ``False`` turns it off). The module's ``startup`` dict
+    gives the seconds of each phase (capture, plan, lower, then compile after the first step)
+    and whether the plan came from the cache.
     """
     from autopar.passes.lower import lower_to_local
 
     config = config or Config()
+    startup: dict[str, Any] = {}
+    t0 = time.perf_counter()
     if plan is not None and not isinstance(plan, Plan):
         plan = Plan.load(plan)
     if plan is not None and plan.solver.get("status") == "search":
@@ -97,9 +106,13 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: Any = None, *,
                         f"plan given, made with mixed_precision={precision!r}: drop the config "
                         f"field (the plan's is used) or re-plan with it.")
     traced = capture(model, example_inputs, "bf16" if precision in ("bf16", "bf16-autocast") else None)
+    t1 = time.perf_counter()
+    startup["capture_s"] = t1 - t0
     if plan is None:
-        the_plan = make_plan(traced, mesh, config, cost_passes, None, model, example_inputs)
+        the_plan, startup["plan_cache"] = _cached_plan(traced, mesh, config, cost_passes, model,
+                                                       example_inputs, plan_cache)
     else:
+        startup["plan_cache"] = "given"
         the_plan = plan
         if the_plan.model_fingerprint != traced.fingerprint():
             raise PlanError(
@@ -110,16 +123,36 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: Any = None, *,
         raise MeshError(
             f"the plan is for a mesh {the_plan.mesh_shape} ({int(torch.tensor(the_plan.mesh_shape).prod())} "
             f"devices) but the job has {mesh.size}; re-plan for this mesh.")
+    t2 = time.perf_counter()
+    startup["plan_s"] = t2 - t1
     check_same_plan(the_plan)
     dm = _device_mesh(the_plan, mesh)
     if the_plan.pipeline is not None:
-        if compile:
-            raise PlanError("compile=True is not available for pipelined plans yet: use "
-                            "compile=False, or Config(pp=1) for a compiled plan without a pipeline.")
-        return _pipelined(model, example_inputs, traced, the_plan, dm, mesh.timeout_s)
-    local = lower_to_local(traced.gm, the_plan, dm, _recomputed(traced, the_plan))
-    return ParallelModule(model, traced, the_plan, dm, local, compile=compile,
-                          timeout_s=mesh.timeout_s)
+        pmodel = _pipelined(model, example_inputs, traced, the_plan, dm, mesh.timeout_s, compile)
+    else:
+        local = lower_to_local(traced.gm, the_plan, dm, _recomputed(traced, the_plan))
+        pmodel = ParallelModule(model, traced, the_plan, dm, local, compile=compile,
+                                timeout_s=mesh.timeout_s)
+    startup["lower_s"] = time.perf_counter() - t2
+    pmodel.startup.update(startup)
+    return pmodel
+
+
+def _cached_plan(traced: Any, mesh: Mesh, config: Config, cost_passes: Sequence, model: nn.Module,
+                 example_inputs: Any, setting: bool | str | Path | None) -> tuple[Plan, str]:
+    """The plan from the cache (``"hit"``), or planned and stored (``"miss"``; ``"off"``
+    without a cache)."""
+    from autopar import plan_cache
+
+    directory = plan_cache.cache_dir(setting)
+    key = plan_cache.plan_key(traced, mesh, config, cost_passes) if directory else ""
+    cached = plan_cache.load_cached(directory, key) if directory else None
+    if cached is not None:
+        return cached, "hit"
+    fresh = make_plan(traced, mesh, config, cost_passes, None, model, example_inputs)
+    if directory:
+        plan_cache.store_cached(directory, key, fresh)
+    return fresh, "miss" if directory else "off"
 
 
 def _recomputed(traced: Any, the_plan: Plan) -> frozenset[str]:
@@ -129,7 +162,7 @@ def _recomputed(traced: Any, the_plan: Plan) -> frozenset[str]:
 
 
 def _pipelined(model: nn.Module, example_inputs: Any, traced: Any, the_plan: Plan, dm: Any,
-               timeout_s: float | None) -> Any:
+               timeout_s: float | None, compile: bool) -> Any:
     """Trace the plan's stages, lower this rank's, and build the pipelined module."""
     from autopar.passes.lower import lower_to_local
     from autopar.runtime.pipeline import PipelineModule
@@ -145,4 +178,5 @@ def _pipelined(model: nn.Module, example_inputs: Any, traced: Any, the_plan: Pla
         local = (lower_to_local(stage_traced.gm, stage_plan, submesh, _recomputed(stage_traced, stage_plan))
                  if st.index % pp == rank else None)
         built.append((st, stage_traced, local))
-    return PipelineModule(model, the_plan, dm, built, fwd.canonical, traced.input_spec, timeout_s)
+    return PipelineModule(model, the_plan, dm, built, fwd.canonical, traced.input_spec, timeout_s,
+                          compile)

@@ -45,6 +45,11 @@ class Config:
         mixed_precision: ``"bf16"`` runs the model under ``torch.autocast`` (bf16 matmuls, fp32
             master weights, gradients reduced in fp32), ``"fp32"`` or ``None`` as the model is
             (never changed behind the user's back: precision changes the numbers).
+        bucket_bytes: gradient all-reduces are merged into buckets of up to this many bytes
+            (the first bucket up to 1 MiB), each issued as soon as its last gradient exists and
+            waited for at the end of the backward, as ``DistributedDataParallel`` does (25 MiB
+            by default there); ``0`` reduces every gradient alone (still overlapped); ``None``
+            lets the planner choose the cap (1, 4 or 25 MiB) with the shortest predicted step.
     """
 
     dp: int | None = None
@@ -61,6 +66,7 @@ class Config:
     zero: int | None = None
     sequence_parallel: bool | None = None
     mixed_precision: str | None = None
+    bucket_bytes: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "virtual_stages", "microbatch_size"):
@@ -96,6 +102,12 @@ class Config:
                 f"Config.memory_bytes={self.memory_bytes!r}: give a positive, finite per-device "
                 f"budget in bytes, or None for the topology's memory."
             )
+        if self.bucket_bytes is not None and (
+                not isinstance(self.bucket_bytes, int) or isinstance(self.bucket_bytes, bool)
+                or self.bucket_bytes < 0):
+            raise ValueError(f"Config.bucket_bytes={self.bucket_bytes!r}: give a cap in bytes "
+                             f"(an int >= 0; 0 reduces every gradient alone), or None to let "
+                             f"the planner choose.")
         if not self.solver_time_limit_s > 0:  # also refuses NaN
             raise ValueError(
                 f"Config.solver_time_limit_s={self.solver_time_limit_s!r} must be positive."

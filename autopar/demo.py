@@ -79,7 +79,10 @@ def worker(steps: int, topology: str, compile: bool) -> None:
     pmodel = autopar.parallelize(model, mesh, _batch(0, 8, 64, 256), compile=compile)
     if rank == 0:
         print(pmodel.plan)
-        print(f"\nplanned and lowered in {time.perf_counter() - t0:.1f} s\n")
+        st = pmodel.startup
+        print(f"\nplanned and lowered in {time.perf_counter() - t0:.1f} s (capture "
+              f"{st['capture_s']:.1f} s, plan {st['plan_s']:.1f} s with the plan cache: "
+              f"{st['plan_cache']}, lower {st['lower_s']:.1f} s)\n")
     opt = torch.optim.AdamW(pmodel.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     rows = []

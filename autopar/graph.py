@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-__all__ = ["ParamInfo", "InputInfo", "Layer", "TracedGraph"]
+__all__ = ["ParamInfo", "InputInfo", "Layer", "TracedGraph", "output_moves"]
 
 
 @dataclass(frozen=True)
@@ -154,3 +154,19 @@ class TracedGraph:
         for p in self.params:
             h.update(f"{p.name}|{p.shape}|{p.tied_to}".encode())
         return h.hexdigest()[:16]
+
+
+def output_moves(gm: fx.GraphModule) -> tuple[dict[str, int], dict[str, int]]:
+    """Where each graph output is moved to its final placement, as the lowering and the
+    planner's collective list both walk it: ``(early, late)``, node name -> output index.
+    ``early``: outputs computed in the forward (the loss, a pipeline stage's activations),
+    moved where computed, in the forward; ``late``: the other computed outputs (gradients),
+    moved where computed, in graph order."""
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    early = {a.name: i for i, a in enumerate(out_node.args[0])
+             if isinstance(a, fx.Node) and a.meta.get("partitioner_tag") == "is_forward"}
+    late = {a.name: i for i, a in enumerate(out_node.args[0])
+            if isinstance(a, fx.Node) and a.op == "call_function" and a.name not in early}
+    order = {n.name: k for k, n in enumerate(gm.graph.nodes)}
+    return early, dict(sorted(late.items(), key=lambda kv: order[kv[0]]))
+

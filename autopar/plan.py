@@ -131,6 +131,8 @@ class Plan:
             their parameter's placement; ``None`` for outputs that are not computed).
         nodes: joint-graph node name -> :class:`NodePlan`.
         collectives: every collective of one step, in execution order.
+        grad_buckets: output indices of the parameter gradients reduced together, one
+            all-reduce per bucket, in the order they are issued (:mod:`autopar.solver.buckets`).
         predicted: ``step_time_s``, ``compute_s``, ``comm_s``, ``peak_memory_bytes`` (per device).
         solver: status, gap, backend, solve time, variable counts.
         warnings: ops replicated for lack of a rule, solver time limits, ...
@@ -165,6 +167,7 @@ class Plan:
     alternatives: tuple[dict[str, Any], ...] = ()
     pipeline: PipelinePlan | None = None
     techniques: dict[str, Any] = field(default_factory=dict)
+    grad_buckets: tuple[tuple[int, ...], ...] = ()
 
     # ---- pictures ----------------------------------------------------------------------------
     def to_chrome_trace(self, path: str | Path) -> Path:
@@ -230,6 +233,7 @@ class Plan:
                 alternatives=tuple(_alternative(a) for a in d.get("alternatives", ())),
                 pipeline=PipelinePlan.from_dict(d["pipeline"]) if d.get("pipeline") else None,
                 techniques=dict(d.get("techniques", {})),
+                grad_buckets=tuple(tuple(b) for b in d.get("grad_buckets", ())),
             )
         except PlanError:
             raise
@@ -251,7 +255,8 @@ class Plan:
 
         d = self.to_dict()
         keep = {k: d[k] for k in ("model_fingerprint", "mesh_shape", "axis_names", "degrees",
-                                  "params", "inputs", "output_placements", "collectives")}
+                                  "params", "inputs", "output_placements", "collectives",
+                                  "grad_buckets")}
         keep["nodes"] = {k: [v["outputs"], v["inputs"]] for k, v in d["nodes"].items()}
         if self.pipeline is not None:
             p = d["pipeline"]
@@ -360,6 +365,18 @@ class Plan:
         return tabulate(rows, headers=["node / layer", "op", "module", "phase", "outputs per axis",
                                        "inputs per axis", "compute ms", "comm ms"])
 
+    def _collectives_of(self, phase: str | None, axis: str | None, pp_rank: int | None
+                        ) -> list[Collective]:
+        """The collectives of one phase, axis and/or pipeline rank (``None``: all). A
+        pipeline rank's are its stages' collectives and those over the ``pp`` axis."""
+        def mine(c: Collective) -> bool:
+            if pp_rank is None or c.stage is None or self.pipeline is None:
+                return True
+            return c.stage % self.degrees["pp"] == pp_rank
+
+        return [c for c in self.collectives
+                if (phase is None or c.phase == phase) and (axis is None or c.axis == axis) and mine(c)]
+
     def collective_counts(self, phase: str | None = None, axis: str | None = None,
                           pp_rank: int | None = None) -> Counter:
         """Count collectives by kind, optionally for one phase, axis and/or pipeline rank.
@@ -367,14 +384,17 @@ class Plan:
         ``pp_rank`` keeps what the ranks of that pipeline rank issue: their stages' collectives
         and those over the ``pp`` axis.
         """
-        def mine(c: Collective) -> bool:
-            if pp_rank is None or c.stage is None or self.pipeline is None:
-                return True
-            return c.stage % self.degrees["pp"] == pp_rank
+        return Counter(c.kind for c in self._collectives_of(phase, axis, pp_rank))
 
-        return Counter(c.kind for c in self.collectives
-                       if (phase is None or c.phase == phase) and (axis is None or c.axis == axis)
-                       and mine(c))
+    def collective_bytes(self, phase: str | None = None, axis: str | None = None,
+                         pp_rank: int | None = None) -> Counter:
+        """Bytes per rank and step by collective kind (see :class:`Collective` for what a
+        collective's bytes are), filtered as :meth:`collective_counts`;
+        :class:`autopar.runtime.profile.CommMeter` measures the same quantity."""
+        out: Counter = Counter()
+        for c in self._collectives_of(phase, axis, pp_rank):
+            out[c.kind] += c.bytes
+        return out
 
     def compare(self, other: "Plan") -> str:
         """What differs between this plan (``A``) and ``other`` (``B``), as tables: degrees,

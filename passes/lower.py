@@ -16,6 +16,7 @@ gradient where the backward produces it), so an unreduced gradient dies at its r
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any, Sequence
 
@@ -26,13 +27,15 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar import _torch_private as private
 from autopar._torch_private import DTensorSpec, FakeTensorMode, _StridedShard
+from autopar.graph import output_moves
 from autopar.placements import from_str
+from autopar.passes.overlap import overlap_collectives
 from autopar.passes.recompute import TAG, recompute_pass
 from autopar.plan import Plan
 from autopar.strategies import fused
 from autopar.strategies.reshard import local_shape, reshard_steps
 
-__all__ = ["lower_to_local", "placements_of", "reshard"]
+__all__ = ["lower_to_local", "placements_of", "reshard", "GradientBuckets"]
 
 
 def placements_of(text: Sequence[str]) -> tuple:
@@ -92,15 +95,13 @@ class _Interpreter:
 
     def run(self, *locals_: torch.Tensor) -> list[torch.Tensor | None]:
         moved: dict[tuple[str, tuple], DTensor] = {}
-        out_node = next(n for n in self.gm.graph.nodes if n.op == "output")
         # forward outputs (the loss, a pipeline stage's activations) are moved to their output
-        # placement as soon as they exist, in the forward: a backward consumer may share the move
-        early = {a.name: i for i, a in enumerate(out_node.args[0])
-                 if isinstance(a, fx.Node) and a.meta.get("partitioner_tag") == "is_forward"}
-        # the other outputs (gradients) too: a gradient is reduced as soon as it is computed,
-        # so its unreduced copy dies there (with ZeRO, the reduce-scatter frees the full one)
-        late = {a.name: i for i, a in enumerate(out_node.args[0])
-                if isinstance(a, fx.Node) and a.op == "call_function" and a.name not in early}
+        # placement as soon as they exist, in the forward: a backward consumer may share the
+        # move. The other outputs (gradients) too: a gradient is reduced as soon as it is
+        # computed, so its unreduced copy dies there (with ZeRO, the reduce-scatter frees the
+        # full one); the plan's gradient buckets are reduced together (GradientBuckets).
+        early, late = output_moves(self.gm)
+        buckets = GradientBuckets(self.plan.grad_buckets, self.mesh)
         env: dict[str, Any] = _LazyInputs(self, dict(zip((n.name for n in self.placeholders), locals_)))
         for n in self.gm.graph.nodes:
             if n.op == "get_attr":
@@ -111,24 +112,33 @@ class _Interpreter:
                 env[n.name] = env[n.args[0].name][n.args[1]]
                 if n.name in late:
                     with torch.fx.traceback.set_current_meta(n):
-                        self._get(n, placements_of(self.plan.output_placements[late[n.name]]), env, moved)
+                        self._move_late(n, late[n.name], env, moved, buckets)
             elif n.op == "call_function":
                 try:
                     # the local nodes (and the collectives feeding them) keep the joint node's
                     # metadata, "partitioner_tag" included: the forward/backward split needs it
                     with torch.fx.traceback.set_current_meta(n):
                         env[n.name] = self._call(n, env, moved)
-                        if n.name in early or n.name in late:
-                            i = early[n.name] if n.name in early else late[n.name]
-                            self._get(n, placements_of(self.plan.output_placements[i]), env, moved)
+                        if n.name in early:
+                            self._get(n, placements_of(self.plan.output_placements[early[n.name]]), env, moved)
+                        elif n.name in late:
+                            self._move_late(n, late[n.name], env, moved, buckets)
                 except Exception as e:
                     choice = self.plan.nodes[n.name]
                     raise RuntimeError(
                         f"lowering node {n.name} ({n.target}) with inputs {choice.inputs} and "
                         f"outputs {choice.outputs} failed: {type(e).__name__}: {e}") from e
             elif n.op == "output":
-                return self._outputs(n, env, moved)
+                return self._outputs(n, env, moved, buckets)
         raise AssertionError("graph without output")
+
+    def _move_late(self, n: fx.Node, index: int, env: dict, moved: dict,
+                   buckets: "GradientBuckets") -> None:
+        dst = placements_of(self.plan.output_placements[index])
+        if index in buckets:
+            buckets.add(index, env[n.name], dst, _owned(n))
+        else:
+            self._get(n, dst, env, moved)
 
     def _get(self, a: fx.Node, dst: tuple, env: dict, moved: dict) -> DTensor:
         key = (a.name, dst)
@@ -171,15 +181,115 @@ class _Interpreter:
                     f"{tuple(o.placements)}, the plan says {p}. Please report this with the model.")
         return out if isinstance(out, (tuple, list)) else fixed[0]
 
-    def _outputs(self, n: fx.Node, env: dict, moved: dict) -> list[torch.Tensor | None]:
+    def _outputs(self, n: fx.Node, env: dict, moved: dict,
+                 buckets: "GradientBuckets") -> list[torch.Tensor | None]:
         res: list[torch.Tensor | None] = []
         for i, a in enumerate(n.args[0]):
             if a is None:
                 res.append(None)
                 continue
+            if i in buckets:
+                with torch.fx.traceback.set_current_meta(a):  # (a backward node's tags)
+                    res.append(buckets.result(i))
+                continue
             target = placements_of(self.plan.output_placements[i])
             res.append(self._get(a, target, env, moved).to_local())
         return res
+
+
+class GradientBuckets:
+    """Executes ``Plan.grad_buckets`` (the policy is :mod:`autopar.solver.buckets`): the local
+    gradients of a bucket are flattened into one buffer, all-reduced with one collective when
+    the last of them is computed, and waited for at the end of the program (the outputs), so
+    the reduction runs while the rest of the backward computes; the results are views of the
+    reduced buffer. The collective is the raw functional op, not DTensor's (whose
+    traced form waits at once)."""
+
+    def __init__(self, buckets: Sequence[Sequence[int]], mesh: Any) -> None:
+        self.mesh = mesh
+        self.bucket_of = {i: tuple(b) for b in buckets for i in b}
+        self.local: dict[int, torch.Tensor] = {}
+        self.issued: dict[tuple[int, ...], torch.Tensor] = {}
+        self.shapes: dict[tuple[int, ...], list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
+        self.owned: dict[int, bool] = {}
+        self.results: dict[int, torch.Tensor] = {}
+
+    def __contains__(self, index: int) -> bool:
+        return index in self.bucket_of
+
+    def add(self, index: int, value: DTensor, dst: tuple, owned: bool = False) -> None:
+        """Gradient ``index`` is computed (``value``, Partial on one axis, ``dst`` Replicate
+        there); issue its bucket's all-reduce if it is the bucket's last gradient. ``owned``:
+        nothing else reads the gradient or what it views, so a bucket of it alone is reduced in
+        its own memory (no copy)."""
+        axes = [a for a, (p, q) in enumerate(zip(value.placements, dst)) if p != q]
+        if len(axes) != 1 or not isinstance(value.placements[axes[0]], Partial) \
+                or not isinstance(dst[axes[0]], Replicate):
+            raise RuntimeError(f"internal: gradient output {index} is bucketed but moves "
+                               f"{tuple(value.placements)} -> {dst}, not one all-reduce. Please "
+                               f"report this with the model.")
+        self.local[index] = value.to_local()
+        self.owned[index] = owned
+        bucket = self.bucket_of[index]
+        if index != bucket[-1]:
+            return
+        missing = [i for i in bucket if i not in self.local]
+        if missing:
+            raise RuntimeError(f"internal: gradient bucket {bucket} issued before gradients "
+                               f"{missing} were computed. Please report this with the model.")
+        # each gradient flattened in its memory order (a transposed one through its transpose:
+        # no copy before the one into the bucket)
+        parts = [_dense_permutation(self.local.pop(i)) for i in bucket]
+        self.shapes[bucket] = [(tuple(x.shape), perm) for x, perm in parts]
+        alone = parts[0][0] if len(bucket) == 1 and self.owned[bucket[0]] else None
+        if alone is not None and alone.is_contiguous() and alone.storage_offset() == 0 \
+                and alone.untyped_storage().nbytes() == alone.numel() * alone.element_size():
+            flat = alone.reshape(-1)  # the gradient's own memory
+        else:
+            flat = torch.cat([x.reshape(-1) for x, _ in parts])
+        group = self.mesh.get_group(axes[0]).group_name
+        op = value.placements[axes[0]].reduce_op
+        # in place: the buffer is the bucket's own (the out-of-place op would copy it first)
+        self.issued[bucket] = torch.ops._c10d_functional.all_reduce_.default(flat, op, group)
+
+    def result(self, index: int) -> torch.Tensor:
+        """The reduced local gradient ``index`` (waits for its bucket the first time)."""
+        if index not in self.results:
+            bucket = self.bucket_of[index]
+            reduced = torch.ops._c10d_functional.wait_tensor.default(self.issued.pop(bucket))
+            shapes = self.shapes[bucket]
+            parts = torch.split(reduced, [math.prod(s) for s, _ in shapes])
+            for i, part, (shape, perm) in zip(bucket, parts, shapes):
+                inverse = sorted(range(len(perm)), key=perm.__getitem__)
+                self.results[i] = part.view(shape).permute(inverse)
+        return self.results[index]
+
+
+def _owned(n: fx.Node) -> bool:
+    """Whether joint-graph node ``n`` (a graph output) and every tensor it views are read by
+    nothing but the next in that chain (and ``n`` by the output alone): the ops' schemas say
+    which outputs alias an input (views: ``Tensor(a)``); any other op makes a new tensor."""
+    while len(n.users) == 1 and n.op == "call_function":
+        schema = getattr(n.target, "_schema", None)
+        if schema is None or not schema.returns:
+            return False
+        if schema.returns[0].alias_info is None and not schema.is_mutable \
+                and n.target is not torch.ops.aten._unsafe_view.default:  # (a view, unannotated)
+            return True  # a new tensor
+        if not n.args or not isinstance(n.args[0], fx.Node):
+            return False
+        n = n.args[0]
+    return False
+
+
+def _dense_permutation(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``(x.permute(perm), perm)`` with ``x.permute(perm)`` contiguous when ``x`` is a
+    permutation of a contiguous tensor (a transposed gradient); else ``(x, identity)``."""
+    perm = tuple(sorted(range(x.dim()), key=lambda d: -x.stride(d)))
+    y = x.permute(perm)
+    if y.is_contiguous():
+        return y, perm
+    return x, tuple(range(x.dim()))
 
 
 class _LazyInputs(dict):
@@ -251,7 +361,8 @@ def lower_to_local(gm: fx.GraphModule, plan: Plan, mesh: Any,
     ``recompute``: joint-graph nodes to recompute in the backward
     (:func:`autopar.passes.recompute.recompute_nodes` of the plan's policy); their local nodes
     are tagged while tracing and :func:`~autopar.passes.recompute.recompute_pass` rewrites the
-    program.
+    program. Last, :func:`~autopar.passes.overlap.overlap_collectives` issues each collective
+    as soon as its input exists and waits for it where its result is first needed.
     """
     tagged = [n for n in gm.graph.nodes if n.name in recompute]
     for n in tagged:
@@ -261,7 +372,7 @@ def lower_to_local(gm: fx.GraphModule, plan: Plan, mesh: Any,
     finally:
         for n in tagged:
             n.meta.pop(TAG, None)
-    return recompute_pass(local) if tagged else local
+    return overlap_collectives(recompute_pass(local) if tagged else local)
 
 
 def _trace_local(gm: fx.GraphModule, plan: Plan, mesh: Any) -> fx.GraphModule:

@@ -10,6 +10,7 @@ PyTorch and gradients reach the DTensor parameters through ``DTensor.to_local``.
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any, Sequence
 
 import torch
@@ -18,7 +19,8 @@ import torch.fx as fx
 from autopar import _torch_private as private
 from autopar.runtime.faults import collective_failures
 
-__all__ = ["split_forward_backward", "split_weight_backward", "WeightSplit", "JointFunction"]
+__all__ = ["split_forward_backward", "split_weight_backward", "WeightSplit", "JointFunction",
+           "GradSink", "LazyCompiled", "Labelled"]
 
 _WAIT = "wait_tensor"
 
@@ -38,7 +40,32 @@ def split_forward_backward(local: fx.GraphModule, placeholder_names: Sequence[st
         n.target = name
         n.name = name
     gm.recompile()
-    return private.partition_joint(gm, num_fwd_outputs=num_fwd_outputs)
+    fwd, bwd = private.partition_joint(gm, num_fwd_outputs=num_fwd_outputs)
+    return _drop_dead_code(fwd), _drop_dead_code(bwd)
+
+
+def _drop_dead_code(gm: fx.GraphModule) -> fx.GraphModule:
+    """Remove the computations whose results nothing uses. The partitioner's own clean-up keeps
+    every op but the collectives (in torch 2.13 it treats the rest as impure), so a backward
+    graph could recompute a forward op (an attention) whose outputs it was given saved."""
+    changed = True
+    while changed:
+        changed = False
+        for n in reversed(list(gm.graph.nodes)):
+            if n.op != "call_function" or n.users or _keeps(n):
+                continue
+            gm.graph.erase_node(n)
+            changed = True
+    gm.recompile()
+    return gm
+
+
+def _keeps(n: fx.Node) -> bool:
+    """A node that must run even when unused: a collective, a wait, an op that mutates."""
+    if getattr(n.target, "namespace", None) in ("c10d", "_c10d_functional"):
+        return True
+    schema = getattr(n.target, "_schema", None)
+    return schema is None or schema.is_mutable
 
 
 class WeightSplit(torch.nn.Module):
@@ -103,13 +130,86 @@ def split_weight_backward(bwd: fx.GraphModule, input_positions: Sequence[int]) -
     return WeightSplit(fx.GraphModule(bwd, g1), fx.GraphModule(bwd, g2), in_pos, len(outs), len(stash))
 
 
+class LazyCompiled(torch.nn.Module):
+    """An FX graph compiled with inductor at its first call, for that call's shapes (a
+    pipeline stage's forward and backward run on every microbatch with the same shapes)."""
+
+    def __init__(self, gm: fx.GraphModule, timings: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.gm = gm
+        self._compiled: Any = None
+        self._timings = timings  # the compile's seconds are added to its "compile_s"
+
+    def forward(self, *args: Any) -> Any:
+        """Run the compiled graph (compiling it first, on the first call)."""
+        if self._compiled is None:
+            t0 = time.perf_counter()
+            self._compiled = private.inductor_compile(self.gm, list(args))
+            if self._timings is not None:
+                self._timings["compile_s"] = self._timings.get("compile_s", 0.0) + time.perf_counter() - t0
+        return self._compiled(*args)
+
+
+class Labelled(torch.nn.Module):
+    """A graph (module) called under a ``torch.profiler`` range named ``label``, and timed
+    into ``times`` while that is a list (:func:`autopar.runtime.profile.profile_step`)."""
+
+    def __init__(self, graph: torch.nn.Module, label: str) -> None:
+        super().__init__()
+        self.graph, self.label = graph, label
+        self.times: list[float] | None = None
+
+    def forward(self, *args: Any) -> Any:
+        """Call the graph."""
+        with torch.profiler.record_function(self.label):
+            if self.times is None:
+                return self.graph(*args)
+            t0 = time.perf_counter()
+            out = self.graph(*args)
+            self.times.append(time.perf_counter() - t0)
+            return out
+
+
+class GradSink:
+    """Gradients of inputs that bypass autograd, summed over calls: a pipeline stage's
+    parameters, fed to :class:`JointFunction` as plain local tensors, get their gradients here
+    over the microbatches of a step (one plain add each) instead of through autograd into the
+    DTensor parameters (a DTensor dispatch per parameter and microbatch)."""
+
+    def __init__(self) -> None:
+        self.grads: dict[str, torch.Tensor] = {}
+        self._owned: set[str] = set()
+
+    def add(self, name: str, grad: torch.Tensor | None) -> None:
+        """Add ``grad`` to the sum of ``name``'s gradients (the first one is kept as given, so
+        the sum is done in place only on a tensor made here)."""
+        if grad is None:
+            return
+        if name not in self.grads:
+            self.grads[name] = grad
+        elif name in self._owned:
+            self.grads[name].add_(grad)
+        else:
+            self.grads[name] = self.grads[name] + grad
+            self._owned.add(name)
+
+    def take(self) -> dict[str, torch.Tensor]:
+        """The sums so far, and start again."""
+        grads, self.grads, self._owned = self.grads, {}, set()
+        return grads
+
+
 class JointFunction(torch.autograd.Function):
     """Runs the forward graph; its backward runs the backward graph.
 
-    ``forward(ctx, fwd, bwd, grad_slots, num_outputs, split_backward, *primals)`` returns the
-    forward's first ``num_outputs`` results (one tensor when ``num_outputs == 1``).
+    ``forward(ctx, fwd, bwd, grad_slots, num_outputs, split_backward, sink, *primals)``
+    returns the forward's first ``num_outputs`` results (one tensor when ``num_outputs == 1``).
     ``grad_slots[j]`` is the position of primal ``j``'s gradient among the backward graph's
-    outputs, or ``None``.
+    outputs, or ``None``. ``sink``: ``None``, or ``(GradSink, names)`` with ``names[j]`` the
+    name under which primal ``j``'s gradient goes to the sink instead of to autograd (``None``
+    for the primals whose gradient autograd takes); then the first primal is an anchor, a
+    scalar that requires grad and that the graphs do not read, so that the outputs require
+    grad even when no other primal does (a first pipeline stage).
 
     The backward computes every gradient at once, unless ``bwd`` is a :class:`WeightSplit`
     (``split_backward``): a zero-bubble pipeline schedule then calls it twice with the graph
@@ -120,15 +220,19 @@ class JointFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, fwd: fx.GraphModule, bwd: fx.GraphModule, grad_slots: tuple,
-                num_outputs: int, split_backward: bool, *primals: torch.Tensor) -> Any:
-        outs = fwd(*primals)
+                num_outputs: int, split_backward: bool, sink: tuple | None,
+                *primals: torch.Tensor) -> Any:
+        outs = fwd(*(primals[1:] if sink is not None else primals))
         results, saved = outs[:num_outputs], outs[num_outputs:]
         tensors = [s for s in saved if isinstance(s, torch.Tensor)]
         ctx.save_for_backward(*tensors)
         ctx.saved_layout = [isinstance(s, torch.Tensor) for s in saved]
         ctx.others = [s for s in saved if not isinstance(s, torch.Tensor)]
         ctx.bwd, ctx.grad_slots = bwd, grad_slots
-        ctx.kept, ctx.split_backward = None, split_backward
+        ctx.kept, ctx.split_backward, ctx.sink = None, split_backward, sink
+        if split_backward and sink is not None:
+            raise ValueError("JointFunction: a gradient sink needs the whole backward at once, "
+                             "not a split (zero-bubble) one.")
         if num_outputs == 1:
             return results[0].detach()
         return tuple(r.detach() for r in results)
@@ -141,8 +245,14 @@ class JointFunction(torch.autograd.Function):
         saved = [next(tensors) if is_t else next(others) for is_t in ctx.saved_layout]
         with collective_failures("the backward", None):
             grads = ctx.bwd(*saved, *grad_outputs)
-        return (None, None, None, None, None,
-                *(grads[k] if k is not None else None for k in ctx.grad_slots))
+        if ctx.sink is not None:
+            sink, names = ctx.sink
+            for k, name in zip(ctx.grad_slots, names):
+                if k is not None and name is not None:
+                    sink.add(name, grads[k])
+            return (None,) * 7 + tuple(grads[k] if k is not None and name is None else None
+                                       for k, name in zip(ctx.grad_slots, names))
+        return (None,) * 6 + tuple(grads[k] if k is not None else None for k in ctx.grad_slots)
 
     @staticmethod
     def _split_backward(ctx: Any, grad_outputs: tuple) -> tuple:
@@ -165,5 +275,4 @@ class JointFunction(torch.autograd.Function):
                 if g is not None:
                     grads[pos] = g
             ctx.kept = ()  # done: a third call would be a bug
-        return (None, None, None, None, None,
-                *(grads[k] if k is not None else None for k in ctx.grad_slots))
+        return (None,) * 6 + tuple(grads[k] if k is not None else None for k in ctx.grad_slots)

@@ -9,6 +9,7 @@ one local program (explicit collectives) and leaves gradients in ``p.grad``.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -42,6 +43,8 @@ class ParallelModule(StateDictMixin, nn.Module):
         self._program = local_program
         self._compile = compile
         self._compiled: Any = None
+        # seconds of each start-up phase (autopar.parallelize fills it; compile_s: the first step)
+        self.startup: dict[str, Any] = {}
         self._split: tuple[fx.GraphModule, fx.GraphModule] | None = None
         self._timeout_s = timeout_s
         self._names: list[str] = []
@@ -96,7 +99,8 @@ class ParallelModule(StateDictMixin, nn.Module):
                 feeds.append(torch.ones((), dtype=torch.float32))
             else:
                 feeds.append(next(inputs))
-        with collective_failures("pmodel.step()", self._timeout_s):
+        with collective_failures("pmodel.step()", self._timeout_s), \
+                torch.profiler.record_function("autopar step"):
             outs = self._execute(feeds)
         for p in self._traced.params:
             if p.grad_output_index is None or outs[p.grad_output_index] is None:
@@ -114,7 +118,9 @@ class ParallelModule(StateDictMixin, nn.Module):
         if self._compiled is None:  # compiled on first use, for these (static) shapes
             from autopar import _torch_private as private
 
+            t0 = time.perf_counter()
             self._compiled = private.inductor_compile(self._program, feeds)
+            self.startup["compile_s"] = time.perf_counter() - t0
         return self._compiled(*feeds)
 
     def _placeholder_order(self) -> list[str]:
@@ -152,5 +158,5 @@ class ParallelModule(StateDictMixin, nn.Module):
                 primals.append(next(inputs))
                 slots.append(None)
         with collective_failures("pmodel(...) (forward)", self._timeout_s):
-            loss = JointFunction.apply(fwd, bwd, tuple(slots), 1, False, *primals)
+            loss = JointFunction.apply(fwd, bwd, tuple(slots), 1, False, None, *primals)
         return self._traced.wrap_loss(loss)

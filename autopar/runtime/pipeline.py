@@ -37,7 +37,8 @@ from autopar.passes.stages import StageGraph, set_module_attr
 from autopar.plan import Plan
 from autopar.runtime.faults import collective_failures
 from autopar.runtime.state import StateDictMixin, model_state
-from autopar.runtime.autograd import JointFunction, split_forward_backward, split_weight_backward
+from autopar.runtime.autograd import (GradSink, JointFunction, Labelled, LazyCompiled,
+                                      split_forward_backward, split_weight_backward)
 from autopar.strategies.reshard import local_shape
 
 __all__ = ["PipelineModule", "StageModule", "SCHEDULE_CLASSES"]
@@ -69,7 +70,8 @@ class StageModule(nn.Module):
 
     def __init__(self, stage: StageGraph, traced: TracedGraph, local_program: fx.GraphModule,
                  params: dict[str, nn.Parameter], canonical: dict[str, str], feeder: _Feeder,
-                 split_backward: bool, buffers: dict[str, torch.Tensor]) -> None:
+                 split_backward: bool, buffers: dict[str, torch.Tensor],
+                 compile: bool = False, timings: dict[str, Any] | None = None) -> None:
         super().__init__()
         self.stage, self.traced = stage, traced
         self.feeder, self.split_backward = feeder, split_backward
@@ -88,13 +90,42 @@ class StageModule(nn.Module):
             positions = [slot for name, slot in zip(self._order, self._slots)
                          if name in traced.boundary_inputs and slot is not None]
             self.bwd = split_weight_backward(self.bwd, positions)
+        if compile:  # each graph compiled with inductor on its first microbatch
+            self.fwd = LazyCompiled(self.fwd, timings)
+            if split_backward:
+                self.bwd.input_part = LazyCompiled(self.bwd.input_part, timings)
+                self.bwd.weight_part = LazyCompiled(self.bwd.weight_part, timings)
+            else:
+                self.bwd = LazyCompiled(self.bwd, timings)
+        self._label_graphs()
         self._params = params
+        # the parameters' gradients: through autograd into the DTensor parameters when the
+        # schedule splits the backward (zero-bubble's weight step runs on autograd's edges),
+        # else summed over the microbatches as local tensors (GradSink), set once per step
+        self.sink = None if split_backward else GradSink()
+        self._anchor = torch.zeros((), requires_grad=True)
         # registered too, so that pipelining finds the stage's weights (zero-bubble's weight step)
         for i, name in enumerate(dict.fromkeys(n for n in self._param_names if n is not None)):
             self.register_parameter(f"param_{i}", params[name])
         # buffers are replicated (as planned): every rank feeds the whole tensor; constants that
         # export lifted out of the code (``lifted_tensor_N``) live in the stage graph itself
         self._buffers_by_node = {b.node: _buffer(b.name, buffers, stage.gm) for b in traced.buffers}
+
+    def _label_graphs(self) -> None:
+        """Each graph under a profiler range (and timed on demand: :meth:`graphs`)."""
+        name = f"autopar stage {self.stage.index}"
+        self.fwd = Labelled(self.fwd, f"{name} forward")
+        if self.split_backward:
+            self.bwd.input_part = Labelled(self.bwd.input_part, f"{name} backward (inputs)")
+            self.bwd.weight_part = Labelled(self.bwd.weight_part, f"{name} backward (weights)")
+        else:
+            self.bwd = Labelled(self.bwd, f"{name} backward")
+
+    def graphs(self) -> dict[str, list[Labelled]]:
+        """The stage's graphs by phase (``"forward"``, ``"backward"``: one, or the two parts of
+        a split backward)."""
+        bwd = [self.bwd.input_part, self.bwd.weight_part] if self.split_backward else [self.bwd]
+        return {"forward": [self.fwd], "backward": bwd}
 
     def forward(self, *args: torch.Tensor) -> Any:
         """The stage's forward on one microbatch: boundary shards in, boundary shards (or the
@@ -106,18 +137,20 @@ class StageModule(nn.Module):
                 f"{mb} was due; autopar needs schedules that run each stage's forwards in order.")
         boundary = iter(args if self.stage.index > 0 else ())
         users = iter(user)
-        primals = []
+        primals = [] if self.sink is None else [self._anchor]
         for name, pname in zip(self._order, self._param_names):
             if pname is not None:
-                primals.append(self._params[pname].to_local())
+                local = self._params[pname].to_local()
+                primals.append(local if self.sink is None else local.detach())
             elif name in self.traced.boundary_inputs:
                 primals.append(next(boundary))
             elif name in self._buffers_by_node:
                 primals.append(self._buffers_by_node[name])
             else:
                 primals.append(next(users))
-        return JointFunction.apply(self.fwd, self.bwd, self._slots,
-                                   self.traced.num_forward_outputs, self.split_backward, *primals)
+        sink = None if self.sink is None else (self.sink, tuple(self._param_names))
+        return JointFunction.apply(self.fwd, self.bwd, self._slots, self.traced.num_forward_outputs,
+                                   self.split_backward, sink, *primals)
 
 
 def _buffer(name: str, buffers: dict[str, torch.Tensor], stage_gm: fx.GraphModule) -> torch.Tensor:
@@ -146,13 +179,17 @@ class PipelineModule(StateDictMixin, nn.Module):
     """
 
     def __init__(self, model: nn.Module, plan: Plan, device_mesh: Any, stages: _Stages,
-                 canonical: dict[str, str], input_spec: Any, timeout_s: float | None = None) -> None:
+                 canonical: dict[str, str], input_spec: Any, timeout_s: float | None = None,
+                 compile: bool = False) -> None:
         super().__init__()
         pipe = plan.pipeline
         if pipe is None:
             raise PlanError("PipelineModule needs a plan with a pipeline; use ParallelModule.")
         self.plan, self.device_mesh = plan, device_mesh
         self._timeout_s = timeout_s
+        # seconds of each start-up phase (autopar.parallelize fills it; compile_s: the stages'
+        # graphs, compiled on the first step)
+        self.startup: dict[str, Any] = {}
         self._pp = plan.degrees["pp"]
         self.pp_rank = device_mesh.get_local_rank("pp")
         self._submesh = device_mesh[tuple(plan.axis_names[1:])]
@@ -172,7 +209,7 @@ class PipelineModule(StateDictMixin, nn.Module):
                 self._add_param(name, originals[name], splan.params[p.name])
             self._stage_modules[st.index] = StageModule(
                 st, traced, local, self._params, canonical, self._feeder,
-                pipe.schedule == "zero-bubble", buffers)
+                pipe.schedule == "zero-bubble", buffers, compile, self.startup)
         self._traced = {st.index: traced for st, traced, _ in stages}
         self._tied = self._tied_params(stages, canonical)
         self._held, self._owner = self._params, self._owners(stages, canonical)
@@ -291,22 +328,41 @@ class PipelineModule(StateDictMixin, nn.Module):
         before = {name: self._params[name].grad for name, _, _ in self._tied if name in self._params}
         for name in before:  # tied gradients are summed over ranks: only this step's part
             self._params[name].grad = None
-        with collective_failures("pmodel.step() (pipelined)", self._timeout_s):
+        with collective_failures("pmodel.step() (pipelined)", self._timeout_s), \
+                torch.profiler.record_function("autopar step"):
             return self._run_schedule(index, before)
 
     def _run_schedule(self, index: torch.Tensor, before: dict[str, torch.Tensor | None]
                       ) -> torch.Tensor:
         losses: list[torch.Tensor] = []
+        for stage in self._stage_modules.values():  # (a step that failed may have left some)
+            if stage.sink is not None:
+                stage.sink.take()
         if 0 in self._stage_modules:
             self._schedule.step(index, target=index, losses=losses, return_outputs=False)
         else:
             self._schedule.step(target=index, losses=losses, return_outputs=False)
+        self._set_sunk_grads()
         self._sync_tied(before)
         if self.plan.pipeline.num_stages - 1 in self._stage_modules:
             total = torch.stack([loss.detach().reshape(()) for loss in losses]).sum()
         else:
             total = torch.zeros(())
         return funcol.wait_tensor(funcol.all_reduce(total, "sum", self._pp_group))
+
+    def _set_sunk_grads(self) -> None:
+        """Add the gradients the stages summed locally over the step's microbatches
+        (:class:`GradSink`) to the DTensor parameters' ``grad``."""
+        total: dict[str, torch.Tensor] = {}
+        for stage in self._stage_modules.values():
+            if stage.sink is not None:
+                for name, g in stage.sink.take().items():
+                    total[name] = g if name not in total else total[name] + g
+        for name, g in total.items():
+            param = self._params[name]
+            fresh = DTensor.from_local(g, self._submesh, param.placements, run_check=False,
+                                       shape=param.shape, stride=param.stride())
+            param.grad = fresh if param.grad is None else param.grad + fresh
 
     def _sync_tied(self, before: dict[str, torch.Tensor | None]) -> None:
         """Sum the gradients of parameters used on several pipeline ranks (tied weights)."""

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-import numpy as np
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar.config import Config
-from autopar.cost_models.comm import axis_collective_time
 from autopar.cost_models.compute import graph_flops, mfu
+from autopar.cost_models.overlap import overlapped_step_time
 from autopar.cost_models.passes import run_cost_passes
 from autopar.cost_models.sharding import SpaceCosts, price_space
 from autopar.cost_models.training_step import optimizer_step_time
@@ -20,14 +18,15 @@ from autopar.errors import PlanError
 from autopar.graph import TracedGraph
 from autopar.mesh import Mesh, planning_device_mesh
 from autopar.placements import to_str
-from autopar.plan import Collective, NodePlan, Plan
+from autopar.plan import NodePlan, Plan
+from autopar.solver.buckets import gradient_buckets, reduce_at_outputs
+from autopar.solver.collectives import step_collectives
 from autopar.solver.ilp import InfeasibleMemoryError, format_bytes
 from autopar.solver.intra_op import IntraOpResult, ilp_groups, solve_intra_op
 from autopar.solver.records import (
     _NORMS, _applied, _describe_nodes, _local_elements, _phase, _precision,
 )
 from autopar.explain import ExplainContext, attach, context_of
-from autopar.strategies.reshard import reshard_steps
 from autopar.passes.recompute import recompute_nodes
 from autopar.strategies.space import StrategySpace, boundary_placements, build_space
 
@@ -357,6 +356,8 @@ def solve_candidate(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Cand
     """
     space, costs, res = solve_space(traced, mesh, config, cand, cost_passes, budget, fixed,
                                     activation_scale)
+    grads = {p.grad_output_index for p in traced.params if p.grad_output_index is not None}
+    res = dataclasses.replace(res, choice=reduce_at_outputs(traced.gm, space, res.choice, grads))
     plan = _build_plan(traced, mesh, config, cand, space, costs, res)
     attach(plan, ExplainContext(traced, space, costs, res.choice, budget,
                                 ilp_groups(traced, space)[0]))
@@ -420,10 +421,12 @@ def _build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
             outputs.append(edge)
         else:
             outputs.append(nodes[param_of_grad[i].node].outputs[0])
-    collectives, comm_s, comm_fwd, node_comm = _collectives(traced, cand, nodes, outputs, mesh)
-    nodes = _describe_nodes(traced, nodes, {n: float(costs.compute[n][i])
-                                            for n, i in res.choice.items()}, node_comm)
-    compute_s = float(sum(costs.compute[n][i] for n, i in res.choice.items()))
+    node_compute = {n: float(costs.compute[n][i]) for n, i in res.choice.items()}
+    step_s, cap, buckets, comm = _communication(traced, cand, mesh, config, nodes, outputs,
+                                                set(param_of_grad), node_compute)
+    collectives, comm_s, comm_fwd = comm.collectives, comm.total_s, comm.forward_s
+    nodes = _describe_nodes(traced, nodes, node_compute, comm.per_node)
+    compute_s = float(sum(node_compute.values()))
     memory = float(sum(costs.memory[n][i] for n, i in res.choice.items()))
     params = {p.node for p in traced.params}
     state = float(sum(costs.memory[n][i] for n, i in res.choice.items() if n in params))
@@ -433,6 +436,7 @@ def _build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
     sol = res.solution
     degrees, notes = _axis_roles(traced, space, res, cand)
     techniques, applied_notes = _applied(traced, config, cand, nodes)
+    techniques["bucket_bytes"] = cap
     warnings = list(space.warnings) + notes + applied_notes
     if sol.status != "optimal":
         warnings.append(f"ILP stopped at the time limit ({config.solver_time_limit_s} s) with "
@@ -443,7 +447,8 @@ def _build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
         params={p.name: nodes[p.node].outputs[0] for p in traced.params},
         inputs=tuple(nodes[i.node].outputs[0] for i in traced.inputs),
         output_placements=tuple(outputs), nodes=nodes, collectives=tuple(collectives),
-        predicted={"step_time_s": compute_s + comm_s, "compute_s": compute_s, "comm_s": comm_s,
+        grad_buckets=buckets,
+        predicted={"step_time_s": step_s, "compute_s": compute_s, "comm_s": comm_s,
                    "forward_s": compute_fwd + comm_fwd, "state_bytes": state,
                    "peak_memory_bytes": memory, "ilp_objective_s": sol.objective,
                    "optimizer_s": optimizer_step_time(_local_elements(traced, nodes, cand),
@@ -456,6 +461,34 @@ def _build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: _Candidat
         input_shapes=tuple(i.shape for i in traced.inputs),
         techniques=techniques,
     )
+
+
+BUCKET_CAPS = (25 * 2**20, 4 * 2**20, 2**20)  # tried when Config.bucket_bytes is None
+
+
+def _communication(traced: TracedGraph, cand: _Candidate, mesh: Mesh, config: Config,
+                   nodes: dict[str, NodePlan], outputs: list, grads: set[int],
+                   node_compute: dict[str, float]) -> tuple[float, int, tuple, Any]:
+    """The step's collectives and its time as the lowered program runs it (collectives
+    overlapping the compute between their issue and their first use: autopar.passes.overlap,
+    cost_models.overlap), for the gradient bucket cap of the config or, left to the planner,
+    the cap of :data:`BUCKET_CAPS` with the shortest step (the largest on a tie: fewer
+    collectives). Returns ``(step seconds, cap, buckets, StepCollectives)``."""
+    order = [n.name for n in traced.gm.graph.nodes]
+    placements = {k: v.outputs[0] for k, v in nodes.items()}
+    caps = BUCKET_CAPS if config.bucket_bytes is None else (config.bucket_bytes,)
+    best: tuple | None = None
+    seen: set[tuple] = set()
+    for cap in caps:
+        buckets = gradient_buckets(traced.gm, placements, outputs, grads, cand.shape, cap)
+        if buckets in seen:
+            continue
+        seen.add(buckets)
+        comm = step_collectives(traced, cand.shape, cand.names, nodes, outputs, mesh, buckets)
+        step = overlapped_step_time(order, node_compute, comm.comms)
+        if best is None or step < best[0] * (1 - 1e-9):
+            best = (step, cap, buckets, comm)
+    return best
 
 
 def _utilization(traced: TracedGraph, config: Config, mesh: Mesh, step_s: float,
@@ -481,62 +514,3 @@ def _with_recompute_peak(traced: TracedGraph, costs: SpaceCosts) -> SpaceCosts:
     for name, arr in costs.recomputed.items():
         memory[name] = memory[name] + arr / blocks
     return dataclasses.replace(costs, memory=memory)
-
-
-def _collectives(traced: TracedGraph, cand: _Candidate, nodes: dict[str, NodePlan],
-                 outputs: list, mesh: Mesh
-                 ) -> tuple[list[Collective], float, float, dict[str, float]]:
-    """Walk the graph as the runtime does and list every collective (deduplicated moves);
-    also their total time, the forward's share of it and the time per node that needs them
-    (a graph output's move counts for the node computing it)."""
-    from autopar.placements import from_str
-    from autopar.strategies.space import _tensor_inputs
-
-    strides = [int(np.prod(cand.shape[a + 1:])) for a in range(len(cand.shape))]
-    done: set[tuple[str, tuple]] = set()
-    out: list[Collective] = []
-    total = 0.0
-    forward = 0.0
-    per_node: dict[str, float] = {}
-
-    def move(arg: Any, dst: tuple[str, ...], phase: str, layer: str, consumer: str) -> None:
-        nonlocal total, forward
-        if (arg.name, dst) in done:
-            return
-        done.add((arg.name, dst))
-        src = nodes[arg.name].outputs[0]
-        val = arg.meta["val"]
-        steps = reshard_steps(tuple(map(from_str, src)), tuple(map(from_str, dst)),
-                              tuple(val.shape), val.element_size(), cand.shape)
-        for s in steps:
-            if s.kind == "local":
-                continue
-            out.append(Collective(s.kind, cand.names[s.axis], int(s.nbytes), phase, layer, consumer))
-            t = axis_collective_time(s.kind, s.nbytes, cand.shape[s.axis], strides[s.axis],
-                                     mesh.topology)
-            total += t
-            forward += t if phase == "forward" else 0.0
-            who = arg.name if consumer == "output" else consumer
-            per_node[who] = per_node.get(who, 0.0) + t
-
-    out_node = next(n for n in traced.gm.graph.nodes if n.op == "output")
-    early = {a.name: i for i, a in enumerate(out_node.args[0])  # as the lowering does
-             if a is not None and a.meta.get("partitioner_tag") == "is_forward"}
-    late = {a.name: i for i, a in enumerate(out_node.args[0])
-            if a is not None and a.op == "call_function" and a.name not in early}
-    for n in traced.gm.graph.nodes:
-        layer = traced.node_layer.get(n.name, "")
-        if n.op == "call_function" and n.target is not operator.getitem:
-            for a, dst in zip(_tensor_inputs(n), nodes[n.name].inputs):
-                move(a, dst, _phase(n), layer, n.name)
-            if n.name in early:
-                move(n, outputs[early[n.name]], "forward", layer, "output")
-        if n.op == "call_function" and n.name in late:
-            move(n, outputs[late[n.name]], "backward", layer, "output")
-        elif n.op == "output":
-            for i, a in enumerate(n.args[0]):
-                if a is not None:
-                    is_fwd = i == traced.loss_output_index or i in traced.boundary_outputs
-                    move(a, outputs[i], "forward" if is_fwd else "backward",
-                         traced.node_layer.get(a.name, ""), "output")
-    return out, total, forward, per_node

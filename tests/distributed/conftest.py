@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import json
+import atexit
 import os
+import socket
 import subprocess
 import sys
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# plans cached by parallelize (in the jobs started here, which inherit the environment) go to
+# a directory of this test run, not the user's cache
+os.environ["AUTOPAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-test-cache-")
+atexit.register(shutil.rmtree, os.environ["AUTOPAR_CACHE_DIR"], ignore_errors=True)
 
 WORKER = Path(__file__).with_name("worker.py")
 
@@ -23,6 +32,53 @@ def run_worker(nproc: int, checks: list[str], tmp: Path, timeout: int = 900) -> 
     if proc.returncode != 0 or not out.exists():
         raise AssertionError(f"worker failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return json.loads(out.read_text())
+
+
+class CheckServer:
+    """A ``torchrun --nproc_per_node=nproc worker.py --serve`` job that runs the checks sent to
+    it one at a time (so a test can choose them as it goes, as hypothesis does)."""
+
+    def __init__(self, nproc: int, workdir: Path, start_timeout_s: float = 300.0) -> None:
+        self.nproc, self.log = nproc, workdir / f"serve_{nproc}.log"
+        listener = socket.create_server(("127.0.0.1", 0))
+        listener.settimeout(start_timeout_s)
+        port = listener.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={nproc}", str(WORKER), "--serve", str(port), str(workdir)]
+        self.proc = subprocess.Popen(cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, OMP_NUM_THREADS="1"))
+        try:
+            self.conn, _ = listener.accept()
+        except TimeoutError:
+            self.close()
+            raise AssertionError(f"the {nproc}-process job did not connect in {start_timeout_s} s:"
+                                 f"\n{self.log.read_text()[-6000:]}") from None
+        finally:
+            listener.close()
+        self.lines = self.conn.makefile("r")
+
+    def run(self, check: str) -> dict:
+        """Run ``check`` on every rank of the job; rank 0's record."""
+        self.conn.sendall((check + "\n").encode())
+        line = self.lines.readline()
+        if not line:
+            raise AssertionError(f"the {self.nproc}-process job ended during {check!r}:\n"
+                                 f"{self.log.read_text()[-6000:]}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        """End the job (an empty line), or kill it if it does not end."""
+        if getattr(self, "conn", None) is not None:
+            try:
+                self.conn.sendall(b"\n")
+            except OSError:
+                pass  # the job is gone already; wait() below collects it
+            self.conn.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 @pytest.fixture(scope="session")

@@ -19,8 +19,10 @@ SCHEDULES = {  # schedule -> virtual stages per rank
 # Hugging Face models too: GPT-2 (tied, lifted constants in attention), Llama (rotary buffers,
 # recomputed in every stage rather than sent)
 HF = [f"{kind}:layers=2,batch=8,microbatch_size=2,pp=2,schedule=1f1b" for kind in ("gpt2", "llama")]
+# autopar.profile_step under torch.profiler: a pipelined plan and a flat one (tp=2)
+PROFILES = [f"prof:{MODEL},pp=2,schedule=1f1b", "prof:gpt:tp=2"]
 CHECKS = {
-    2: [f"{MODEL},pp=2,schedule={s},virtual_stages={v}" for s, v in SCHEDULES.items()] + HF,
+    2: [f"{MODEL},pp=2,schedule={s},virtual_stages={v}" for s, v in SCHEDULES.items()] + HF + PROFILES,
     4: [f"{MODEL},pp=2,tp=2,schedule=1f1b", f"{MODEL},pp=2,dp=2,schedule=1f1b",
         # part 4's recomputation and ZeRO-1 inside pipeline stages (the tied weight is sharded
         # over dp on both of its stages)
@@ -40,9 +42,13 @@ def _ok(record: dict) -> dict:
     return record
 
 
+def _pipelines(n: int) -> list[str]:
+    return [c for c in CHECKS[n] if not c.startswith("prof:")]
+
+
 def test_loss_and_every_gradient_match_one_process(world):
     n, results = world
-    for check in CHECKS[n]:
+    for check in _pipelines(n):
         r = _ok(results[check])
         # fp32; the pipeline sums microbatch gradients (m = 4) and the tied weight's two stage
         # parts in another order than one process: a few ulp per sum -> 1e-5 relative bounds it
@@ -58,7 +64,7 @@ def test_loss_and_every_gradient_match_one_process(world):
 
 def test_plan_is_the_configured_pipeline(world):
     n, results = world
-    for check in CHECKS[n]:
+    for check in _pipelines(n):
         r = _ok(results[check])
         assert r["degrees"]["pp"] == 2 and r["mesh_shape"][0] == 2, (check, r)
         schedule = check.split("schedule=")[1].split(",")[0]
@@ -75,10 +81,35 @@ def test_plan_is_the_configured_pipeline(world):
 
 def test_runtime_collectives_and_transfers_equal_plan(world):
     n, results = world
-    for check in CHECKS[n]:
+    for check in _pipelines(n):
         r = _ok(results[check])
         assert r["runtime_counts"] == r["plan_counts"], (check, r["runtime_counts"], r["plan_counts"])
-        assert r["count_mismatch_ranks"] == 0, (check, "some rank's counts differ from its plan")
+        assert r["runtime_bytes"] == r["plan_bytes"], (check, r["runtime_bytes"], r["plan_bytes"])
+        assert r["count_mismatch_ranks"] == 0, (check, "some rank's counts or bytes differ from its plan")
         # rank 0 sends each microbatch's activations and receives their gradients (and more
         # with interleaved stages): as many sends as receives, at least one per microbatch
         assert r["plan_counts"]["send"] == r["plan_counts"]["recv"] >= r["microbatches"]
+
+
+def test_profile_step_sets_measured_against_predicted_times_and_comm(world):
+    n, results = world
+    if n != 2:
+        pytest.skip("profiled on 2 processes")
+    for check in PROFILES:
+        r = _ok(results[check])
+        names = [row[0] for row in r["times"]]
+        if r["pipelined"]:  # every stage of every rank, forward and backward per microbatch
+            assert names == ["step"] + [f"stage {j} {ph} / microbatch" for j in (0, 1)
+                                        for ph in ("forward", "backward")], names
+            # (rank 0's profile: its stage)
+            assert {"autopar step", "autopar stage 0 forward", "autopar stage 0 backward"} \
+                <= set(r["profiler_ranges"]), r["profiler_ranges"]
+        else:
+            assert names == ["step", "forward", "backward"], names
+            assert "autopar step" in r["profiler_ranges"], r["profiler_ranges"]
+        # every figure measured and predicted (timings are not compared: CPU noise)
+        assert all(p > 0 and m > 0 for _, p, m in r["times"]), r["table"]
+        # the collectives of a step: this rank's, as the plan says
+        assert r["comm"] and all(pc == mc and pb == mb for pc, mc, pb, mb in r["comm"].values()), r["table"]
+        assert r["grads_cleared"] and "predicted ms" in r["table"]
+

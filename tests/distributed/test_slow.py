@@ -30,7 +30,8 @@ def test_free_mesh_hugging_face_models_and_llama_dp_on_two_processes(results_dir
 
 def test_free_mesh_gpt_and_hugging_face_models_on_four_processes(results_dir):
     from test_equivalence import (BF16_COMBINED, DATA_PARALLEL, MEGATRON, SLOW_ONLY,
-                                  check_data_parallel, check_megatron_layout)
+                                  check_comm_equals_plan, check_data_parallel,
+                                  check_megatron_layout)
 
     results = run_worker(4, sorted(SLOW_ONLY) + [DATA_PARALLEL[4], BF16_COMBINED, *MEGATRON[4]],
                          results_dir)
@@ -49,48 +50,4 @@ def test_free_mesh_gpt_and_hugging_face_models_on_four_processes(results_dir):
         # same fp32 bound and reasoning as test_loss_and_gradients_match_single_process
         assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * max(1.0, abs(r["ref_loss"])), (check, r)
         assert r["grad_abs_err"] <= 1e-5 * max(1.0, r["grad_scale"]), (check, r)
-        names = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
-        runtime = {names.get(k, k): v for k, v in r["runtime_counts"].items()}
-        assert runtime == r["plan_counts"], (check, runtime, r["plan_counts"])
-
-
-def fuzzed_checks(world: int, count: int, seed: int) -> list[str]:
-    """``count`` random worker checks for ``world`` processes: an MLP or a GPT of random widths,
-    heads, layers and tied or untied embedding, on a random forced or free mesh and topology
-    (seeded, so a failure names a reproducible check)."""
-    import random
-
-    rng = random.Random(seed)
-    meshes = {2: ["tp=2", "dp=2", ""], 4: ["tp=4", "dp=4", "dp=2,tp=2", ""]}[world]
-    out: list[str] = []
-    while len(out) < count:
-        if rng.random() < 0.4:
-            model = (f"mlp:d_in={rng.choice([8, 12, 32])},d_hidden={rng.choice([16, 24, 64])},"
-                     f"d_out={rng.choice([4, 8])}")
-        else:
-            dim, heads = rng.choice([(16, 2), (24, 3), (32, 4), (64, 4)])
-            model = (f"gpt:dim={dim},heads={heads},layers={rng.randint(1, 3)},"
-                     f"tied={rng.randint(0, 1)},batch=4,seq=8")
-        mesh = rng.choice(meshes)
-        topo = rng.choice(["slow-compute", "a100-dgx"])
-        check = ",".join(filter(None, [model, mesh, f"topo={topo}"]))
-        if check not in out:
-            out.append(check)
-    return out
-
-
-def test_fuzzed_configurations_match_one_process(results_dir):
-    """Random models x meshes x forced or free degrees on 2 and 4 processes: loss and every
-    gradient equal a single process, and the collectives counted at run time are the plan's."""
-    for world in (2, 4):
-        checks = fuzzed_checks(world, 10, seed=world)
-        results = run_worker(world, checks, results_dir)
-        for check in checks:
-            r = results[check]
-            assert "error" not in r, (check, r.get("trace"))
-            # same fp32 bound and reasoning as test_loss_and_gradients_match_single_process
-            assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * max(1.0, abs(r["ref_loss"])), (check, r)
-            assert r["grad_abs_err"] <= 1e-5 * max(1.0, r["grad_scale"]), (check, r)
-            names = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
-            runtime = {names.get(k, k): v for k, v in r["runtime_counts"].items()}
-            assert runtime == r["plan_counts"], (check, runtime, r["plan_counts"])
+        check_comm_equals_plan(check, r)

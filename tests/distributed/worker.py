@@ -7,7 +7,8 @@ mixed_precision for the Config, dim/batch/seq/layers/heads/explicit (attention)/
 preset; memory=1 also measures the peak memory of a step, curve=1 records a 20-step loss curve
 instead), ``example:NAME`` to run a training example of ``examples/`` (``examples_check.py``), or
 ``ckpt:MODEL|PLAN|PLAN...`` to save a checkpoint under one plan and load it under others
-(``checkpoint_check.py``).
+(``checkpoint_check.py``), or ``prof:CHECK`` to profile the check's plan (``run_profile``).
+``worker.py --serve PORT DIR`` runs the checks a test sends over a socket instead (``serve``).
 Rank 0 writes one JSON record per check; an exception in a check is recorded, not raised, so one failure does
 not hide the others.
 """
@@ -25,10 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.distributed.tensor.debug import CommDebugMode  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import autopar  # noqa: E402
+from autopar.runtime.profile import CommMeter  # noqa: E402
 from autopar.capture import extract_loss  # noqa: E402
 from checkpoint_check import run_checkpoint  # noqa: E402
 from examples_check import run_example  # noqa: E402
@@ -103,7 +103,7 @@ def run_check(check: str) -> dict:
     setup_s = time.perf_counter() - t0
     if pm.plan.pipeline is not None:
         return _pipeline_record(pm, ref, inputs, ref_loss, setup_s)
-    with CommDebugMode() as cdm:
+    with CommMeter() as meter:
         loss = _call(pm.step, inputs) if not isinstance(inputs, dict) else pm.step(**inputs)
     ref_grads = dict(ref.named_parameters())
     abs_err, scale = 0.0, 0.0
@@ -113,7 +113,7 @@ def run_check(check: str) -> dict:
         g = p.grad.full_tensor()
         abs_err = max(abs_err, (g - ref_grads[name].grad).abs().max().item())
         scale = max(scale, ref_grads[name].grad.abs().max().item())
-    runtime = {str(k).split(".")[-1]: v for k, v in cdm.get_comm_counts().items()}
+    runtime = dict(meter.counts)
     # the same plan through forward with autograd, then loss.backward()
     for p in pm.parameters():
         p.grad = None
@@ -135,30 +135,13 @@ def run_check(check: str) -> dict:
         "grad_scale": scale, "degrees": plan.degrees, "mesh_shape": list(plan.mesh_shape),
         "params": {k: list(v) for k, v in plan.params.items()},
         "runtime_counts": runtime, "plan_counts": dict(plan.collective_counts()),
+        "runtime_bytes": dict(meter.bytes), "plan_bytes": dict(plan.collective_bytes()),
         "per_layer": per_layer, "warnings": list(plan.warnings), "setup_s": setup_s,
         "collectives": [[c.kind, c.phase, c.bytes, c.node] for c in plan.collectives],
+        "grad_buckets": [list(b) for b in plan.grad_buckets],
         "param_bytes": [p.numel() * p.element_size() for p in ref.parameters()],
         "n_params": len(list(pm.named_parameters())), "ref_n_params": len(ref_grads),
     }
-
-
-class CountCollectives(TorchDispatchMode):
-    """Counts collective and point-to-point ops as they are dispatched (CommDebugMode's module
-    tracker cannot follow the pipeline schedule's calls into stage modules)."""
-
-    NAMES = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
-             "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all",
-             "send": "send", "recv_": "recv"}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace in ("c10d", "_c10d_functional") and func._opname in self.NAMES:
-            name = self.NAMES[func._opname]
-            self.counts[name] = self.counts.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
 
 
 def _max_over_ranks(x: float) -> float:
@@ -183,11 +166,12 @@ def _pipeline_record(pm, ref, inputs, ref_loss, setup_s: float) -> dict:
     held = torch.tensor([len(list(pm.named_parameters()))])
     for p in pm.parameters():
         p.grad = None
-    with CountCollectives() as counter:  # the second step: the first also exchanges metadata
+    with CommMeter() as meter:  # the second step: the first also exchanges metadata
         loss2 = step()
     plan = pm.plan
     expected = dict(plan.collective_counts(pp_rank=pm.pp_rank))
-    mismatch = torch.tensor([float(counter.counts != expected)])
+    expected_bytes = dict(plan.collective_bytes(pp_rank=pm.pp_rank))
+    mismatch = torch.tensor([float(meter.counts != expected or meter.bytes != expected_bytes)])
     dist.all_reduce(mismatch)
     names = {n for n, _ in pm.named_parameters()}
     gathered: list = [None] * dist.get_world_size()
@@ -198,7 +182,8 @@ def _pipeline_record(pm, ref, inputs, ref_loss, setup_s: float) -> dict:
         "grad_abs_err": _max_over_ranks(abs_err), "grad_scale": _max_over_ranks(scale),
         "missing_grads": int(_max_over_ranks(missing)), "degrees": plan.degrees,
         "params_covered": len(set().union(*map(set, gathered))), "ref_n_params": len(ref_grads),
-        "held_params": int(held.item()), "runtime_counts": counter.counts, "plan_counts": expected,
+        "held_params": int(held.item()), "runtime_counts": dict(meter.counts), "plan_counts": expected,
+        "runtime_bytes": dict(meter.bytes), "plan_bytes": expected_bytes,
         "count_mismatch_ranks": int(mismatch.item()), "schedule": pipe.schedule,
         "microbatches": pipe.microbatches, "virtual_stages": pipe.virtual_stages,
         "stage_of_unit": list(pipe.stage_of_unit), "units": list(pipe.units),
@@ -298,26 +283,70 @@ def run_errors() -> dict:
     return out
 
 
+def run_profile(check: str) -> dict:
+    """``prof:CHECK``: autopar.profile_step of the check's plan, inside torch.profiler."""
+    kind, cfg, mk, topo = _parse(check)
+    model, inputs = build(kind, **mk)
+    pm = autopar.parallelize(model, autopar.Mesh.from_torchrun(topology=topology(topo)), inputs,
+                             config=autopar.Config(**cfg))
+    args, kwargs = ((), inputs) if isinstance(inputs, dict) else (inputs, {})
+    with torch.profiler.profile() as prof:
+        profile = autopar.profile_step(pm, *args, steps=2, **kwargs)
+    names = sorted({e.name for e in prof.events() if e.name.startswith("autopar")})
+    return {"times": profile.times, "comm": profile.comm, "table": str(profile),
+            "profiler_ranges": names, "pipelined": pm.plan.pipeline is not None,
+            "grads_cleared": all(p.grad is None for p in pm.parameters())}
+
+
+def run_one(check: str, workdir: str) -> dict:
+    """Run one CHECK on every rank; rank 0's record (an exception is recorded, not raised)."""
+    t0 = time.perf_counter()
+    try:
+        if check.startswith("example:"):
+            record = run_example(check.split(":", 1)[1], workdir)
+        elif check.startswith("ckpt:"):
+            record = run_checkpoint(check.split(":", 1)[1], workdir)
+        elif check.startswith("prof:"):
+            record = run_profile(check.split(":", 1)[1])
+        else:
+            record = run_errors() if check == "errors" else run_check(check)
+    except Exception as e:  # recorded for the test to report; the job goes on
+        record = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+    record["wall_s"] = time.perf_counter() - t0
+    dist.barrier()
+    return record
+
+
+def serve(port: int, workdir: str) -> None:
+    """Run the checks a test sends, one per line, to 127.0.0.1:PORT (rank 0 connects); answer
+    each with rank 0's record as one JSON line. An empty line ends the job. One job serves many
+    checks chosen at test time (hypothesis), paying the process start once."""
+    import socket
+
+    conn = socket.create_connection(("127.0.0.1", port)) if dist.get_rank() == 0 else None
+    lines = conn.makefile("r") if conn is not None else None
+    while True:
+        box = [lines.readline().strip() if lines is not None else None]
+        dist.broadcast_object_list(box, src=0)
+        if not box[0]:
+            break
+        record = run_one(box[0], workdir)
+        if conn is not None:
+            conn.sendall((json.dumps(record) + "\n").encode())
+    if conn is not None:
+        conn.close()
+
+
 def main() -> None:
-    out, checks = sys.argv[1], sys.argv[2:]
     dist.init_process_group("gloo")
-    results = {}
-    for check in checks:
-        t0 = time.perf_counter()
-        try:
-            if check.startswith("example:"):
-                results[check] = run_example(check.split(":", 1)[1], os.path.dirname(out))
-            elif check.startswith("ckpt:"):
-                results[check] = run_checkpoint(check.split(":", 1)[1], os.path.dirname(out))
-            else:
-                results[check] = run_errors() if check == "errors" else run_check(check)
-        except Exception as e:  # recorded for the test to report; the job goes on
-            results[check] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
-        results[check]["wall_s"] = time.perf_counter() - t0
-        dist.barrier()
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump(results, f, indent=1)
+    if sys.argv[1] == "--serve":
+        serve(int(sys.argv[2]), sys.argv[3])
+    else:
+        out, checks = sys.argv[1], sys.argv[2:]
+        results = {check: run_one(check, os.path.dirname(out)) for check in checks}
+        if dist.get_rank() == 0:
+            with open(out, "w") as f:
+                json.dump(results, f, indent=1)
     dist.destroy_process_group()
 
 

@@ -1,9 +1,16 @@
 """Single-process tests: make ``tests/models.py`` importable; share the Megatron plan."""
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 
 import pytest
+
+# plans cached by parallelize go to a directory of this test run, not the user's cache
+os.environ["AUTOPAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-test-cache-")
+atexit.register(shutil.rmtree, os.environ["AUTOPAR_CACHE_DIR"], ignore_errors=True)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -391,3 +391,24 @@ def test_zero_sharding() -> None:
         zero_sharded_bytes_per_param("fp32", 4, 2)
     with pytest.raises(ValueError):
         zero_sharded_bytes_per_param("fp32", 1, 0)
+
+
+def test_overlapped_step_time_hand_computed() -> None:
+    from autopar.cost_models.overlap import Comm, overlapped_step_time
+
+    order, compute = ["a", "b", "c"], {"a": 1.0, "b": 1.0, "c": 1.0}
+    # issued after a, needed by c: hidden behind b
+    assert overlapped_step_time(order, compute, [Comm("a", "c", 0.5)]) == 3.0
+    # needed right away by b: c waits 0.5
+    assert overlapped_step_time(order, compute, [Comm("a", "b", 0.5)]) == 3.5
+    # issued at the end, needed by the end: all exposed
+    assert overlapped_step_time(order, compute, [Comm("c", None, 2.0)]) == 5.0
+    # one channel: two collectives issued together run one after the other (1 + 1.5 + 1.5)
+    assert overlapped_step_time(order, compute, [Comm("a", None, 1.5), Comm("a", None, 1.5)]) == 4.0
+    # a later collective never starts before an earlier one (issue order): the second, ready
+    # after a, waits for the first (issued after b, 2 -> 3), so c starts at 3.1
+    assert overlapped_step_time(order, compute, [Comm("b", None, 1.0), Comm("a", "c", 0.1)]) == 4.1
+    # bounds: between max(compute, comm) and compute + comm
+    comms = [Comm(None, None, 4.0)]
+    assert overlapped_step_time(order, compute, comms) == 4.0
+    assert overlapped_step_time(order, compute, [Comm(None, "a", 4.0)]) == 7.0

@@ -60,8 +60,10 @@ def test_step_breakdown_of_a_flat_plan(megatron):
     parts = plan.step_breakdown()
     assert parts["bubble_s"] == 0.0
     assert parts["compute_s"] == plan.predicted["compute_s"]
-    # no overlap is modelled: every collective is exposed
-    assert parts["exposed_comm_s"] == pytest.approx(plan.predicted["comm_s"], rel=SUMS)
+    # the collectives compute does not hide: the step beyond the compute, at most all of them
+    assert parts["exposed_comm_s"] == pytest.approx(
+        plan.predicted["step_time_s"] - plan.predicted["compute_s"], rel=SUMS)
+    assert 0 < parts["exposed_comm_s"] <= plan.predicted["comm_s"] * (1 + SUMS)
     assert parts["total_s"] == pytest.approx(
         plan.predicted["step_time_s"] + parts["optimizer_s"], rel=SUMS)
     # the optimizer updates this device's shard of every parameter (the tied one once)

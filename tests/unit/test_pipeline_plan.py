@@ -211,14 +211,14 @@ def test_zero_bubble_backward_runs_input_and_weight_parts_once_each():
         return out
 
     ref_in = primals()
-    JointFunction.apply(f, b, slots, 1, False, *ref_in).backward()
+    JointFunction.apply(f, b, slots, 1, False, None, *ref_in).backward()
     split = split_weight_backward(b, [s for n, s in zip(names, slots) if n in traced.boundary_inputs])
     calls = {"input": 0, "weight": 0}
     for part in ("input", "weight"):
         gm = getattr(split, f"{part}_part")
         gm.register_forward_pre_hook(lambda *_, p=part: calls.__setitem__(p, calls[p] + 1))
     got_in = primals()
-    loss = JointFunction.apply(f, split, slots, 1, True, *got_in)
+    loss = JointFunction.apply(f, split, slots, 1, True, None, *got_in)
     boundary = [t for n, t in zip(names, got_in) if n in traced.boundary_inputs]
     (dx,) = torch.autograd.grad(loss, boundary, retain_graph=True)
     assert calls == {"input": 1, "weight": 0}  # weights not touched yet

@@ -135,9 +135,15 @@ def test_zero_plan_shards_parameters_and_state_over_dp():
     def grad_reductions(plan: autopar.Plan, kind: str) -> list:
         return [c for c in plan.collectives if c.phase == "backward" and c.kind == kind and c.bytes > 4]
 
-    assert len(grad_reductions(plain, "all_reduce")) == 28  # 29 parameters, one tied
+    alone = autopar.plan(model, mesh, inputs, config=autopar.Config(dp=2, bucket_bytes=0))
+    assert len(grad_reductions(alone, "all_reduce")) == 28  # 29 parameters, one tied
     assert len(grad_reductions(zero, "reduce_scatter")) == 28
     assert not grad_reductions(zero, "all_reduce")
+    # with buckets (the planner picks the cap; these 0.5 MB fit the first one, of 1 MiB), one
+    # all-reduce moves the same bytes
+    bucketed = grad_reductions(plain, "all_reduce")
+    assert len(bucketed) == len(plain.grad_buckets) == 1 and len(plain.grad_buckets[0]) == 28
+    assert sum(c.bytes for c in bucketed) == sum(c.bytes for c in grad_reductions(alone, "all_reduce"))
     # per parameter element: 16 B of state becomes 16/dp, plus the 4 B gathered copy
     assert zero.predicted["state_bytes"] == pytest.approx(plain.predicted["state_bytes"] * (8 + 4) / 16, rel=0.01)
 

@@ -1,0 +1,126 @@
+"""The collectives of a plan, listed by walking the graph as the lowering runs it, with their
+times and where each is issued and needed (for the overlapped step time)."""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch.fx as fx
+
+from autopar.cost_models.comm import axis_collective_time
+from autopar.cost_models.overlap import Comm
+from autopar.graph import TracedGraph, output_moves
+from autopar.mesh import Mesh
+from autopar.placements import from_str
+from autopar.plan import Collective, NodePlan
+from autopar.solver.records import _phase
+from autopar.strategies.reshard import reshard_steps
+
+__all__ = ["StepCollectives", "step_collectives"]
+
+
+@dataclass
+class StepCollectives:
+    """What :func:`step_collectives` finds: the collectives in execution order, their total and
+    forward seconds, the seconds each node needs (a graph output's move counts for the node
+    computing it) and one :class:`Comm` per collective."""
+
+    collectives: list[Collective] = field(default_factory=list)
+    total_s: float = 0.0
+    forward_s: float = 0.0
+    per_node: dict[str, float] = field(default_factory=dict)
+    comms: list[Comm] = field(default_factory=list)
+
+
+class _Walk:
+    def __init__(self, traced: TracedGraph, shape: Sequence[int], names: Sequence[str],
+                 nodes: dict[str, NodePlan], outputs: Sequence, mesh: Mesh) -> None:
+        self.traced, self.shape, self.names, self.nodes = traced, tuple(shape), names, nodes
+        self.outputs, self.mesh = outputs, mesh
+        self.strides = [int(np.prod(self.shape[a + 1:])) for a in range(len(self.shape))]
+        self.done: set[tuple[str, tuple]] = set()
+        self.res = StepCollectives()
+        self.previous: str | None = None  # the node computed last
+
+    def steps(self, arg: fx.Node, dst: tuple[str, ...]) -> list:
+        val = arg.meta["val"]
+        return reshard_steps(tuple(map(from_str, self.nodes[arg.name].outputs[0])),
+                             tuple(map(from_str, dst)), tuple(val.shape), val.element_size(),
+                             self.shape)
+
+    def add(self, kind: str, axis: int, nbytes: float, phase: str, layer: str, consumer: str,
+            who: str, start_after: str | None) -> None:
+        self.res.collectives.append(Collective(kind, self.names[axis], int(nbytes), phase, layer,
+                                               consumer))
+        t = axis_collective_time(kind, nbytes, self.shape[axis], self.strides[axis],
+                                 self.mesh.topology)
+        self.res.total_s += t
+        self.res.forward_s += t if phase == "forward" else 0.0
+        self.res.per_node[who] = self.res.per_node.get(who, 0.0) + t
+        self.res.comms.append(Comm(start_after, None if consumer == "output" else consumer, t))
+
+    def move(self, arg: fx.Node, dst: tuple[str, ...], phase: str, layer: str,
+             consumer: str) -> None:
+        """The collectives moving ``arg`` to ``dst`` for ``consumer``; issued (as the overlap
+        pass does) right after ``arg`` is computed when it is an op of the same part of the
+        step, else right before the consumer."""
+        if (arg.name, dst) in self.done:
+            return
+        self.done.add((arg.name, dst))
+        same_part = arg.op == "call_function" and _phase(arg) == phase
+        start = arg.name if same_part else self.previous
+        who = arg.name if consumer == "output" else consumer
+        for s in self.steps(arg, dst):
+            if s.kind != "local":
+                self.add(s.kind, s.axis, s.nbytes, phase, layer, consumer, who, start)
+
+    def bucket(self, members: Sequence[int], args: dict[int, fx.Node], layer: str) -> None:
+        """A gradient bucket's one all-reduce, issued when its last gradient is computed."""
+        first = None
+        nbytes = 0
+        for i in members:
+            self.done.add((args[i].name, self.outputs[i]))
+            (step,) = self.steps(args[i], self.outputs[i])
+            first, nbytes = step if first is None else first, nbytes + step.nbytes
+        last = args[members[-1]].name
+        self.add("all_reduce", first.axis, nbytes, "backward", layer, "output", last, last)
+
+
+def step_collectives(traced: TracedGraph, shape: Sequence[int], names: Sequence[str],
+                     nodes: dict[str, NodePlan], outputs: Sequence, mesh: Mesh,
+                     buckets: tuple[tuple[int, ...], ...] = ()) -> StepCollectives:
+    """Walk the graph as the lowering does and list every collective (deduplicated moves);
+    the gradients of a bucket (:mod:`autopar.solver.buckets`) make one all-reduce, where the
+    last of them is computed."""
+    from autopar.strategies.space import _tensor_inputs
+
+    walk = _Walk(traced, shape, names, nodes, outputs, mesh)
+    out_node = next(n for n in traced.gm.graph.nodes if n.op == "output")
+    early, late = output_moves(traced.gm)
+    bucket_of = {i: b for b in buckets for i in b}
+    args = dict(enumerate(out_node.args[0]))
+    for n in traced.gm.graph.nodes:
+        layer = traced.node_layer.get(n.name, "")
+        if n.op == "call_function" and n.target is not operator.getitem:
+            for a, dst in zip(_tensor_inputs(n), nodes[n.name].inputs):
+                walk.move(a, dst, _phase(n), layer, n.name)
+            if n.name in early:
+                walk.move(n, outputs[early[n.name]], "forward", layer, "output")
+        if n.op == "call_function" and n.name in late:
+            bucket = bucket_of.get(late[n.name])
+            if bucket is None:
+                walk.move(n, outputs[late[n.name]], "backward", layer, "output")
+            elif bucket[-1] == late[n.name]:
+                walk.bucket(bucket, args, layer)
+        elif n.op == "output":
+            for i, a in enumerate(n.args[0]):
+                if a is not None:
+                    is_fwd = i == traced.loss_output_index or i in traced.boundary_outputs
+                    walk.move(a, outputs[i], "forward" if is_fwd else "backward",
+                              traced.node_layer.get(a.name, ""), "output")
+        if n.op == "call_function":
+            walk.previous = n.name
+    return walk.res

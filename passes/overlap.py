@@ -1,0 +1,148 @@
+"""Overlap pass: start each collective as early as its input allows, wait for it as late as
+its result allows.
+
+A functional collective (``_c10d_functional.all_reduce`` and its kin) starts the communication
+and returns at once; ``wait_tensor`` blocks until it is done. Traced programs issue a collective
+where its consumer needs it and wait right after it, so nothing overlaps. :func:`overlap_collectives`
+moves every collective (with the views of its input just before it) up to right after the node
+computing its input, and every wait (with the views of its result that follow it: ``t``,
+``view``, ``split`` and ``getitem``...) down to the first node that computes with the result, so
+the compute in between runs while the communication does: a column-parallel layer's input-gradient all-reduce overlaps its weight-gradient GEMM
+(Megatron-LM's asynchronous all-reduce, Narayanan et al., SC'21, sec. 4.2 and 3.3 of Korthikanti
+et al., MLSys'23), a gradient bucket's all-reduce overlaps the rest of the backward
+(:class:`autopar.passes.lower.GradientBuckets`). On GPUs, inductor schedules within the same
+freedom; on CPU ranks (gloo) the eager program does, gloo running the collective on its own
+thread.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+__all__ = ["overlap_collectives", "hoist_collectives", "sink_waits"]
+
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+_VIEWS = {
+    torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
+    torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default,
+    torch.ops.aten.alias.default, torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default,
+    torch.ops.aten.slice.Tensor, torch.ops.aten.select.int, torch.ops.aten.unsqueeze.default,
+    torch.ops.aten.squeeze.dim, torch.ops.aten.expand.default, operator.getitem,
+}
+
+
+def overlap_collectives(gm: fx.GraphModule) -> fx.GraphModule:
+    """:func:`hoist_collectives`, then :func:`sink_waits` (see the module docstring)."""
+    return sink_waits(hoist_collectives(gm))
+
+
+def hoist_collectives(gm: fx.GraphModule) -> fx.GraphModule:
+    """Move each collective, with the views of its input that only it reads, up to right
+    after the last node it depends on. Collectives of the program's inputs stay (a ZeRO
+    parameter's all-gather moved to the top would hold every gathered parameter at once).
+
+    Requires: a local program of ``_c10d_functional`` collectives. Guarantees: the same nodes
+    computing the same values; the collectives keep their order among themselves (every rank
+    runs the same program, so they pair up as before); a collective never leaves its
+    ``partitioner_tag`` (forward or backward part).
+    """
+    for c in [n for n in gm.graph.nodes if _is_collective(n)]:
+        group = _input_views(c)
+        position = {n: i for i, n in enumerate(gm.graph.nodes)}
+        first = position[group[0]]
+        outside = [a for n in group for a in n.all_input_nodes if a not in group]
+        if any(a.op != "call_function" for a in outside):
+            continue  # a program input (a parameter's shard under ZeRO): gathered where used
+        floor = max([position[a] for a in outside] + [_last_of_other_tag(c, position, first)]
+                    + [position[n] for n in _earlier_collectives(c, first)], default=-1)
+        anchor = list(position)[floor] if floor >= 0 else None
+        if anchor is not None and position[anchor] < first - 1:
+            for n in group:
+                anchor.append(n)
+                anchor = n
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _is_collective(n: fx.Node) -> bool:
+    return n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional" \
+        and n.target is not _WAIT
+
+
+def _input_views(c: fx.Node) -> list[fx.Node]:
+    """``[views..., c]``: the chain of views just before ``c`` that only it reads."""
+    group = [c]
+    n = c.args[0] if c.args and isinstance(c.args[0], fx.Node) else None
+    while n is not None and n.target in _VIEWS and len(n.users) == 1 and n.next is group[0]:
+        group.insert(0, n)
+        n = n.args[0] if isinstance(n.args[0], fx.Node) else None
+    return group
+
+
+def _last_of_other_tag(c: fx.Node, position: dict[fx.Node, int], first: int) -> int:
+    """The position of the last node before ``first`` in another part than ``c``'s."""
+    tag = c.meta.get("partitioner_tag")
+    last = -1
+    for n in position:
+        if position[n] >= first:
+            break
+        other = n.meta.get("partitioner_tag")
+        if tag is not None and other is not None and other != tag:
+            last = position[n]
+    return last
+
+
+def _earlier_collectives(c: fx.Node, first: int) -> list[fx.Node]:
+    """The collective issued last before ``c`` (their order must not change)."""
+    n = c.prev
+    while n.op != "root":
+        if _is_collective(n):
+            return [n]
+        n = n.prev
+    return []
+
+
+def sink_waits(gm: fx.GraphModule) -> fx.GraphModule:
+    """Move each ``wait_tensor`` and the views of its result to just before the first node that
+    uses them otherwise (see the module docstring).
+
+    Requires: a local program whose collectives are ``_c10d_functional`` ops, each waited for
+    by one ``wait_tensor``. Guarantees: the same nodes computing the same values (only their
+    order changes); the collectives in the same order; a wait never crosses into another
+    ``partitioner_tag`` (forward or backward part), so the forward/backward split is unchanged.
+    """
+    for wait in [n for n in gm.graph.nodes if n.target is _WAIT]:
+        position = {n: i for i, n in enumerate(gm.graph.nodes)}  # (earlier groups moved)
+        group = _wait_group(wait, position)
+        target = group.pop()
+        if target is not None and target is not wait.next:
+            for n in group:
+                target.prepend(n)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _wait_group(wait: fx.Node, position: dict[fx.Node, int]) -> list:
+    """``[wait, views of its result..., target]``: the nodes to move, in order, and the node to
+    put them before (``None`` if they need not move)."""
+    members, group = {wait}, [wait]
+    tag = wait.meta.get("partitioner_tag")
+    n = wait.next
+    while n.op != "root":
+        other = n.meta.get("partitioner_tag")
+        if n.op == "output" or (tag is not None and other is not None and other != tag):
+            return group + [n]
+        inputs = n.all_input_nodes
+        if any(a in members for a in inputs):
+            if n.target in _VIEWS and all(a in members or position[a] < position[wait] for a in inputs):
+                members.add(n)
+                group.append(n)
+            else:
+                return group + [n]
+        n = n.next
+    return group + [None]

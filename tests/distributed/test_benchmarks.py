@@ -1,0 +1,59 @@
+"""The runtime and start-up benchmarks run (at tiny sizes: figures are the benchmarks' job,
+not the tests'), and what they report is consistent."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _run(script: str, *args: str, timeout: int = 600) -> str:
+    proc = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc.stdout
+
+
+def _check_runtime(out: Path, compiled: bool) -> None:
+    results = json.loads(out.read_text())["results"]
+    modes = [False, True] if compiled else [False]
+    assert [(r["comparison"], r["compiled"]) for r in results] == [
+        (name, c) for c in modes for name in ("tp=2", "dp=2", "pp=2 1f1b")]
+    for r in results:
+        assert r["autopar_s"] > 0 and r["torch_s"] > 0 and r["ratio"] > 0
+        assert len(r["times"]["autopar"]) == len(r["times"]["torch"]) == 2
+        for rank in r["ranks"]:  # autopar's measured collectives are the plan's, on every rank
+            planned = {k: v for k, v in rank["plan"]["bytes"].items() if v}
+            assert rank["autopar"]["bytes"] == planned, (r["comparison"], rank)
+            assert sum(rank["torch"]["bytes"].values()) > 0  # the hand-written one communicates
+
+
+def test_runtime_benchmark_runs_at_tiny_size(tmp_path):
+    out = tmp_path / "runtime.json"
+    text = _run("runtime_vs_torch.py", "--size", "tiny", "--repeats", "2", "--warmup", "1",
+                "--no-compile", "--json", str(out))
+    assert "autopar ms" in text and "torch ms" in text
+    _check_runtime(out, compiled=False)
+
+
+@pytest.mark.slow
+def test_runtime_benchmark_runs_compiled_at_tiny_size(tmp_path):
+    out = tmp_path / "runtime.json"
+    _run("runtime_vs_torch.py", "--size", "tiny", "--repeats", "2", "--warmup", "1",
+         "--json", str(out), timeout=1800)
+    _check_runtime(out, compiled=True)
+
+
+def test_startup_benchmark_reads_the_plan_from_the_cache_the_second_time():
+    text = _run("startup.py", "--nproc", "2", "--no-compile")
+    rows = {line.split()[0]: line.split() for line in text.splitlines()
+            if line.startswith(("first", "second"))}
+    assert rows["first"][1] == "miss" and rows["second"][1] == "hit", text
+    # the second launch skips the search: its planning takes a fraction of the first's
+    assert float(rows["second"][3]) < float(rows["first"][3]), text

@@ -1,0 +1,123 @@
+"""Gradient buckets and the overlap of collectives with compute, on lowered programs.
+
+The plans are lowered under the single-process "fake" process group (nothing runs; the
+programs are inspected). Numbers and the collectives counted at run time are checked on real
+processes in ``tests/distributed`` (every plan there uses buckets and the overlap pass).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar import _torch_private as private
+from autopar.capture import capture
+from autopar.passes.lower import lower_to_local
+from autopar.solver.buckets import FIRST_BUCKET_BYTES
+from autopar.solver.planner import make_plan
+from models import build
+
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+BUCKET = torch.ops._c10d_functional.all_reduce_.default
+VIEWS = {torch.ops.aten.split_with_sizes.default, torch.ops.aten.view.default,
+         torch.ops.aten.permute.default, operator.getitem}
+
+
+@pytest.fixture(scope="module")
+def fake_world():
+    if dist.is_initialized():
+        pytest.skip("needs to own the default process group")
+    private.init_fake_process_group(2)
+    yield
+    dist.destroy_process_group()
+
+
+def _lowered(kind: str, config: autopar.Config, topology: str = "a100-dgx", **model_kw):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model, inputs = build(kind, **model_kw)
+    traced = capture(model, inputs, None)
+    mesh = autopar.Mesh.virtual(topology, gpus_per_node=2)
+    plan = make_plan(traced, mesh, config, (), None, model, inputs)
+    dm = init_device_mesh("cpu", plan.mesh_shape, mesh_dim_names=plan.axis_names)
+    return plan, lower_to_local(traced.gm, plan, dm)
+
+
+# large batch, narrow layers on A100s: plain data parallelism (as in test_equivalence.py)
+DP = dict(dim=64, layers=2, batch=256, seq=128)
+
+
+@pytest.mark.parametrize("cap", [0, 40_000, 25 * 2**20])
+def test_gradient_buckets_follow_the_cap_and_hold_every_gradient(fake_world, cap):
+    plan, local = _lowered("gpt", autopar.Config(dp=2, bucket_bytes=cap), **DP)
+    grads = [c for c in plan.collectives if c.phase == "backward" and c.node == "output"]
+    # one all-reduce per bucket, every parameter's gradient in exactly one (28: one is tied)
+    assert len(grads) == len(plan.grad_buckets)
+    members = [i for b in plan.grad_buckets for i in b]
+    assert len(members) == len(set(members)) == 28
+    sizes = [c.bytes for c in grads]
+    assert sum(sizes) == sum(4 * n for n in _param_numels(plan))
+    if cap == 0:
+        assert len(grads) == 28  # every gradient alone
+    else:  # a bucket closes once it holds the cap (the first one: 1 MiB); the last may not
+        caps = [min(cap, FIRST_BUCKET_BYTES)] + [cap] * (len(sizes) - 1)
+        assert all(s >= c for s, c in zip(sizes[:-1], caps)), (sizes, caps)
+        assert len(grads) == (1 if cap > sum(sizes) else len(grads)) and len(grads) < 28
+    # the program issues exactly these buckets, in this order, in place on their buffers
+    issued = [n for n in local.graph.nodes if n.target is BUCKET]
+    assert [n.args[0].meta["val"].numel() * 4 for n in issued] == sizes
+    # a gradient of at least the cap is a bucket of its own, reduced in its own memory; the
+    # others are copied into one buffer (a cat)
+    cat = torch.ops.aten.cat.default
+    for n, members in zip(issued, plan.grad_buckets):
+        if len(members) > 1:
+            assert n.args[0].target is cat
+    if cap == 40_000:  # (the MLP weights, 64 KiB, are over it)
+        alone = [n for n, m in zip(issued, plan.grad_buckets) if len(m) == 1]
+        assert alone and all(n.args[0].target is not cat for n in alone)
+
+
+def _param_numels(plan: autopar.Plan) -> list[int]:
+    model, _ = build("gpt", **DP)
+    return [p.numel() for p in model.parameters()]
+
+
+def test_bucket_waits_come_after_the_backward(fake_world):
+    _, local = _lowered("gpt", autopar.Config(dp=2, bucket_bytes=40_000), **DP)
+    nodes = list(local.graph.nodes)
+    waits = [i for i, n in enumerate(nodes) if n.target is WAIT and n.args[0].target is BUCKET]
+    assert len(waits) > 1
+    # after the first bucket's wait: only the waits and the views of the reduced buffers
+    tail = nodes[min(waits):-1]
+    assert all(n.target is WAIT or n.target in VIEWS for n in tail), \
+        sorted({str(n.target) for n in tail if n.target is not WAIT and n.target not in VIEWS})
+    # and the buckets were issued while the backward computes: all but perhaps the last one
+    # before the last compute node
+    issued = [i for i, n in enumerate(nodes) if n.target is BUCKET]
+    compute = [i for i, n in enumerate(nodes) if n.op == "call_function" and n.target not in VIEWS
+               and n.target is not WAIT and n.target is not BUCKET]
+    assert sum(i < max(compute) for i in issued) >= len(issued) - 1
+
+
+def test_tensor_parallel_waits_move_past_independent_compute(fake_world):
+    # Megatron's layout (tp=2, a100 costs): the backward's all-reduce of a column-parallel
+    # layer's input gradient is waited for after the weight gradient's GEMM, not right away
+    plan, local = _lowered("gpt", autopar.Config(tp=2), dim=512, batch=2, seq=64, heads=8)
+    nodes = list(local.graph.nodes)
+    moved = 0
+    for i, n in enumerate(nodes):
+        if n.target is WAIT and n.meta.get("partitioner_tag") == "is_backward":
+            collective = n.args[0]
+            between = nodes[nodes.index(collective) + 1:i]
+            moved += any(b.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+                         for b in between)
+    assert moved >= 2 * 2  # two layers, at least two per layer
+    # and no wait ever crosses from the forward into the backward
+    for i, n in enumerate(nodes):
+        if n.target is WAIT and n.meta.get("partitioner_tag") == "is_forward":
+            assert all(m.meta.get("partitioner_tag") != "is_backward"
+                       for m in nodes[nodes.index(n.args[0]):i])
