@@ -54,10 +54,11 @@ def hoist_collectives(gm: fx.GraphModule) -> fx.GraphModule:
         position = {n: i for i, n in enumerate(gm.graph.nodes)}
         first = position[group[0]]
         outside = [a for n in group for a in n.all_input_nodes if a not in group]
-        if any(a.op != "call_function" for a in outside):
+        if any(_root(a).op != "call_function" for a in outside):
             continue  # a program input (a parameter's shard under ZeRO): gathered where used
+        previous = _previous_collective(c)
         floor = max([position[a] for a in outside] + [_last_of_other_tag(c, position, first)]
-                    + [position[n] for n in _earlier_collectives(c, first)], default=-1)
+                    + ([position[previous]] if previous is not None else []))
         anchor = list(position)[floor] if floor >= 0 else None
         if anchor is not None and position[anchor] < first - 1:
             for n in group:
@@ -66,6 +67,13 @@ def hoist_collectives(gm: fx.GraphModule) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def _root(n: fx.Node) -> fx.Node:
+    """The node that ``n`` is a view of (``n`` itself if it is no view)."""
+    while n.target in _VIEWS and n.args and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    return n
 
 
 def _is_collective(n: fx.Node) -> bool:
@@ -96,14 +104,14 @@ def _last_of_other_tag(c: fx.Node, position: dict[fx.Node, int], first: int) -> 
     return last
 
 
-def _earlier_collectives(c: fx.Node, first: int) -> list[fx.Node]:
+def _previous_collective(c: fx.Node) -> fx.Node | None:
     """The collective issued last before ``c`` (their order must not change)."""
     n = c.prev
     while n.op != "root":
         if _is_collective(n):
-            return [n]
+            return n
         n = n.prev
-    return []
+    return None
 
 
 def sink_waits(gm: fx.GraphModule) -> fx.GraphModule:

@@ -121,3 +121,27 @@ def test_tensor_parallel_waits_move_past_independent_compute(fake_world):
         if n.target is WAIT and n.meta.get("partitioner_tag") == "is_forward":
             assert all(m.meta.get("partitioner_tag") != "is_backward"
                        for m in nodes[nodes.index(n.args[0]):i])
+
+
+def test_a_zero_parameter_is_gathered_where_it_is_used(fake_world):
+    # ZeRO-1 stores parameters sharded over dp and all-gathers each where the step uses it;
+    # issuing those gathers early would hold every gathered parameter at once
+    plan, local = _lowered("gpt", autopar.Config(dp=2, zero=1), **DP)
+    assert plan.techniques["zero"] == 1
+    nodes = list(local.graph.nodes)
+    def root(n):  # what a view views
+        while n.op == "call_function" and n.target in (torch.ops.aten.view.default, torch.ops.aten.t.default):
+            n = n.args[0]
+        return n
+
+    gathers = [n for n in nodes if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default
+               and root(n.args[0]).op == "placeholder"]
+    assert gathers
+    for g in gathers:
+        wait = next(iter(g.users))
+        used = min(nodes.index(u) for u in wait.users)
+        between = nodes[nodes.index(g) + 1:used]
+        assert all(getattr(n.target, "namespace", None) == "_c10d_functional" or n.target in VIEWS
+                   or n.target in (torch.ops.aten.t.default, torch.ops.aten.view.default)
+                   for n in between), [str(n.target) for n in between]
+
