@@ -13,8 +13,10 @@ collective per bucket; the lowering (:mod:`autopar.passes.lower`) executes exact
 buckets, so the predicted and executed collectives stay equal by construction.
 
 :func:`reduce_at_outputs` first moves each gradient's reduction to the gradient itself where
-the solver put it on the input of a view of it (a transpose, a reshape: the same bytes either
-way, so the ILP does not tell them apart), so that it can join a bucket.
+the solver put it on the input of a linear op leading to it (a transpose, a reshape, an
+embedding's backward: no more bytes after it than before, so the ILP does not prefer either),
+so that it can join a bucket. A gradient of at least the cap is a bucket of its own, reduced in
+its own memory.
 
 A gradient is bucketed when moving it to its parameter's placement is one all-reduce (a
 ``Partial`` on one mesh axis becoming ``Replicate``); gradients of one bucket share that axis
