@@ -378,7 +378,7 @@ def lower_to_local(gm: fx.GraphModule, plan: Plan, mesh: Any,
 def _trace_local(gm: fx.GraphModule, plan: Plan, mesh: Any) -> fx.GraphModule:
     interp = _Interpreter(gm, plan, mesh)
     mesh_shape = tuple(mesh.shape)
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with FakeTensorMode(allow_non_fake_inputs=True):
         fakes = []
         for n in interp.placeholders:
             val = n.meta["val"]

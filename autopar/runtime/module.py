@@ -18,7 +18,6 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_flatten
 
-from autopar.capture import normalize_inputs
 from autopar.errors import InputMismatchError
 from autopar.graph import TracedGraph
 from autopar.plan import Plan

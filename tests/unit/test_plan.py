@@ -7,7 +7,6 @@ the session fixture ``megatron`` of ``conftest.py``.
 from __future__ import annotations
 
 import json
-import math
 from collections import Counter
 
 import pytest
