@@ -17,7 +17,7 @@ from autopar.mesh import Mesh
 from autopar.plan import Plan
 from autopar.runtime.faults import check_same_plan
 from autopar.runtime.module import ParallelModule
-from autopar.solver.planner import make_plan
+from autopar.planning.entry import model_fingerprint, plan_model
 
 __all__ = ["plan", "parallelize", "search"]
 
@@ -25,36 +25,26 @@ __all__ = ["plan", "parallelize", "search"]
 def plan(model: nn.Module, mesh: Mesh, example_inputs: Any, *, config: Config | None = None,
          cost_passes: Sequence[Callable[..., Any]] = (),
          progress: Callable[[str], None] | None = None) -> Plan:
-    """Trace ``model`` on ``example_inputs`` and solve for the best plan on ``mesh``.
+    """Plan ``model`` for ``mesh``: the best setup and every operator's placements.
 
     ``example_inputs``: a tuple of positional inputs (or a dict of keyword inputs) for one global
-    training batch; the model must return a scalar loss. Works without devices: build the model
-    under ``FakeTensorMode`` and use ``Mesh.virtual(...)`` to plan for any cluster.
+    training batch (real, fake or meta tensors: only their shapes and dtypes are read); the model
+    must return a scalar loss. Works without devices: build the model under ``FakeTensorMode``
+    and use ``Mesh.virtual(...)`` to plan for any cluster. A model built from identical blocks is
+    planned by the setup search (degrees, microbatches, schedule, recomputation, ZeRO, sequence
+    parallelism) and then the chosen setup's per-operator ILPs; other models by per-unit ILPs
+    (:mod:`autopar.planning.entry`). ``plan.alternatives`` lists the next setups.
     """
-    config = config or Config()
-    traced = capture(model, example_inputs, config.mixed_precision)
-    return make_plan(traced, mesh, config, cost_passes, progress, model, example_inputs)
+    return plan_model(model, mesh, example_inputs, config or Config(), cost_passes, progress)
 
 
 def search(model: nn.Module, mesh: Mesh, example_inputs: Any, *, config: Config | None = None,
            cost_passes: Sequence[Callable[..., Any]] = (),
            progress: Callable[[str], None] | None = None, top_k: int = 5) -> Plan:
-    """Search the whole setup space for ``model`` on a (typically virtual) cluster ``mesh``.
-
-    Degrees (dp, tp inside a node, pp), microbatch size, schedule (1F1B, interleaved with v
-    chunks), recomputation, ZeRO-1 and sequence parallelism; see :mod:`autopar.solver.search`.
-    The model must be built from identical blocks (an ``nn.ModuleList``); build it under
-    ``FakeTensorMode`` for sizes beyond this machine. Returns the planning view of the best
-    setup (``plan.alternatives`` holds the next ``top_k``); per-operator placements are made
-    when the job itself is planned with :func:`plan`.
-    """
-    from autopar.solver.search import LayerSolver, to_plan
-    from autopar.solver.search import search as run_search
-
-    config = config or Config()
-    layers = LayerSolver(model, example_inputs, mesh, config, cost_passes)
-    result = run_search(model, example_inputs, mesh, config, cost_passes, progress, layers)
-    return to_plan(result, layers, config, top_k)
+    """:func:`plan` with ``top_k`` alternatives: the same runnable plan (kept for callers of
+    the earlier cluster search, which returned a planning view that could not run)."""
+    return plan_model(model, mesh, example_inputs, config or Config(), cost_passes, progress,
+                      top_k=top_k)
 
 
 def _device_mesh(p: Plan, mesh: Mesh) -> Any:
@@ -95,9 +85,9 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: Any = None, *,
     if plan is not None and not isinstance(plan, Plan):
         plan = Plan.load(plan)
     if plan is not None and plan.solver.get("status") == "search":
-        raise PlanError("this plan is the planning view of autopar.search (no per-operator "
-                        "placements); plan the job with autopar.plan(model, mesh, inputs, "
-                        "config=Config(dp=..., tp=..., pp=...)) using its degrees, and run that.")
+        raise PlanError("this plan was saved by an earlier autopar.search as a planning view "
+                        "(no per-operator placements); plan the job again with "
+                        "autopar.plan(model, mesh, inputs): it now returns a runnable plan.")
     mesh.check_world()
     precision = plan.techniques.get("mixed_precision") if plan is not None else config.mixed_precision
     if plan is not None and config.mixed_precision is not None and \
@@ -114,10 +104,11 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: Any = None, *,
     else:
         startup["plan_cache"] = "given"
         the_plan = plan
-        if the_plan.model_fingerprint != traced.fingerprint():
+        fingerprint = model_fingerprint(model, example_inputs)
+        if the_plan.model_fingerprint != fingerprint:
             raise PlanError(
                 f"the plan was made for another model or input shapes (fingerprint "
-                f"{the_plan.model_fingerprint}, this model {traced.fingerprint()}); re-plan with "
+                f"{the_plan.model_fingerprint}, this model {fingerprint}); re-plan with "
                 f"autopar.plan(model, mesh, example_inputs).")
     if int(torch.tensor(the_plan.mesh_shape).prod()) != mesh.size:
         raise MeshError(
@@ -149,7 +140,7 @@ def _cached_plan(traced: Any, mesh: Mesh, config: Config, cost_passes: Sequence,
     cached = plan_cache.load_cached(directory, key) if directory else None
     if cached is not None:
         return cached, "hit"
-    fresh = make_plan(traced, mesh, config, cost_passes, None, model, example_inputs)
+    fresh = plan_model(model, mesh, example_inputs, config, cost_passes, traced=traced)
     if directory:
         plan_cache.store_cached(directory, key, fresh)
     return fresh, "miss" if directory else "off"

@@ -3,8 +3,10 @@
 ``torch.export.export`` (non-strict) gives an aten-level forward graph; AOTAutograd's
 ``aot_export_joint_with_descriptors`` turns it into one joint forward+backward graph whose
 placeholders and outputs carry descriptors (parameter, user input, tangent; loss, gradient).
-Models built under ``FakeTensorMode`` are traced without allocating a single weight. The meta
-device is refused: under it cross-entropy silently loses its backward.
+Models built under ``FakeTensorMode`` are traced without allocating a single weight. A model on
+the meta device is refused: under it cross-entropy silently loses its backward. Example inputs
+may be real, fake (of any mode) or meta: :func:`to_fake` re-creates them from their metadata in
+the mode the trace runs in, so no input value ever reaches a graph.
 """
 
 from __future__ import annotations
@@ -22,14 +24,15 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autopar import _torch_private as private
 from autopar._torch_private import FakeTensor, FakeTensorMode
 from autopar.errors import CaptureError, InputMismatchError
 from autopar.graph import InputInfo, Layer, ParamInfo, TracedGraph
 
-__all__ = ["capture", "normalize_inputs", "extract_loss"]
+__all__ = ["capture", "capture_with_export", "prepare_inputs", "normalize_inputs", "extract_loss",
+           "to_fake", "model_is_fake", "model_device"]
 
 _WRAP = "model."
 
@@ -113,8 +116,10 @@ def capture(model: nn.Module, example_inputs: Any, mixed_precision: str | None =
     """Trace ``model`` on ``example_inputs`` into a joint forward+backward :class:`TracedGraph`.
 
     Requires: the model returns a scalar loss (see :func:`extract_loss`) and has no data-dependent
-    control flow. If its parameters are fake tensors, inputs may be real or fake; nothing is
-    materialised. Raises :class:`CaptureError` naming the module and source line on failure.
+    control flow. If its parameters are fake tensors, nothing is materialised. Inputs may be
+    real, fake (of any mode) or meta tensors: only their shapes and dtypes are read (see
+    :func:`prepare_inputs`), never their values. Raises :class:`CaptureError` naming the module
+    and source line on failure.
     ``mixed_precision="bf16"`` traces the model under ``torch.autocast`` (bf16): matmuls compute
     in bf16 from casts of the fp32 parameters, which stay the master weights, and every gradient
     leaves the graph in fp32 (so it is reduced in fp32).
@@ -145,19 +150,43 @@ def capture_with_export(model: nn.Module, example_inputs: Any,
     gm = joint.graph_module
     _strip_input_grads(gm)
     _strip_assertions(gm)
-    return _build(gm, wrapper, in_spec, fake_mode is not None, time.perf_counter() - start), ep
+    return _build(gm, wrapper, in_spec, model_is_fake(model), time.perf_counter() - start), ep
 
 
 def prepare_inputs(model: nn.Module, example_inputs: Any) -> tuple[tuple, dict, FakeTensorMode | None]:
     """``(args, kwargs, fake_mode)`` to trace ``model`` with: inputs checked against its
-    signature, the meta device refused, and inputs made fake when the model is fake."""
+    signature, the meta device refused for parameters, and inputs brought into one fake mode.
+
+    Example inputs may be real, fake (of any ``FakeTensorMode``) or meta tensors: only their
+    shapes, strides, dtypes and ``requires_grad`` are used (see :func:`to_fake`). A fake model's
+    inputs are made fake in the model's own mode; a real model's real inputs are passed as they
+    are (export reads no values from them); a real model given any fake or meta input traces in a
+    fresh mode that this returns. ``fake_mode`` is ``None`` only when nothing is fake.
+    """
     args, kwargs = normalize_inputs(example_inputs)
     _check_signature(model, args, kwargs)
     _refuse_meta(model)
     fake_mode = _fake_mode_of(model)
+    if fake_mode is None and any(isinstance(t, FakeTensor) or t.device.type == "meta"
+                                 for t in tree_flatten((args, kwargs))[0]
+                                 if isinstance(t, torch.Tensor)):
+        # the real parameters are read into the mode when the trace touches them
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     if fake_mode is not None:
-        args, kwargs = _to_fake((args, kwargs), fake_mode)
+        args, kwargs = to_fake((args, kwargs), fake_mode, model_device(model))
     return args, kwargs, fake_mode
+
+
+def model_is_fake(model: nn.Module) -> bool:
+    """Whether ``model``'s parameters are fake tensors (it is traced without materialising)."""
+    return _fake_mode_of(model) is not None
+
+
+def model_device(module: nn.Module) -> torch.device:
+    """The device of ``module``'s first parameter (or buffer); CPU when it has none."""
+    for t in (*module.parameters(), *module.buffers()):
+        return t.device
+    return torch.device("cpu")
 
 
 def _check_signature(model: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -190,13 +219,45 @@ def _fake_mode_of(model: nn.Module) -> FakeTensorMode | None:
     return next(iter(modes.values()), None)
 
 
-def _to_fake(tree: Any, mode: FakeTensorMode) -> Any:
-    from torch.utils._pytree import tree_map_only
+def to_fake(tree: Any, mode: FakeTensorMode, device: torch.device | str = "cpu") -> Any:
+    """Every tensor in ``tree`` as a fake tensor of ``mode``, made from its metadata only.
+
+    A tensor already of ``mode`` is kept. Any other (real, fake of another mode, meta) is
+    re-created from its shape, strides, dtype and ``requires_grad``: no value is carried, so
+    a trace can never depend on one. Its device is kept, except that a meta tensor is placed
+    on ``device`` (the model's). One tensor given twice becomes one fake tensor given twice.
+    Non-tensor leaves are returned as they are. Raises :class:`InputMismatchError` for a tensor
+    subclass or a tensor with symbolic sizes.
+    """
+    made: dict[int, torch.Tensor] = {}
 
     def conv(t: torch.Tensor) -> torch.Tensor:
-        return t if isinstance(t, FakeTensor) else mode.from_tensor(t)
+        if isinstance(t, FakeTensor) and t.fake_mode is mode:
+            return t
+        if id(t) not in made:
+            made[id(t)] = _empty_like_in(t, mode, device)
+        return made[id(t)]
 
     return tree_map_only(torch.Tensor, conv, tree)
+
+
+def _empty_like_in(t: torch.Tensor, mode: FakeTensorMode,
+                   device: torch.device | str) -> torch.Tensor:
+    if type(t) not in (torch.Tensor, nn.Parameter, FakeTensor):
+        raise InputMismatchError(
+            f"an example input is a {type(t).__name__} of shape {tuple(t.shape)}; autopar plans "
+            f"from plain tensors (real, fake or meta): pass a torch.Tensor of the same shape and "
+            f"dtype instead.")
+    try:
+        shape, stride = [int(s) for s in t.shape], [int(s) for s in t.stride()]
+    except Exception as e:
+        raise InputMismatchError(
+            f"an example input has symbolic sizes {tuple(t.shape)}; autopar plans for concrete "
+            f"shapes: pass a tensor with integer sizes (one training batch).") from e
+    where = device if t.device.type == "meta" else t.device
+    with mode:
+        return torch.empty_strided(shape, stride, dtype=t.dtype, device=where,
+                                   requires_grad=t.requires_grad)
 
 
 def _export(wrapper: nn.Module, args: tuple, kwargs: dict) -> Any:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "parse_mesh", "load_model"]
+__all__ = ["main", "build_parser", "parse_mesh", "load_model"]
 
 
 def parse_mesh(text: str, gpus_per_node: int) -> tuple[int, int]:
@@ -66,14 +66,20 @@ def load_model(spec: str, batch: int, seq: int) -> tuple[Any, Any]:
     return out
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``plan`` and ``simulate``. ``--hardware`` offers the presets
+    registered when it is built (:func:`autopar.cost_models.register_topology` adds more)."""
+    from autopar.cost_models.topology import preset_names
+
     parser = argparse.ArgumentParser(prog="python -m autopar", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="plan a model for a cluster and print the plan")
     p.add_argument("model", help="preset name (gpt3-175b, gpt2-small, llama-7b, ...) or module:function")
     p.add_argument("--mesh", default="1x8", help="NODESxGPUS (128x8) or a device count (default 1x8)")
-    p.add_argument("--hardware", default="a100-dgx", help="topology preset (a100-dgx, h100-dgx, h200-dgx, cpu-gloo)")
+    p.add_argument("--hardware", default="a100-dgx", choices=preset_names(), metavar="NAME",
+                   help="topology preset: %(choices)s (default %(default)s; more with "
+                        "autopar.cost_models.register_topology)")
     p.add_argument("--batch", type=int, required=True, help="global batch (sequences)")
     p.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
     for name in ("dp", "tp", "pp", "microbatch-size"):
@@ -147,7 +153,7 @@ def _simulate(args: argparse.Namespace) -> Any:
 
 def main(argv: list[str]) -> int:
     """Run ``plan`` or ``simulate`` with ``argv`` (the words after ``python -m autopar``)."""
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.command == "plan":
         if (args.explain or args.operators) and not args.per_operator:
             raise SystemExit("--explain and --operators need per-operator choices: add --per-operator")

@@ -31,8 +31,9 @@ class Config:
             ``"zero-bubble"`` (torch's ``ScheduleInterleavedZeroBubble``), or ``None`` to search.
         virtual_stages: model chunks per pipeline rank (``v``; only the interleaved and
             zero-bubble schedules take more than 1), or ``None`` to search.
-        microbatch_size: samples per microbatch (the global batch is the example inputs'
-            batch), or ``None`` to search.
+        microbatch_size: samples per microbatch over all data-parallel replicas (the global
+            batch, the example inputs' dim 0, is split into batch / microbatch_size of them;
+            each replica runs microbatch_size / dp samples of each), or ``None`` to search.
         recompute: activation recomputation, ``"none"``, ``"selective"`` (attention core) or
             ``"full"`` (each block's forward re-run in the backward), or ``None``: turned on
             only when the plan does not fit memory without it.

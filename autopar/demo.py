@@ -114,10 +114,13 @@ def launch(nproc: int = 4, steps: int = 5, topology: str = "a100-dgx", compile: 
 
 def main(argv: list[str] | None = None) -> int:
     """Command line of the demo (also reached through ``python -m autopar demo``)."""
+    from autopar.cost_models.topology import preset_names
+
     parser = argparse.ArgumentParser(prog="python -m autopar demo", description=__doc__)
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--topology", default="a100-dgx", help="cost-model preset to plan for")
+    parser.add_argument("--topology", default="a100-dgx", choices=preset_names(), metavar="NAME",
+                        help="cost-model preset to plan for: %(choices)s (default %(default)s)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the per-rank program")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -61,10 +61,22 @@ class Mesh:
     def virtual(
         cls, preset: str | Topology, nodes: int = 1, gpus_per_node: int = 8
     ) -> "Mesh":
-        """A cluster to plan for without devices, e.g. ``Mesh.virtual("h100-dgx", nodes=128)``."""
-        topo = get_preset(preset) if isinstance(preset, str) else preset
-        device_type = "cpu" if topo.name.startswith("cpu") else "cuda"
-        return cls(nodes, gpus_per_node, topo, device_type=device_type, is_virtual=True)
+        """A cluster to plan for without devices, e.g. ``Mesh.virtual("h100-dgx", nodes=128)``.
+
+        ``preset`` is a registered preset name (see
+        :func:`autopar.cost_models.register_topology`) or a :class:`Topology`; the mesh's device
+        type is the topology's ``device_type``.
+        """
+        if isinstance(preset, str):
+            topo = get_preset(preset)
+        elif isinstance(preset, Topology):
+            topo = preset
+        else:
+            raise MeshError(
+                f"Mesh.virtual(preset={preset!r}): give a preset name or a Topology, got "
+                f"{type(preset).__name__}."
+            )
+        return cls(nodes, gpus_per_node, topo, device_type=topo.device_type, is_virtual=True)
 
     @classmethod
     def from_torchrun(cls, topology: str | Topology | None = None,

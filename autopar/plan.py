@@ -297,8 +297,8 @@ class Plan:
         drain), ``optimizer_s`` (the optimizer's update); ``total_s`` is their sum.
 
         ``predicted["step_time_s"]`` is the forward and backward as ``pmodel.step()`` runs them
-        (the optimizer is the user's ``opt.step()``), except in a plan from
-        :func:`autopar.search`, whose step includes the optimizer; ``total_s`` includes it in both.
+        (the optimizer is the user's ``opt.step()``); ``total_s`` includes the optimizer (so did
+        the step of a planning view saved by an earlier ``autopar.search``).
         """
         p = self.predicted
         step, opt = p.get("step_time_s", 0.0), p.get("optimizer_s", 0.0)
@@ -310,7 +310,11 @@ class Plan:
                 times, pp = self.pipeline.predicted.get("stage_time_s", []), self.degrees["pp"]
                 busy = self.pipeline.microbatches * max(
                     (sum(times[r::pp]) for r in range(pp)), default=0.0)
-                bubble = max(step - busy, 0.0)
+                # the fill and the drain each wait for pp - 1 sends of a microbatch's
+                # activations (gradients): exposed communication, not idle compute
+                sends = min(max(step - busy, 0.0),
+                            2 * (pp - 1) * self.pipeline.predicted.get("p2p_s", 0.0))
+                bubble = max(step - busy - sends, 0.0)
         compute = p.get("compute_s", 0.0)
         return {"compute_s": compute, "exposed_comm_s": max(total - compute - bubble - opt, 0.0),
                 "bubble_s": bubble, "optimizer_s": opt, "total_s": total}

@@ -20,8 +20,8 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 
 from autopar import _torch_private as private
 from autopar.capture import (
-    _LossModule, _build, _export, _first_line, _strip_assertions, _strip_input_grads, _to_fake,
-    capture_with_export, normalize_inputs, prepare_inputs,
+    _LossModule, _build, _export, _first_line, _strip_assertions, _strip_input_grads,
+    capture_with_export, model_device, model_is_fake, normalize_inputs, prepare_inputs, to_fake,
 )
 from autopar.errors import CaptureError
 from autopar.graph import TracedGraph
@@ -111,8 +111,8 @@ def capture_stages(fwd: ForwardGraph, stage_of_unit: Sequence[int], mb_inputs: S
     """Split ``fwd`` by ``stage_of_unit`` and trace every stage's joint graph.
 
     ``mb_inputs`` are one microbatch's flattened inputs (as the graph was exported for). The
-    boundary activations are produced by running the stages in order on them (under the model's
-    fake mode if it has one).
+    boundary activations are produced by running the stages in order on them (under the fake
+    mode of ``fwd`` if it has one, the inputs made fake in it by :func:`autopar.capture.to_fake`).
     """
     num_stages = max(stage_of_unit) + 1
     stage_of = node_stages(fwd.gm, fwd.unit_of, stage_of_unit)
@@ -121,7 +121,8 @@ def capture_stages(fwd: ForwardGraph, stage_of_unit: Sequence[int], mb_inputs: S
     out: list[tuple[StageGraph, TracedGraph]] = []
     flat = list(mb_inputs)
     if fwd.fake_mode is not None:
-        flat = [_to_fake(x, fwd.fake_mode) if isinstance(x, torch.Tensor) else x for x in flat]
+        flat = to_fake(flat, fwd.fake_mode, model_device(fwd.gm))
+    is_fake = model_is_fake(fwd.gm)
     boundary: list[torch.Tensor] = []
     for st in stages:
         start = time.perf_counter()
@@ -136,7 +137,7 @@ def capture_stages(fwd: ForwardGraph, stage_of_unit: Sequence[int], mb_inputs: S
         gm = joint.graph_module
         _strip_input_grads(gm, keep=st.num_boundary)
         _strip_assertions(gm)
-        traced = _build(gm, st.gm, fwd.in_spec, fwd.fake_mode is not None,
+        traced = _build(gm, st.gm, fwd.in_spec, is_fake,
                         time.perf_counter() - start, stage=st)
         out.append((st, traced))
         boundary = [tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(True), o) for o in outs]

@@ -2,13 +2,13 @@
 
     python benchmarks/megatron_table1.py [--rows 1 5 10] [--no-search]
 
-For each row (Narayanan et al., arXiv:2104.04473, Table 1; reference/calibration.json) the GPT of
-that row (hidden size, layers, heads; sequence 2,048; vocabulary 51,200) is built under
-FakeTensorMode. Megatron's own configuration (its t, p, d and global batch, microbatch 1, full
-recomputation, no ZeRO, no sequence parallelism; the interleaved schedule with the best v, as the
-paper runs it) is priced on the ``a100-dgx`` preset, then the full search runs on the same GPU
-count and batch. TFLOP/s per GPU use the paper's Eq. 3 FLOPs for both, so their ratio is the ratio
-of step times.
+For each row (Narayanan et al., arXiv:2104.04473, Table 1; copied with its citation into
+``benchmarks/data/calibration.json``) the GPT of that row (hidden size, layers, heads; sequence
+2,048; vocabulary 51,200) is built under FakeTensorMode. Megatron's own configuration (its t, p,
+d and global batch, microbatch 1, full recomputation, no ZeRO, no sequence parallelism; the
+interleaved schedule with the best v, as the paper runs it) is priced on the ``a100-dgx`` preset,
+then the full search runs on the same GPU count and batch. TFLOP/s per GPU use the paper's Eq. 3
+FLOPs for both, so their ratio is the ratio of step times.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from autopar.cost_models.training_step import Setup, model_flops_megatron  # noq
 from autopar.presets import megatron_gpt  # noqa: E402
 from autopar.solver.search import LayerSolver, search  # noqa: E402
 
-CALIBRATION = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "reference",
-                           "calibration.json")
+# The published rows, copied into the repository with their citations (the file's "meta" note).
+CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "calibration.json")
 
 
 def table1_rows(path: str = CALIBRATION) -> list[dict]:

@@ -37,15 +37,29 @@ from autopar.cost_models.pipeline import (
     in_flight,
     simulate,
 )
-from autopar.cost_models.topology import PRESETS, AxisLink, Topology, custom, get_preset
+from autopar.cost_models.topology import (
+    DEVICE_TYPES,
+    PRESETS,
+    AxisLink,
+    Topology,
+    custom,
+    get_preset,
+    preset_names,
+    register_topology,
+    unregister_topology,
+)
 
 __all__ = [
     # topology
     "AxisLink",
     "Topology",
     "PRESETS",
+    "DEVICE_TYPES",
     "get_preset",
     "custom",
+    "register_topology",
+    "unregister_topology",
+    "preset_names",
     # communication
     "COLLECTIVE_KINDS",
     "all_reduce_time",

@@ -17,8 +17,8 @@ Sources:
   [HOCKNEY] Hockney, "The communication challenge for MPP: Intel Paragon and Meiko CS-2",
            Parallel Computing 20(3), 1994: point-to-point ``alpha + n beta``.
   [HIER]   Hierarchical (2D) all-reduce over N nodes x g GPUs with one NIC rail per GPU:
-           ``2 (g-1)/g S/B_intra + 2 (N-1)/N (S/g)/B_nic`` (reference/calibration.json, derived
-           from [THAKUR] + [NCCLT]; cf. Mikami et al. 2018, Jia et al. 2018).
+           ``2 (g-1)/g S/B_intra + 2 (N-1)/N (S/g)/B_nic`` (benchmarks/data/calibration.json,
+           derived from [THAKUR] + [NCCLT]; cf. Mikami et al. 2018, Jia et al. 2018).
 The ``launch_s`` term is the fixed per-call overhead of the link (NCCL baseLat, see topology.py).
 """
 

@@ -6,9 +6,9 @@ Sources:
          2 (fp16 grad) + K = 12 (fp32 master param, momentum, variance) = 16 bytes per parameter;
          stage 1 shards the K part, stage 2 also the gradients, stage 3 also the parameters.
   [MEGM] NVIDIA/Megatron-LM megatron/training/theoretical_memory_usage.py (commit d98e8a64dd, in
-         reference/calibration.json): 18 bytes per parameter for bf16 training with fp32 gradient
-         accumulation (bf16 param 2 + fp32 grad 4 + fp32 master 4 + Adam m, v 8); with the
-         distributed optimizer 6 + 12/d.
+         benchmarks/data/calibration.json): 18 bytes per parameter for bf16 training with fp32
+         gradient accumulation (bf16 param 2 + fp32 grad 4 + fp32 master 4 + Adam m, v 8); with
+         the distributed optimizer 6 + 12/d.
   [ADAM] Kingma & Ba, "Adam", ICLR 2015: two moment buffers (exp_avg, exp_avg_sq) per parameter,
          kept in fp32 by torch.optim.Adam/AdamW for fp32 parameters.
 """

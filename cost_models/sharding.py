@@ -60,8 +60,8 @@ def state_bytes_per_element(optimizer: str, itemsize: int = 4) -> int:
     fp32 parameters (``itemsize`` 4): Adam keeps two fp32 moments (Kingma & Ba 2015):
     4 + 4 + 8 = 16 bytes; SGD (no momentum) 4 + 4 = 8. 16-bit parameters are trained in mixed
     precision as Megatron-LM does (megatron/training/theoretical_memory_usage.py, in
-    reference/calibration.json): 16-bit param 2 + fp32 gradient 4 + fp32 master 4, plus Adam's
-    two fp32 moments 8 = 18 bytes; SGD 10.
+    benchmarks/data/calibration.json): 16-bit param 2 + fp32 gradient 4 + fp32 master 4, plus
+    Adam's two fp32 moments 8 = 18 bytes; SGD 10.
     """
     if itemsize >= 4:
         return 16 if optimizer == "adam" else 8

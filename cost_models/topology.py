@@ -7,7 +7,15 @@ effective, not line rate), so the ring formulas in :mod:`autopar.cost_models.com
 nccl-tests ideal times (NVIDIA/nccl-tests doc/PERFORMANCE.md).
 
 Every preset constant cites where it comes from; ``docs/cost_model.md`` has the same table.
-Efficiencies are plain published or assumed constants, not fitted to any training table.
+One constant is fitted to a training table: the ``a100-dgx`` matmul efficiency (0.657), fitted on
+Megatron-LM SC'21 Table 1 rows 1, 3, 5, 7 and 9 (``[FIT]`` below). The other efficiencies are
+published best-shape GEMM figures, assumed round values, or 1.0 where the peak is itself measured.
+
+Presets live in one registry: :func:`register_topology` adds a :class:`Topology` under its name,
+after which :func:`get_preset`, ``autopar.Mesh.virtual(name, ...)`` and the command line's
+``--hardware`` accept it. ``PRESETS`` is a read-only view of the registry. The built-in presets
+are the records of ``_BUILTIN_PRESETS`` at the end of this module, registered the same way
+(``docs/adding_a_hardware_preset.md``).
 """
 
 from __future__ import annotations
@@ -15,17 +23,25 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Mapping
 
 __all__ = [
     "AxisLink",
     "Topology",
     "PRESETS",
+    "DEVICE_TYPES",
     "get_preset",
     "custom",
+    "register_topology",
+    "unregister_topology",
+    "preset_names",
 ]
 
 _GiB = 1024**3
+
+# Device types a topology may run on: the torch device of a virtual mesh built from it.
+DEVICE_TYPES: tuple[str, ...] = ("cuda", "cpu")
 
 # Accepted spellings of the dtypes whose peaks a topology lists.
 _DTYPE_ALIASES: dict[str, str] = {
@@ -123,6 +139,9 @@ class Topology:
         gpus_per_node: devices per node.
         matmul_efficiency: fraction of ``peak_flops`` a large GEMM reaches.
         pointwise_efficiency: fraction of ``mem_bandwidth_Bps`` a streaming kernel reaches.
+        device_type: torch device type of the devices, ``"cuda"`` or ``"cpu"``
+            (:data:`DEVICE_TYPES`); a virtual mesh built from this topology uses it.
+        notes: free text (hardware description); not compared, not hashed.
     """
 
     name: str
@@ -134,6 +153,7 @@ class Topology:
     gpus_per_node: int
     matmul_efficiency: float
     pointwise_efficiency: float
+    device_type: str = "cuda"
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -168,6 +188,11 @@ class Topology:
             _check_positive("Topology", name, value)
             if value > 1.0:
                 raise ValueError(f"Topology.{name} must be in (0, 1], got {value!r}")
+        if self.device_type not in DEVICE_TYPES:
+            raise ValueError(
+                f"Topology.device_type must be one of {list(DEVICE_TYPES)}, "
+                f"got {self.device_type!r}"
+            )
 
     def __hash__(self) -> int:
         return hash(
@@ -181,6 +206,7 @@ class Topology:
                 self.gpus_per_node,
                 self.matmul_efficiency,
                 self.pointwise_efficiency,
+                self.device_type,
             )
         )
 
@@ -222,14 +248,22 @@ class Topology:
             "gpus_per_node": int(self.gpus_per_node),
             "matmul_efficiency": float(self.matmul_efficiency),
             "pointwise_efficiency": float(self.pointwise_efficiency),
+            "device_type": self.device_type,
             "notes": self.notes,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Topology":
-        """Build a topology from :meth:`to_dict` output; ``notes`` is optional."""
+        """Build a topology from :meth:`to_dict` output; ``notes`` and ``device_type`` are optional.
+
+        JSON written before ``device_type`` existed loads as before: a name starting with
+        ``"cpu"`` means CPU devices, any other name CUDA devices.
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(f"Topology.from_dict expects a mapping, got {type(data).__name__}")
         expected = {f.name for f in dataclasses.fields(cls)}
-        _check_keys("Topology", {"notes": "", **data}, expected)
+        legacy_device = "cpu" if str(data.get("name", "")).startswith("cpu") else "cuda"
+        _check_keys("Topology", {"notes": "", "device_type": legacy_device, **data}, expected)
         return cls(
             name=str(data["name"]),
             peak_flops=dict(data["peak_flops"]),
@@ -240,19 +274,125 @@ class Topology:
             gpus_per_node=int(data["gpus_per_node"]),
             matmul_efficiency=float(data["matmul_efficiency"]),
             pointwise_efficiency=float(data["pointwise_efficiency"]),
+            device_type=str(data.get("device_type", legacy_device)),
             notes=str(data.get("notes", "")),
         )
 
 
 # ---------------------------------------------------------------------------------------------
-# Presets. Sources (also in docs/cost_model.md):
+# The preset registry.
+
+_REGISTRY: dict[str, Topology] = {}
+
+#: Read-only view of the registered presets, by name. Add to it with :func:`register_topology`.
+PRESETS: Mapping[str, Topology] = MappingProxyType(_REGISTRY)
+
+
+def register_topology(topology: Topology, *, replace: bool = False) -> Topology:
+    """Register ``topology`` as a preset under ``topology.name`` and return it.
+
+    Afterwards :func:`get_preset`, ``autopar.Mesh.virtual(name, ...)``, ``custom(..., base=name)``
+    and ``python -m autopar plan --hardware name`` accept the name. A name already registered is
+    refused unless ``replace=True``, which puts ``topology`` in its place.
+
+    Example::
+
+        register_topology(custom("h200-nvl4", base="h200-dgx", gpus_per_node=4))
+
+    Raises:
+        TypeError: ``topology`` is not a :class:`Topology` (or ``replace`` is not a bool).
+        ValueError: the name is taken and ``replace`` is false.
+    """
+    if not isinstance(topology, Topology):
+        raise TypeError(
+            f"register_topology expects a Topology, got {type(topology).__name__} "
+            f"({topology!r:.80}); build one with Topology(...), custom(name, base=...) or "
+            f"Topology.from_dict(data)"
+        )
+    if not isinstance(replace, bool):
+        raise TypeError(f"register_topology: replace must be True or False, got {replace!r}")
+    current = _REGISTRY.get(topology.name)
+    if current is not None and not replace:
+        raise ValueError(
+            f"register_topology: a preset named {topology.name!r} is already registered "
+            f"({current.notes or 'no notes'}); pass replace=True to overwrite it, or register "
+            f"the new topology under another name: custom('{topology.name}-2', base=<it>)"
+        )
+    _REGISTRY[topology.name] = topology
+    return topology
+
+
+def unregister_topology(name: str) -> Topology:
+    """Remove the preset ``name`` from the registry and return it (e.g. to restore a registry
+    after a test); ``ValueError`` listing the registered names if there is none."""
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(
+            f"unregister_topology: no preset named {name!r}; registered: "
+            f"{', '.join(preset_names())}"
+        )
+    return _REGISTRY.pop(name)
+
+
+def preset_names() -> tuple[str, ...]:
+    """The registered preset names, sorted (the command line's ``--hardware`` choices)."""
+    return tuple(sorted(_REGISTRY))
+
+
+def get_preset(name: str) -> Topology:
+    """Return the preset topology ``name``; ``ValueError`` listing the valid names otherwise."""
+    if isinstance(name, str) and name in _REGISTRY:
+        return _REGISTRY[name]
+    raise ValueError(
+        f"unknown topology preset {name!r}; valid presets: {', '.join(preset_names())}; "
+        f"add one with register_topology(custom({name!r}, base=<preset>, ...))"
+    )
+
+
+def custom(name: str, *, base: str | Topology | None = None, **fields: Any) -> Topology:
+    """Build a user topology (not registered: pass it to :func:`register_topology` for that).
+
+    With ``base`` (a preset name or a Topology) the given ``fields`` override that topology's
+    values; without it every field of :class:`Topology` without a default (all but
+    ``device_type`` and ``notes``) must be given. Links may be passed as :class:`AxisLink` or as
+    dicts with the same keys.
+
+    Example: ``custom("my-a100", base="a100-dgx", gpus_per_node=4)``.
+    """
+    allowed = {f.name for f in dataclasses.fields(Topology)} - {"name"}
+    unknown = sorted(set(fields) - allowed)
+    if unknown:
+        raise ValueError(f"custom({name!r}): unknown fields {unknown}; valid: {sorted(allowed)}")
+    if base is not None:
+        start = get_preset(base) if isinstance(base, str) else base
+        if not isinstance(start, Topology):
+            raise ValueError(
+                f"custom({name!r}): base must be a preset name or a Topology, "
+                f"got {type(start).__name__}"
+            )
+        values = {f.name: getattr(start, f.name) for f in dataclasses.fields(Topology)}
+        values.update(fields)
+        values["name"] = name
+        return Topology(**values)
+    optional = {
+        f.name for f in dataclasses.fields(Topology) if f.default is not dataclasses.MISSING
+    }
+    missing = sorted(allowed - optional - set(fields))
+    if missing:
+        raise ValueError(
+            f"custom({name!r}): missing fields {missing}; give them or pass base=<preset name>"
+        )
+    return Topology(name=name, **fields)
+
+
+# ---------------------------------------------------------------------------------------------
+# The built-in presets: one record each. Sources (also in docs/cost_model.md):
 #  [MEG]   Narayanan et al., SC'21, arXiv:2104.04473 (Selene DGX A100: NVSwitch, 8x200 Gb/s HDR).
 #  [A100W] NVIDIA A100 Tensor Core GPU datasheet/whitepaper: 312 TFLOP/s bf16 dense, 19.5 TFLOP/s
 #          fp32, 80 GB HBM2e at 2.0 TB/s, NVLink3 600 GB/s bidirectional (300 per direction).
 #  [H100D] NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16 dense, 67 TFLOP/s fp32, 80 GB HBM3 at
 #          3.35 TB/s, NVLink4 900 GB/s bidirectional (450 per direction).
 #  [H200D] NVIDIA H200 SXM datasheet: same compute as H100 SXM, 141 GB HBM3e at 4.8 TB/s.
-#  [NT]    measured nccl-tests bus bandwidths collected in reference/calibration.json
+#  [NT]    measured nccl-tests bus bandwidths collected in benchmarks/data/calibration.json
 #          ("measured_collective_bandwidths"): A100 8-GPU all_reduce 232.5 GB/s
 #          (NVIDIA/nccl-tests#175), ~200 (#149); 2 A100 nodes with 4 HDR NICs 86 GB/s, i.e. 21.5
 #          per NIC (#175; #119: 84.8 avg); H100 ring 365-370 GB/s for any collective
@@ -261,7 +401,7 @@ class Topology:
 #  [NCCL]  NVIDIA/nccl src/graph/tuning.cc latency tables: ring LL per-hop hwLat 0.6 us (NVLink),
 #          2.7 us (network); ring LL baseLat 6.6 us. With 8 GPUs this predicts 6.6 + 14 * 0.6 =
 #          15 us for a small all_reduce, matching the 13-17 us of the 8x H100 nccl-tests sample
-#          (NVIDIA/dgxc-benchmarking nccl/README.md, quoted in calibration.json).
+#          (NVIDIA/dgxc-benchmarking nccl/README.md, quoted in benchmarks/data/calibration.json).
 #  [MAMF]  Bekman, "Machine Learning Engineering", compute/accelerator/README.md, "Maximum
 #          Achievable Matmul FLOPS comparison table" (bf16 matmul, best shape): A100 SXM 267.9 of
 #          312 (85.9%), H100 SXM 792.1 of 989 (80.1%), GH200 821.0 of 989 (83.0%).
@@ -283,110 +423,80 @@ _NCCL_LAUNCH_S = 6.6e-6
 _NVLINK_HOP_S = 0.6e-6
 _NET_HOP_S = 2.7e-6
 
-_A100_DGX = Topology(
-    name="a100-dgx",
-    peak_flops={"fp32": 19.5e12, "bf16": 312e12},  # [A100W], [MEG]
-    mem_bandwidth_Bps=2.0e12,  # [A100W] (80 GB SXM: 2.039 TB/s; DESIGN rounds to 2.0)
-    memory_bytes=80 * _GiB,  # [A100W] 80 GB part reports 81920 MiB
-    # NVSwitch gen2: 300 GB/s per direction line rate; measured ring busbw ~232.5 GB/s [NT].
-    intra_node=AxisLink(bandwidth_Bps=230e9, latency_s=_NVLINK_HOP_S, launch_s=_NCCL_LAUNCH_S),
-    # 8x 200 Gb/s HDR, one rail per GPU = 25 GB/s line rate; measured ~21.5 GB/s per NIC [NT].
-    inter_node=AxisLink(bandwidth_Bps=21.5e9, latency_s=_NET_HOP_S, launch_s=_NCCL_LAUNCH_S),
-    gpus_per_node=8,
-    # [FIT] one constant for the preset, fitted to Megatron-LM's own runs on this hardware; the
-    # best-shape GEMM figure [MAMF] 267.9 / 312 = 0.859 overstates sustained training (Table 1
-    # predicted 12-26% high with it).
-    matmul_efficiency=0.657,
-    pointwise_efficiency=0.85,  # [STREAM] assumed
-    notes="DGX A100 80GB (Selene): NVSwitch gen2, 8x HDR 200 Gb/s per node",
+# One table: each record is the whole preset (figures, efficiencies, device type).
+_BUILTIN_PRESETS: tuple[Topology, ...] = (
+    Topology(
+        name="a100-dgx",
+        peak_flops={"fp32": 19.5e12, "bf16": 312e12},  # [A100W], [MEG]
+        mem_bandwidth_Bps=2.0e12,  # [A100W] (80 GB SXM: 2.039 TB/s; DESIGN rounds to 2.0)
+        memory_bytes=80 * _GiB,  # [A100W] 80 GB part reports 81920 MiB
+        # NVSwitch gen2: 300 GB/s per direction line rate; measured ring busbw ~232.5 GB/s
+        # [NT]. AxisLink's first field is the bus bandwidth in bytes/s.
+        intra_node=AxisLink(230e9, latency_s=_NVLINK_HOP_S, launch_s=_NCCL_LAUNCH_S),
+        # 8x 200 Gb/s HDR, one rail per GPU = 25 GB/s line rate; measured ~21.5 GB/s per NIC
+        # [NT].
+        inter_node=AxisLink(21.5e9, latency_s=_NET_HOP_S, launch_s=_NCCL_LAUNCH_S),
+        gpus_per_node=8,
+        # [FIT] the one constant fitted to a training table (Megatron-LM's own runs on this
+        # hardware, SC'21 Table 1 rows 1, 3, 5, 7, 9); the best-shape GEMM figure [MAMF]
+        # 267.9 / 312 = 0.859 overstates sustained training (Table 1 predicted 12-26% high).
+        matmul_efficiency=0.657,
+        pointwise_efficiency=0.85,  # [STREAM] assumed
+        device_type="cuda",
+        notes="DGX A100 80GB (Selene): NVSwitch gen2, 8x HDR 200 Gb/s per node",
+    ),
+    Topology(
+        name="h100-dgx",
+        peak_flops={"fp32": 67e12, "bf16": 989e12},  # [H100D]
+        mem_bandwidth_Bps=3.35e12,  # [H100D]
+        memory_bytes=80 * _GiB,  # [H100D]
+        # NVLink4: 450 GB/s per direction line rate; ring busbw ~370 GB/s for any collective
+        # [NT] (NVLS all_reduce reaches ~480 but is not modelled: conservative for all_reduce).
+        intra_node=AxisLink(370e9, latency_s=_NVLINK_HOP_S, launch_s=_NCCL_LAUNCH_S),
+        # 8x 400 Gb/s NDR, one rail per GPU = 50 GB/s line rate; measured 46-48 GB/s per NIC
+        # [NT].
+        inter_node=AxisLink(bandwidth_Bps=47e9, latency_s=_NET_HOP_S, launch_s=_NCCL_LAUNCH_S),
+        gpus_per_node=8,
+        matmul_efficiency=0.801,  # [MAMF] H100 SXM 792.1 / 989
+        pointwise_efficiency=0.85,  # [STREAM] assumed
+        device_type="cuda",
+        notes="DGX H100: NVLink4/NVSwitch gen3, 8x NDR 400 Gb/s per node",
+    ),
+    Topology(
+        name="h200-dgx",
+        peak_flops={"fp32": 67e12, "bf16": 989e12},  # [H200D] same GH100 compute as H100 SXM
+        mem_bandwidth_Bps=4.8e12,  # [H200D]
+        memory_bytes=141e9,  # [H200D] "141 GB"
+        # Same NVLink4 fabric as DGX H100: ring busbw ~370 GB/s [NT] (#272's 475 GB/s is NVLS).
+        intra_node=AxisLink(370e9, latency_s=_NVLINK_HOP_S, launch_s=_NCCL_LAUNCH_S),
+        # DGX H200 ships the same 8x NDR 400 Gb/s rails as DGX H100 [NT].
+        inter_node=AxisLink(bandwidth_Bps=47e9, latency_s=_NET_HOP_S, launch_s=_NCCL_LAUNCH_S),
+        gpus_per_node=8,
+        # [MAMF] lists no H200; use the H100 SXM figure (same die and power envelope; GH200:
+        # 83.0%).
+        matmul_efficiency=0.801,
+        pointwise_efficiency=0.85,  # [STREAM] assumed
+        device_type="cuda",
+        notes="DGX H200: H100 compute with 141 GB HBM3e at 4.8 TB/s, NVLink4, 8x NDR 400 Gb/s",
+    ),
+    Topology(
+        name="cpu-gloo",
+        # [LOCAL]: measured achieved rates, so the efficiencies below are 1.0 (folded in).
+        peak_flops={"fp32": 30e9, "bf16": 0.5e9},
+        mem_bandwidth_Bps=8e9,  # [LOCAL] per rank, 4 ranks streaming together
+        memory_bytes=6 * _GiB,  # 24 GiB machine shared by 4 ranks
+        # [LOCAL] gloo over loopback, alpha-beta fit: 4-rank all_reduce(16 B) =
+        # 1e-3 + 6 * 2.5e-4 = 2.5 ms; all_reduce(16 MiB) = 2.5 ms + 1.5 * 16 MiB / 4e8 B/s = 65 ms.
+        intra_node=AxisLink(bandwidth_Bps=4e8, latency_s=2.5e-4, launch_s=1e-3),
+        inter_node=AxisLink(bandwidth_Bps=4e8, latency_s=2.5e-4, launch_s=1e-3),
+        gpus_per_node=4,
+        matmul_efficiency=1.0,
+        pointwise_efficiency=1.0,
+        device_type="cpu",
+        notes="4 gloo ranks on one 2-core CPU machine (measured once; rough)",
+    ),
 )
 
-_H100_DGX = Topology(
-    name="h100-dgx",
-    peak_flops={"fp32": 67e12, "bf16": 989e12},  # [H100D]
-    mem_bandwidth_Bps=3.35e12,  # [H100D]
-    memory_bytes=80 * _GiB,  # [H100D]
-    # NVLink4: 450 GB/s per direction line rate; ring busbw ~370 GB/s for any collective [NT]
-    # (NVLS all_reduce reaches ~480 but is not modelled: conservative for all_reduce).
-    intra_node=AxisLink(bandwidth_Bps=370e9, latency_s=_NVLINK_HOP_S, launch_s=_NCCL_LAUNCH_S),
-    # 8x 400 Gb/s NDR, one rail per GPU = 50 GB/s line rate; measured 46-48 GB/s per NIC [NT].
-    inter_node=AxisLink(bandwidth_Bps=47e9, latency_s=_NET_HOP_S, launch_s=_NCCL_LAUNCH_S),
-    gpus_per_node=8,
-    matmul_efficiency=0.801,  # [MAMF] H100 SXM 792.1 / 989
-    pointwise_efficiency=0.85,  # [STREAM] assumed
-    notes="DGX H100: NVLink4/NVSwitch gen3, 8x NDR 400 Gb/s per node",
-)
-
-_H200_DGX = Topology(
-    name="h200-dgx",
-    peak_flops={"fp32": 67e12, "bf16": 989e12},  # [H200D] same GH100 compute as H100 SXM
-    mem_bandwidth_Bps=4.8e12,  # [H200D]
-    memory_bytes=141e9,  # [H200D] "141 GB"
-    # Same NVLink4 fabric as DGX H100: ring busbw ~370 GB/s [NT] (#272's 475 GB/s is NVLS).
-    intra_node=AxisLink(bandwidth_Bps=370e9, latency_s=_NVLINK_HOP_S, launch_s=_NCCL_LAUNCH_S),
-    # DGX H200 ships the same 8x NDR 400 Gb/s rails as DGX H100 [NT].
-    inter_node=AxisLink(bandwidth_Bps=47e9, latency_s=_NET_HOP_S, launch_s=_NCCL_LAUNCH_S),
-    gpus_per_node=8,
-    # [MAMF] lists no H200; use the H100 SXM figure (same die and power envelope; GH200: 83.0%).
-    matmul_efficiency=0.801,
-    pointwise_efficiency=0.85,  # [STREAM] assumed
-    notes="DGX H200: H100 compute with 141 GB HBM3e at 4.8 TB/s, NVLink4, 8x NDR 400 Gb/s",
-)
-
-_CPU_GLOO = Topology(
-    name="cpu-gloo",
-    # [LOCAL]: measured achieved rates, so the efficiencies below are 1.0 (already folded in).
-    peak_flops={"fp32": 30e9, "bf16": 0.5e9},
-    mem_bandwidth_Bps=8e9,  # [LOCAL] per rank, 4 ranks streaming together
-    memory_bytes=6 * _GiB,  # 24 GiB machine shared by 4 ranks
-    # [LOCAL] gloo over loopback, alpha-beta fit: 4-rank all_reduce(16 B) = 1e-3 + 6 * 2.5e-4 =
-    # 2.5 ms; all_reduce(16 MiB) = 2.5 ms + 1.5 * 16 MiB / 4e8 B/s = 65 ms.
-    intra_node=AxisLink(bandwidth_Bps=4e8, latency_s=2.5e-4, launch_s=1e-3),
-    inter_node=AxisLink(bandwidth_Bps=4e8, latency_s=2.5e-4, launch_s=1e-3),
-    gpus_per_node=4,
-    matmul_efficiency=1.0,
-    pointwise_efficiency=1.0,
-    notes="4 gloo ranks on one 2-core CPU machine (measured once; rough)",
-)
-
-PRESETS: dict[str, Topology] = {
-    t.name: t for t in (_A100_DGX, _H100_DGX, _H200_DGX, _CPU_GLOO)
-}
-
-
-def get_preset(name: str) -> Topology:
-    """Return the preset topology ``name``; ``ValueError`` listing the valid names otherwise."""
-    if isinstance(name, str) and name in PRESETS:
-        return PRESETS[name]
-    raise ValueError(
-        f"unknown topology preset {name!r}; valid presets: {', '.join(sorted(PRESETS))}"
-    )
-
-
-def custom(name: str, *, base: str | Topology | None = None, **fields: Any) -> Topology:
-    """Build a user topology.
-
-    With ``base`` (a preset name or a Topology) the given ``fields`` override that topology's
-    values; without it every field of :class:`Topology` except ``notes`` must be given. Links may
-    be passed as :class:`AxisLink` or as dicts with the same keys.
-
-    Example: ``custom("my-a100", base="a100-dgx", gpus_per_node=4)``.
-    """
-    allowed = {f.name for f in dataclasses.fields(Topology)} - {"name"}
-    unknown = sorted(set(fields) - allowed)
-    if unknown:
-        raise ValueError(f"custom({name!r}): unknown fields {unknown}; valid: {sorted(allowed)}")
-    if base is not None:
-        start = get_preset(base) if isinstance(base, str) else base
-        if not isinstance(start, Topology):
-            raise ValueError(f"custom({name!r}): base must be a preset name or a Topology")
-        values = {f.name: getattr(start, f.name) for f in dataclasses.fields(Topology)}
-        values.update(fields)
-        values["name"] = name
-        return Topology(**values)
-    missing = sorted(allowed - {"notes"} - set(fields))
-    if missing:
-        raise ValueError(
-            f"custom({name!r}): missing fields {missing}; give them or pass base=<preset name>"
-        )
-    return Topology(name=name, **fields)
+for _preset in _BUILTIN_PRESETS:
+    register_topology(_preset)
+del _preset

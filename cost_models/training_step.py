@@ -97,6 +97,10 @@ class Setup:
     zero: int
     sequence_parallel: bool
     even_split: bool = False  # same blocks on every stage (Megatron-LM) instead of balanced times
+    # when a pipeline's data-parallel gradient reduction runs: "step" (once, after the last
+    # microbatch: Megatron-LM) or "microbatch" (in every microbatch's backward: autopar's
+    # pipeline runtime today, which also gathers ZeRO-1 parameters in every forward)
+    grad_sync: str = "step"
 
     def describe(self) -> str:
         """One line such as ``dp=32 tp=8 pp=4 b=1 m=56 interleaved-1f1b v=2 full zero1 sp``."""
@@ -197,6 +201,8 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
                      + last * lc.post.state_bytes - shared * lc.tied_state_bytes)
         elems.append(n * lc.block.param_elements + first * lc.pre.param_elements
                      + last * lc.post.param_elements - shared * lc.tied_elements)
+    if setup.grad_sync == "microbatch" and p > 1 and setup.dp > 1:
+        fw, bw = _sync_per_microbatch(lc, setup, elems, fw, bw, topology)
     rank = lambda xs: [sum(xs[j] for j in range(r, stages, p)) for r in range(p)]  # noqa: E731
     busy = [f + b for f, b in zip(rank(fw), rank(bw))]
     # [MEG] Eq. 1 generalised to unequal stages: m rounds of the busiest rank, plus the fill
@@ -210,6 +216,8 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
     for j in range(stages):
         memory[j % p] += stage_memory[j]
     dp_s, tied_s, opt_s = _step_end(lc, setup, max(rank(elems)), topology)
+    if setup.grad_sync == "microbatch" and p > 1:
+        dp_s = 0.0  # reduced inside every microbatch's backward (in fw, bw above)
     comm = m * max(rank(_comm_per_stage(lc, counts, setup.recompute)))
     parts = {"pipeline_s": pipe, "bubble_s": pipe - m * max(busy), "dp_comm_s": dp_s,
              "tied_grad_s": tied_s, "optimizer_s": opt_s, "tp_comm_s": comm,
@@ -217,6 +225,26 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
     return StepCost(setup, pipe + dp_s + tied_s + opt_s, parts, counts,
                     tuple(f + b for f, b in zip(fw, bw)), tuple(memory), budget_bytes,
                     tuple(stage_memory), tuple(fw))
+
+
+def _sync_per_microbatch(lc: LayerCosts, setup: Setup, elems: list[float], fw: list[float],
+                         bw: list[float], topology: Topology) -> tuple[list[float], list[float]]:
+    """Stage times when every microbatch reduces the stage's gradients over dp in its backward
+    (all-reduce; ZeRO-1: reduce-scatter, with the parameters all-gathered in every forward),
+    each collective overlapping the stage's compute as the runtime issues it (bucketed, as the
+    gradients appear): a stage takes the longer of its compute and its collectives."""
+    out_f, out_b = [], []
+    for f, b, n in zip(fw, bw, elems):
+        nbytes = n * lc.param_itemsize
+        if setup.zero:
+            gather = axis_collective_time("all_gather", nbytes, setup.dp, setup.tp, topology)
+            reduce = axis_collective_time("reduce_scatter", nbytes, setup.dp, setup.tp, topology)
+        else:
+            gather = 0.0
+            reduce = axis_collective_time("all_reduce", nbytes, setup.dp, setup.tp, topology)
+        out_f.append(max(f, gather))
+        out_b.append(max(b, reduce))
+    return out_f, out_b
 
 
 def _step_end(lc: LayerCosts, setup: Setup, elements: float, topology: Topology

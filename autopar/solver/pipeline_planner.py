@@ -13,24 +13,28 @@ and the simulator predicts the step from those stage plans.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
+import torch
 
 from autopar.config import SCHEDULES, Config
 from autopar.cost_models.comm import axis_collective_time
+from autopar.cost_models.compute import mfu
 from autopar.cost_models.pipeline import check_schedule, in_flight, simulate
 from autopar.errors import PlanError
+from autopar.explain import attach, context_of
 from autopar.graph import TracedGraph
 from autopar.mesh import Mesh
 from autopar.passes.stages import layer_units
 from autopar.plan import Collective, PipelinePlan, Plan
 from autopar.solver.ilp import InfeasibleMemoryError, format_bytes
 from autopar.solver.planner import (
-    _Candidate, _utilization, mesh_candidates, solve_candidate, solve_space,
+    _Candidate, mesh_candidates, solve_candidate, solve_space, traced_flops,
 )
 from autopar.solver.records import param_shards
 from autopar.solver.stage_cuts import LayerCost, solve_cuts
@@ -38,7 +42,8 @@ from autopar.stage_capture import (
     ForwardGraph, capture_stages, capture_with_forward, export_forward, microbatch_inputs,
 )
 
-__all__ = ["PipelineSetup", "search_pipeline", "build_pipeline_plan", "unit_costs", "chosen_comm"]
+__all__ = ["ModelFacts", "PipelineSetup", "build_pipeline_plan", "chosen_comm", "renamed_stage_plan",
+           "search_pipeline", "stage_key", "unit_costs"]
 
 _MAX_MICROBATCH_CANDIDATES = 3
 # Share of a backward that computes weight gradients, for zero-bubble's separate W step: about
@@ -340,31 +345,122 @@ def forward_for_plan(model: Any, example_inputs: Any, pipe: PipelinePlan) -> tup
     return fwd, stages
 
 
-def build_pipeline_plan(model: Any, example_inputs: Any, whole: TracedGraph, mesh: Mesh,
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a pipelined plan records about the whole model, without tracing it whole.
+
+    ``input_shapes``: the flattened user inputs' shapes (one global batch); ``flops``: the
+    model's FLOPs per step (forward and backward, no recomputation) and ``flops_dtype`` the
+    dtype of the peak they are measured against (MFU).
+    """
+
+    fingerprint: str
+    input_shapes: tuple[tuple[int, ...], ...]
+    flops: float
+    flops_dtype: str
+    capture_time_s: float = 0.0
+
+    @classmethod
+    def of_traced(cls, traced: TracedGraph, config: Config) -> "ModelFacts":
+        """The facts of a whole-model trace."""
+        flops, dtype = traced_flops(traced, config)
+        return cls(traced.fingerprint(), tuple(tuple(i.shape) for i in traced.inputs), flops,
+                   dtype, traced.capture_time_s)
+
+
+def build_pipeline_plan(model: Any, example_inputs: Any, facts: ModelFacts, mesh: Mesh,
                         config: Config, setup: PipelineSetup,
                         cost_passes: Sequence[Callable[..., Any]], budget: float | None) -> Plan:
-    """Plan every stage of ``setup`` with the intra-operator ILP and assemble the Plan."""
+    """Plan every stage of ``setup`` with the intra-operator ILP and assemble the Plan.
+
+    Stages with the same graph (node for node: ops, shapes, parameter shapes) and the same
+    pinned tied weights are solved once (:func:`stage_key`), with the most microbatches in
+    flight among them (the tightest memory, so the solution fits every one of them); the
+    others take that solution under their own parameter and layer names, with their memory
+    scaled to their own microbatches in flight (:func:`renamed_stage_plan`). For a model of
+    identical blocks that is a handful of solves whatever the number of stages. The price: a
+    stage holding fewer microbatches than its group's most could, where memory binds, have
+    had a faster strategy.
+    """
     t0 = time.perf_counter()
     fwd, stages = _traced_stages(model, example_inputs, setup.microbatches, setup.stage_of_unit)
     plans: list[Plan] = []
     placed: dict[str, tuple[str, ...]] = {}  # a tied weight takes the first stage's placement
     flight = in_flight(setup.schedule, setup.pp, setup.virtual_stages, setup.microbatches)
     v = setup.virtual_stages
-    for st, traced in stages:
+    shape_of = [stage_key(traced, {}) for _, traced in stages]
+    most = {k: max(f for k2, f in zip(shape_of, flight) if k2 == k) for k in shape_of}
+    solved: dict[str, tuple[Plan, TracedGraph, int]] = {}
+    for (st, traced), shape in zip(stages, shape_of):
         fixed = {p.name: placed[fwd.canonical.get(p.name, p.name)] for p in traced.params
                  if fwd.canonical.get(p.name, p.name) in placed}
-        # the stage's share of its rank's memory: the device split evenly over its v stages
-        plan = solve_candidate(traced, mesh, config, setup.cand, cost_passes,
-                               budget / v if budget is not None else None, stage=st.index,
-                               fixed=fixed, activation_scale=flight[st.index])
+        key = stage_key(traced, fixed)
+        if key not in solved:
+            # the stage's share of its rank's memory: the device split evenly over its v stages
+            plan = solve_candidate(traced, mesh, config, setup.cand, cost_passes,
+                                   budget / v if budget is not None else None, stage=st.index,
+                                   fixed=fixed, activation_scale=most[shape])
+            solved[key] = (plan, traced, most[shape])
+        plan = renamed_stage_plan(*solved[key], traced, st.index, flight[st.index])
         for p in traced.params:
             placed.setdefault(fwd.canonical.get(p.name, p.name), plan.params[p.name])
         plans.append(plan)
-    return _assemble(whole, mesh, config, setup, fwd, stages, plans, time.perf_counter() - t0)
+    return _assemble(model, facts, mesh, config, setup, fwd, stages, plans,
+                     time.perf_counter() - t0, len(solved))
 
 
-def _assemble(whole: TracedGraph, mesh: Mesh, config: Config, setup: PipelineSetup,
-              fwd: ForwardGraph, stages: list, plans: list[Plan], elapsed: float) -> Plan:
+def stage_key(traced: TracedGraph, fixed: dict[str, tuple[str, ...]]) -> str:
+    """What makes two stages' intra-operator ILPs the same problem up to the microbatches in
+    flight: every node's name, op and output shape, every parameter's node, shape, dtype and
+    tie, the inputs, and the pinned placements (by parameter node). Names of parameters and
+    layers are left out."""
+    h = hashlib.sha256()
+    for n in traced.gm.graph.nodes:
+        val = n.meta.get("val")
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+        h.update(f"{n.name}|{n.op}|{n.target}|{shape}".encode())
+    node_of = {p.name: p.node for p in traced.params}
+    for p in traced.params:
+        h.update(f"{p.node}|{p.shape}|{p.dtype}|{node_of.get(p.tied_to)}|{fixed.get(p.name)}".encode())
+    for i in traced.inputs:
+        h.update(f"{i.node}|{i.shape}|{i.dtype}|{bool(i.name)}".encode())
+    return h.hexdigest()
+
+
+def renamed_stage_plan(plan: Plan, traced: TracedGraph, flight: int, other: TracedGraph,
+                       stage: int, other_flight: int) -> Plan:
+    """``plan``, solved for the stage graph ``traced`` with ``flight`` microbatches in flight,
+    for the stage graph ``other`` of the same :func:`stage_key` holding ``other_flight``:
+    parameters, layers and modules renamed node by node, collectives tagged with ``stage``, the
+    saved activations' memory scaled by ``other_flight / flight``; the explain context points
+    at ``other``. With ``other`` being ``traced`` itself, only the stage tag is set."""
+    name_of = {p.node: p.name for p in other.params}
+    params = {name_of[p.node]: plan.params[p.name] for p in traced.params}
+    layer_map = {traced.node_layer.get(n, ""): other.node_layer.get(n, "")
+                 for n in traced.node_layer}
+
+    def rename(path: str) -> str:
+        layer = next((a for a in layer_map if a and (path == a or path.startswith(a + "."))), None)
+        return layer_map[layer] + path[len(layer):] if layer else path
+
+    nodes = {k: dataclasses.replace(n, module=rename(n.module), layer=rename(n.layer))
+             for k, n in plan.nodes.items()}
+    collectives = tuple(dataclasses.replace(c, layer=rename(c.layer), stage=stage)
+                        for c in plan.collectives)
+    predicted = dict(plan.predicted)
+    if other_flight != flight:
+        state = predicted["state_bytes"]
+        predicted["peak_memory_bytes"] = state + (predicted["peak_memory_bytes"] - state) \
+            * other_flight / flight
+    out = dataclasses.replace(plan, params=params, nodes=nodes, collectives=collectives,
+                              predicted=predicted, model_fingerprint=other.fingerprint())
+    ctx = context_of(plan)
+    return attach(out, dataclasses.replace(ctx, traced=other) if ctx is not None else None)
+
+
+def _assemble(model: Any, facts: ModelFacts, mesh: Mesh, config: Config, setup: PipelineSetup,
+              fwd: ForwardGraph, stages: list, plans: list[Plan], elapsed: float,
+              distinct: int) -> Plan:
     m, pp, cand = setup.microbatches, setup.pp, setup.cand
     fw = [p.predicted["forward_s"] for p in plans]
     bw = [p.predicted["step_time_s"] - f for p, f in zip(plans, fw)]
@@ -385,23 +481,25 @@ def _assemble(whole: TracedGraph, mesh: Mesh, config: Config, setup: PipelineSet
     stride = math.prod(cand.shape)
     tied_s = 0.0
     for name in sorted(n for n, h in holders.items() if len(h) > 1):
-        info = whole.param(name)
-        nbytes = info.numel * info.dtype.itemsize // param_shards(params[name], cand.shape)
+        weight = model.get_parameter(name)
+        nbytes = weight.numel() * weight.element_size() // param_shards(params[name], cand.shape)
         collectives.append(Collective("all_reduce", "pp", int(nbytes), "backward", "", name, None))
         tied_s += axis_collective_time("all_reduce", nbytes, pp, stride, mesh.topology)
     collectives.append(Collective("all_reduce", "pp", 4, "forward", "", "loss", None))
     collectives += _point_to_point(stages, cand, m)
     memory = _rank_memory(plans, setup, pp)
-    inputs = _input_placements(whole, stages, plans)
+    inputs = _input_placements(len(facts.input_shapes), stages, plans)
     pipe = PipelinePlan(
-        schedule=setup.schedule, microbatches=m, microbatch_size=_batch_of(whole) // m,
+        schedule=setup.schedule, microbatches=m, microbatch_size=facts.input_shapes[0][0] // m,
         virtual_stages=setup.virtual_stages, units=fwd.units, stage_of_unit=setup.stage_of_unit,
         stages=tuple(plans),
         predicted={"step_time_s": sim.step_time_s + tied_s, "bubble_fraction": sim.bubble_fraction,
                    "stage_time_s": [f + b for f, b in zip(fw, bw)], "peak_memory_bytes": memory,
+                   "stage_memory_bytes": [p.predicted["peak_memory_bytes"] for p in plans],
                    "p2p_s": p2p, "weight_fraction": _WEIGHT_FRACTION,
                    "search_estimate_s": setup.predicted_s},
-        cut_solver={"search_estimate_s": setup.predicted_s, "stage_planning_s": elapsed})
+        cut_solver={"search_estimate_s": setup.predicted_s, "stage_planning_s": elapsed,
+                    "distinct_stage_solves": distinct})
     degrees = dict(plans[0].degrees, pp=pp)
     warnings = tuple(dict.fromkeys(w for p in plans for w in p.warnings))
     # per device: the busiest pipeline rank's stages, every microbatch
@@ -413,10 +511,12 @@ def _assemble(whole: TracedGraph, mesh: Mesh, config: Config, setup: PipelineSet
                     for r in range(pp))
     step = sim.step_time_s + tied_s
     return Plan(
-        model_fingerprint=whole.fingerprint(), mesh_shape=(pp, *cand.shape),
+        model_fingerprint=facts.fingerprint, mesh_shape=(pp, *cand.shape),
         axis_names=("pp", *cand.names), degrees=degrees, params=params, inputs=inputs,
         output_placements=(), nodes={}, collectives=tuple(collectives),
-        predicted={**_utilization(whole, config, mesh, step + optimizer, pp * stride),
+        predicted={"model_flops": facts.flops,
+                   "mfu": mfu(facts.flops, step + optimizer, pp * stride, mesh.topology,
+                              facts.flops_dtype),
                    "step_time_s": step, "compute_s": compute, "comm_s": comm + tied_s,
                    "optimizer_s": optimizer, "peak_memory_bytes": max(memory),
                    "bubble_fraction": sim.bubble_fraction},
@@ -426,9 +526,9 @@ def _assemble(whole: TracedGraph, mesh: Mesh, config: Config, setup: PipelineSet
                 "ilp_variables": sum(p.solver["ilp_variables"] for p in plans),
                 "ilp_variables_unlinked": sum(p.solver["ilp_variables_unlinked"] for p in plans),
                 "ilp_groups": sum(p.solver["ilp_groups"] for p in plans),
-                "capture_time_s": whole.capture_time_s},
+                "capture_time_s": facts.capture_time_s},
         warnings=warnings, topology=mesh.topology.name, config=config.to_dict(),
-        input_shapes=tuple(i.shape for i in whole.inputs), pipeline=pipe,
+        input_shapes=facts.input_shapes, pipeline=pipe,
         techniques=dict(plans[0].techniques))
 
 
@@ -459,13 +559,10 @@ def _rank_memory(plans: list[Plan], setup: PipelineSetup, pp: int) -> list[float
     return out
 
 
-def _input_placements(whole: TracedGraph, stages: list, plans: list[Plan]) -> tuple:
+def _input_placements(num_inputs: int, stages: list, plans: list[Plan]) -> tuple:
+    """Placement of every flattened model input, from the first stage that reads it."""
     found: dict[int, tuple[str, ...]] = {}
     for (st, traced), plan in zip(stages, plans):
         for info, pl in zip(traced.inputs, plan.inputs):
             found.setdefault(info.index, pl)
-    return tuple(found.get(i.index, ()) for i in whole.inputs)
-
-
-def _batch_of(whole: TracedGraph) -> int:
-    return whole.inputs[0].shape[0]
+    return tuple(found.get(i, ()) for i in range(num_inputs))

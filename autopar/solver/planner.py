@@ -30,7 +30,8 @@ from autopar.explain import ExplainContext, attach, context_of
 from autopar.passes.recompute import recompute_nodes
 from autopar.strategies.space import StrategySpace, boundary_placements, build_space
 
-__all__ = ["make_plan", "memory_techniques", "mesh_candidates", "solve_candidate", "solve_space"]
+__all__ = ["make_plan", "memory_techniques", "mesh_candidates", "solve_candidate", "solve_space",
+           "traced_flops"]
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,7 @@ def _add_pipeline(traced: TracedGraph, mesh: Mesh, config: Config, cost_passes: 
                   progress: Callable[[str], None] | None, model: Any, example_inputs: Any,
                   budget: float | None, results: list, infeasible: list, unplaceable: list) -> None:
     """Search pipelined setups; plan the best one's stages and add it to ``results``."""
-    from autopar.solver.pipeline_planner import build_pipeline_plan, search_pipeline
+    from autopar.solver.pipeline_planner import ModelFacts, build_pipeline_plan, search_pipeline
 
     setups, errors, failures = search_pipeline(model, example_inputs, mesh, config, cost_passes,
                                                budget, progress)
@@ -201,8 +202,8 @@ def _add_pipeline(traced: TracedGraph, mesh: Mesh, config: Config, cost_passes: 
     unplaceable.extend(failures)
     for setup in setups[:1]:
         try:
-            plan = build_pipeline_plan(model, example_inputs, traced, mesh, config, setup,
-                                       cost_passes, budget)
+            plan = build_pipeline_plan(model, example_inputs, ModelFacts.of_traced(traced, config),
+                                       mesh, config, setup, cost_passes, budget)
         except InfeasibleMemoryError as e:
             infeasible.append((None, e))
             continue
@@ -491,13 +492,18 @@ def _communication(traced: TracedGraph, cand: _Candidate, mesh: Mesh, config: Co
     return best
 
 
+def traced_flops(traced: TracedGraph, config: Config) -> tuple[float, str]:
+    """The model's FLOPs per step of a whole trace (forward and backward, no recomputation) and
+    the dtype whose peak its matmuls run at (``"bf16"`` or ``"fp32"``, for MFU)."""
+    dtype = "bf16" if _precision(traced, config) in ("bf16-autocast", "bfloat16", "float16") else "fp32"
+    return graph_flops(traced.gm), dtype
+
+
 def _utilization(traced: TracedGraph, config: Config, mesh: Mesh, step_s: float,
                  devices: int) -> dict[str, float]:
-    """The model's FLOPs per step (forward and backward, without recomputation) and the
-    predicted MFU at the peak of the dtype the matmuls run in, over ``step_s`` (the training
-    step with its optimizer update)."""
-    flops = graph_flops(traced.gm)
-    dtype = "bf16" if _precision(traced, config) in ("bf16-autocast", "bfloat16", "float16") else "fp32"
+    """The model's FLOPs per step and the predicted MFU at the peak of the dtype the matmuls
+    run in, over ``step_s`` (the training step with its optimizer update)."""
+    flops, dtype = traced_flops(traced, config)
     return {"model_flops": flops, "mfu": mfu(flops, step_s, devices, mesh.topology, dtype)}
 
 

@@ -27,20 +27,22 @@ import torch
 import torch.nn as nn
 
 from autopar.config import Config
-from autopar.cost_models.compute import graph_flops, mfu
+from autopar.cost_models.compute import graph_flops
 from autopar.cost_models.sharding import state_bytes_per_element
 from autopar.cost_models.training_step import (
     RECOMPUTE, LayerCosts, Setup, StepCost, UnitCosts, price_setup,
 )
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
+from autopar.passes.recompute import is_random
 from autopar.passes.stages import block_prefix
-from autopar.plan import PipelinePlan, Plan
 from autopar.solver.pipeline_planner import _batch, _unflatten, chosen_comm
 from autopar.solver.planner import _Candidate, solve_space, unpinned_space
 from autopar.stage_capture import capture_with_forward, microbatch_inputs
 
-__all__ = ["LayerSolver", "SearchResult", "search", "layer_costs", "candidate_setups", "to_plan"]
+__all__ = ["LayerSolver", "SearchResult", "candidate_setups", "layer_costs", "model_flops",
+           "pruned_examples", "search", "search_unsupported", "tp_degrees",
+           "TP_ACROSS_NODES_MAX"]
 
 _MAX_MICROBATCH = 8
 _MAX_VIRTUAL = 8
@@ -221,7 +223,12 @@ def _seq_len(traced: Any) -> int | None:
 
 
 def _is_attention_core(n: Any, seq: int | None) -> bool:
-    """A forward node whose output ends in (seq, seq): attention scores, softmax, dropout ([SEL])."""
+    """A forward node whose output ends in (seq, seq) that selective recomputation re-runs:
+    attention scores and softmax ([SEL]). A random node (attention dropout) is not among them:
+    the runtime never recomputes a random draw (:func:`autopar.passes.recompute.is_random`), so
+    its values stay saved, as the per-operator plan prices them."""
+    if is_random(n):
+        return False
     vals = n.meta.get("val")
     vals = vals if isinstance(vals, (tuple, list)) else [vals]
     return seq is not None and any(isinstance(v, torch.Tensor) and v.dim() >= 2
@@ -241,20 +248,28 @@ def _boundary_bytes(fwd: Any) -> float:
 
 
 def candidate_setups(num_devices: int, gpus_per_node: int, batch: int, num_blocks: int,
-                     config: Config, tp_max: int | None = None) -> Iterator[Setup]:
+                     config: Config, tp_max: int | None = None,
+                     replica_microbatches: Sequence[int] | None = None) -> Iterator[Setup]:
     """Every setup allowed by ``config``: (dp, tp, pp) with tp dividing a node, microbatch size
     ``b`` a power of two up to 8 dividing the per-replica batch (Megatron-LM's range, SC'21
-    Fig. 7), schedules, recomputation, ZeRO 0/1 and sequence parallelism (only with tp > 1)."""
-    tps = [t for t in _divisors(min(gpus_per_node, tp_max or gpus_per_node)) if num_devices % t == 0]
+    Fig. 7) with a pipeline, the whole per-replica batch without one (the runtime does not
+    accumulate gradients over microbatches without a pipeline), schedules, recomputation,
+    ZeRO 0/1 and sequence parallelism (only with tp > 1)."""
+    tps = [t for t in tp_degrees(num_devices, gpus_per_node) if t <= (tp_max or t)]
     for tp in tps:
         for pp in _divisors(num_devices // tp):
             dp = num_devices // (tp * pp)
             if pp > num_blocks or batch % dp or not _allowed(config, dp=dp, tp=tp, pp=pp):
                 continue
             for b in _divisors(batch // dp):
-                if config.microbatch_size is None and (b > _MAX_MICROBATCH or b & (b - 1)):
+                if pp == 1 and b != batch // dp:  # without a pipeline the step runs the whole batch
                     continue
-                if not _allowed(config, microbatch_size=b):
+                if config.microbatch_size is None and pp > 1 and (b > _MAX_MICROBATCH or b & (b - 1)):
+                    continue
+                # Config.microbatch_size counts the samples of a microbatch over all replicas
+                if config.microbatch_size not in (None, b * dp):
+                    continue
+                if replica_microbatches is not None and b not in replica_microbatches:
                     continue
                 m = batch // (dp * b)
                 for schedule, v in _schedule_options(pp, m, num_blocks, config):
@@ -262,7 +277,20 @@ def candidate_setups(num_devices: int, gpus_per_node: int, batch: int, num_block
                         for zero in (0, 1) if dp > 1 else (0,):
                             for sp in (False, True) if tp > 1 else (False,):
                                 if _allowed(config, recompute=rc, zero=zero, sequence_parallel=sp):
-                                    yield Setup(dp, tp, pp, b, m, schedule, v, rc, zero, sp)
+                                    yield Setup(dp, tp, pp, b, m, schedule, v, rc, zero, sp,
+                                                grad_sync="microbatch")
+
+
+# the largest tensor-parallel group the search forms across nodes: Megatron-LM's largest tp
+# ([MEG] sec. 3.2, tp = 8 in a DGX node); on nodes of 8 or more devices tp stays inside a node
+TP_ACROSS_NODES_MAX = 8
+
+
+def tp_degrees(num_devices: int, gpus_per_node: int) -> list[int]:
+    """The tensor-parallel degrees searched: divisors of the devices that divide a node, or (on
+    nodes of fewer than :data:`TP_ACROSS_NODES_MAX` devices) span whole nodes up to it."""
+    return [t for t in _divisors(num_devices)
+            if gpus_per_node % t == 0 or (t % gpus_per_node == 0 and t <= TP_ACROSS_NODES_MAX)]
 
 
 def _divisors(n: int) -> list[int]:
@@ -310,10 +338,41 @@ def _only_when_needed(ranked: list[StepCost]) -> list[StepCost]:
     return [c for c in ranked if needed(c.setup)]
 
 
+def search_unsupported(model: nn.Module, example_inputs: Any, mesh: Mesh,
+                       config: Config) -> str | None:
+    """Why the setup search cannot price ``model`` on ``mesh`` under ``config`` (``None``: it
+    can): it needs two or more identical blocks in an ``nn.ModuleList``, inputs of one batch
+    size, the model's own precision, and a schedule it prices (1F1B, interleaved 1F1B)."""
+    if mesh.size == 1:
+        return "one device: there is no setup to search"
+    if config.mixed_precision == "bf16":
+        return "bf16 autocast (the search prices the model in its own dtype)"
+    if config.schedule not in (None, "1f1b", "interleaved-1f1b"):
+        return f"schedule {config.schedule!r} (the search prices 1f1b and interleaved-1f1b)"
+    node = mesh.topology.gpus_per_node
+    if config.tp is not None and config.tp not in tp_degrees(mesh.size, node):
+        return (f"tp={config.tp} on nodes of {node} devices (the search forms tp groups inside "
+                f"a node, or of whole nodes up to {TP_ACROSS_NODES_MAX} devices)")
+    prefix = block_prefix([n for n, _ in model.named_parameters(remove_duplicate=False)])
+    if prefix is None:
+        return f"{type(model).__name__} has no list of repeated blocks"
+    blocks = model.get_submodule(prefix)
+    if not isinstance(blocks, (nn.ModuleList, nn.Sequential)) or len(blocks) < 2:
+        return f"{prefix!r} is not a list of two or more blocks"
+    if len({_fingerprint(b) for b in blocks}) > 1:
+        return f"the blocks of {prefix!r} differ"
+    try:
+        _batch(example_inputs)
+    except PlanError as e:
+        return str(e)
+    return None
+
+
 def search(model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config | None = None,
            cost_passes: Sequence[Callable[..., Any]] = (),
            progress: Callable[[str], None] | None = None,
-           layers: "LayerSolver | None" = None) -> SearchResult:
+           layers: "LayerSolver | None" = None,
+           replica_microbatches: Sequence[int] | None = None) -> SearchResult:
     """Search every setup of :func:`candidate_setups` for ``model`` on ``mesh`` and rank them.
 
     ``example_inputs`` is one global batch (its dim 0 is the global batch size); ``model`` may
@@ -329,7 +388,8 @@ def search(model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config | N
     pruned: list[StepCost] = []
     price_s = 0.0
     for n, setup in enumerate(candidate_setups(mesh.size, topo.gpus_per_node, rep.batch,
-                                               rep.num_blocks, config), 1):
+                                               rep.num_blocks, config,
+                                               replica_microbatches=replica_microbatches), 1):
         rep.costs(setup.tp, setup.microbatch_size, setup.sequence_parallel)
         t1 = time.perf_counter()
         cost = rep.price(setup, budget)
@@ -362,66 +422,6 @@ def search(model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config | N
                         timings, mesh.size)
 
 
-def to_plan(result: SearchResult, layers: LayerSolver, config: Config, top_k: int = 5) -> Plan:
-    """The planning view of ``result``: degrees, schedule, techniques, per-stage times and peak
-    memory, the predicted step broken down, and the next ``top_k`` setups as alternatives.
-
-    It holds no per-operator placements (they are the layer ILP's, repeated per block): to run
-    it, plan the job with :func:`autopar.plan` on the real mesh, pinned to these choices.
-    """
-    best = result.best
-    st = best.setup
-    units = ("pre", *(f"{layers.prefix}.{i}" for i in range(layers.num_blocks)), "post")
-    stage_of_block = [j for j, n in enumerate(best.blocks_per_stage) for _ in range(n)]
-    stage_of_unit = (0, *stage_of_block, st.pp * st.virtual_stages - 1)
-    parts = best.parts
-    predicted = {"step_time_s": float(best.step_time_s),
-                 "compute_s": float(parts["pipeline_s"] - parts["bubble_s"] - parts["tp_comm_s"]
-                                    - parts["p2p_s"]),
-                 "comm_s": float(parts["tp_comm_s"] + parts["dp_comm_s"] + parts["tied_grad_s"]
-                                 + parts["p2p_s"]),
-                 "peak_memory_bytes": float(max(best.rank_memory_bytes)),
-                 **{k: float(v) for k, v in parts.items()}}
-    flops = model_flops(layers, st.microbatch_size) * st.microbatches * st.dp
-    dtype = "fp32" if layers.costs(st.tp, st.microbatch_size,
-                                   st.sequence_parallel).param_itemsize >= 4 else "bf16"
-    predicted.update(model_flops=flops, mfu=mfu(flops, best.step_time_s, result.num_devices,
-                                                layers.mesh.topology, dtype))
-    pipe = None
-    if st.pp > 1:
-        pipe = PipelinePlan(
-            schedule=st.schedule, microbatches=st.microbatches, microbatch_size=st.microbatch_size,
-            virtual_stages=st.virtual_stages, units=units, stage_of_unit=stage_of_unit, stages=(),
-            predicted={"step_time_s": float(best.step_time_s),
-                       "bubble_fraction": float(parts["bubble_s"] / best.step_time_s),
-                       "stage_time_s": [float(t) for t in best.stage_time_s],
-                       "stage_forward_s": [float(t) for t in best.stage_forward_s],
-                       "stage_memory_bytes": [float(b) for b in best.stage_memory_bytes],
-                       "peak_memory_bytes": [float(b) for b in best.rank_memory_bytes]})
-    alts = tuple({"setup": c.setup.describe(), "degrees": {"dp": c.setup.dp, "tp": c.setup.tp,
-                                                           "pp": c.setup.pp},
-                  "step_time_s": float(c.step_time_s),
-                  "peak_memory_bytes": float(max(c.rank_memory_bytes))}
-                 for c in result.ranked[1:top_k + 1])
-    return Plan(
-        model_fingerprint=f"search:{layers.fingerprint}", mesh_shape=(st.pp, st.dp, st.tp),
-        axis_names=("pp", "dp", "tp"), degrees={"dp": st.dp, "tp": st.tp, "pp": st.pp},
-        params={}, inputs=(), output_placements=(), nodes={}, collectives=(),
-        predicted=predicted,
-        solver={"status": "search", "backend": "per-layer ILPs + closed-form step model",
-                "gap": 0.0, "solve_time_s": result.timings["total_s"],
-                "setups_evaluated": result.evaluated, "setups_pruned_memory": len(result.pruned),
-                "layer_solves": result.layer_solves, **result.timings,
-                "pruned_examples": _pruned_examples(result)},
-        warnings=("planning view from the cluster search: no per-operator placements; plan the "
-                  "job itself with autopar.plan(...) to run it",),
-        topology=layers.mesh.topology.name, config=config.to_dict(),
-        input_shapes=(), alternatives=alts, pipeline=pipe,
-        techniques={"microbatch_size": st.microbatch_size, "microbatches": st.microbatches,
-                    "recompute": st.recompute, "zero": st.zero,
-                    "sequence_parallel": st.sequence_parallel})
-
-
 def model_flops(layers: LayerSolver, b: int) -> float:
     """The model's FLOPs for one microbatch of ``b`` samples (forward and backward, without
     recomputation), from the two-block trace: everything outside the blocks plus the number of
@@ -434,7 +434,7 @@ def model_flops(layers: LayerSolver, b: int) -> float:
     return rest + layers.num_blocks * per_block
 
 
-def _pruned_examples(result: SearchResult, limit: int = 3) -> list[str]:
+def pruned_examples(result: SearchResult, limit: int = 3) -> list[str]:
     """A few setups pruned for memory, one per (dp, tp, pp), with the reason."""
     seen, out = set(), []
     for c in result.pruned:

@@ -49,8 +49,8 @@ def test_second_launch_reads_the_plan_and_skips_the_search(tmp_path, monkeypatch
     model, inputs = build("gpt")
     traced = capture(model, inputs, None)
     calls = []
-    real = api.make_plan
-    monkeypatch.setattr(api, "make_plan", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = api.plan_model
+    monkeypatch.setattr(api, "plan_model", lambda *a, **k: calls.append(1) or real(*a, **k))
     first, how = _cached_plan(traced, MESH, autopar.Config(), (), model, inputs, tmp_path)
     assert how == "miss" and len(calls) == 1
     again, how = _cached_plan(traced, MESH, autopar.Config(), (), model, inputs, tmp_path)

@@ -18,6 +18,7 @@ import sys
 import pytest
 
 import autopar
+from autopar.planning.entry import model_fingerprint
 from autopar.cost_models.training_step import (
     LayerCosts, Setup, UnitCosts, blocks_per_stage, price_setup,
 )
@@ -43,12 +44,13 @@ def test_search_is_never_worse_than_megatron_and_prunes_what_does_not_fit():
     r = megatron_table1.table1_rows()[4]  # 39B on 512 GPUs, t=8 p=2 d=32
     model, inputs = megatron_gpt(dict(hidden=8192, layers=48, heads=64), batch=1536)
     mesh = autopar.Mesh.virtual("a100-dgx", nodes=64, gpus_per_node=8)
-    # microbatch 1 (Megatron's) keeps the test to one trace; the benchmark searches all sizes
-    cfg = autopar.Config(microbatch_size=1)
+    # microbatch 1 per replica (Megatron's) keeps the test to one trace; the benchmark
+    # searches all sizes
+    cfg = autopar.Config()
     layers = LayerSolver(model, inputs, mesh, cfg, ())
     megatron = min((layers.price(s) for s in megatron_table1.megatron_setups(r)),
                    key=lambda c: c.step_time_s)
-    result = search(model, inputs, mesh, cfg, layers=layers)
+    result = search(model, inputs, mesh, cfg, layers=layers, replica_microbatches=(1,))
     assert result.best.step_time_s <= megatron.step_time_s
     assert all(c.fits for c in result.ranked)
     assert result.pruned and all(not c.fits and "GiB" in c.reason() for c in result.pruned)
@@ -59,7 +61,7 @@ def test_search_is_never_worse_than_megatron_and_prunes_what_does_not_fit():
 def test_175b_without_model_parallelism_is_pruned_not_chosen():
     model, inputs = megatron_gpt("gpt3-175b", batch=1024)
     mesh = autopar.Mesh.virtual("a100-dgx", nodes=128, gpus_per_node=8)
-    cfg = autopar.Config(tp=1, pp=1, microbatch_size=1)
+    cfg = autopar.Config(tp=1, pp=1)  # dp=1024: one sample per replica
     with pytest.raises(autopar.InfeasibleMemoryError, match="no setup fits"):
         search(model, inputs, mesh, cfg)
 
@@ -120,20 +122,25 @@ def test_candidates_keep_tensor_parallelism_inside_a_node_and_respect_the_config
     assert fixed and all(s.tp == 4 and s.recompute == "full" and (s.zero or s.dp == 1) for s in fixed)
 
 
-def test_plan_view_has_alternatives_stage_memory_and_round_trips(tmp_path):
+def test_searched_plan_is_runnable_with_alternatives_stage_memory_and_round_trips(tmp_path):
     model, inputs = megatron_gpt(dict(hidden=1024, layers=8, heads=16), batch=64, seq=512)
     mesh = autopar.Mesh.virtual("a100-dgx", nodes=2, gpus_per_node=8)
     plan = autopar.search(model, mesh, inputs, config=autopar.Config(pp=2, microbatch_size=2),
                           top_k=3)
     assert plan.degrees["pp"] == 2 and len(plan.alternatives) == 3
-    assert all(a["step_time_s"] >= plan.predicted["step_time_s"] for a in plan.alternatives)
+    assert all(a["step_time_s"] >= plan.predicted["search_step_time_s"] for a in plan.alternatives)
+    assert plan.solver["path"] == "setup search + per-operator ILPs"
     pipe = plan.pipeline
+    # runnable: every stage has its per-operator placements, every parameter a placement
+    assert len(pipe.stages) == pipe.num_stages and all(st.nodes for st in pipe.stages)
+    assert set(plan.params) == {n for n, _ in model.named_parameters()}
     assert len(pipe.predicted["stage_memory_bytes"]) == pipe.num_stages
-    assert set(plan.techniques) >= {"recompute", "zero", "sequence_parallel"}
+    assert set(plan.techniques) >= {"recompute", "zero", "sequence_parallel", "microbatches"}
     text = str(plan)
     assert "stage peak MiB" in text and "techniques" in text and "pipeline bubble" in text
-    parts = plan.step_breakdown()  # a search's step includes the optimizer
-    assert parts["total_s"] == plan.predicted["step_time_s"]
+    parts = plan.step_breakdown()  # the step of pmodel.step(), then the optimizer
+    assert parts["total_s"] == pytest.approx(plan.predicted["step_time_s"]
+                                             + plan.predicted["optimizer_s"], rel=1e-12)
     assert sum(parts[k] for k in ("compute_s", "exposed_comm_s", "bubble_s", "optimizer_s")) \
         == pytest.approx(parts["total_s"], rel=1e-9)
     assert parts["bubble_s"] > 0 and parts["optimizer_s"] > 0 and parts["exposed_comm_s"] > 0
@@ -146,9 +153,20 @@ def test_plan_view_has_alternatives_stage_memory_and_round_trips(tmp_path):
     assert 0 < plan.predicted["mfu"] < 1
     plan.save(tmp_path / "p.json")
     again = autopar.Plan.load(tmp_path / "p.json")
-    assert again.techniques == plan.techniques and again.alternatives == plan.alternatives
+    assert again == plan and again.digest() == plan.digest()
     json.loads(again.to_json())
+    # the plan names the model it was made for, and no other
+    assert plan.model_fingerprint == model_fingerprint(model, inputs)
     small, small_inputs = build("gpt")
+    assert plan.model_fingerprint != model_fingerprint(small, small_inputs)
+
+
+def test_a_planning_view_saved_by_an_earlier_search_is_refused(tmp_path):
+    model, inputs = build("gpt")
+    plan = autopar.plan(model, autopar.Mesh.virtual("cpu-gloo", gpus_per_node=2), inputs)
+    old = plan.to_dict()
+    old["solver"] = {**old["solver"], "status": "search"}  # as autopar.search saved it before
+    (tmp_path / "view.json").write_text(json.dumps(old))
     with pytest.raises(autopar.PlanError, match="planning view"):  # it has no placements to run
-        autopar.parallelize(small, autopar.Mesh.virtual("cpu-gloo", gpus_per_node=1), small_inputs,
-                            plan=tmp_path / "p.json")
+        autopar.parallelize(model, autopar.Mesh.virtual("cpu-gloo", gpus_per_node=1), inputs,
+                            plan=tmp_path / "view.json")

@@ -1,0 +1,2 @@
+"""Planning policy: the setup search, the per-operator solve of a setup, plan assembly and the
+entry policy (:mod:`autopar.planning.entry`)."""

@@ -1,0 +1,260 @@
+"""The one planner: the setup search, then the per-operator placements of the chosen setup.
+
+:func:`plan_model` is what :func:`autopar.plan`, :func:`autopar.search` and
+:func:`autopar.parallelize` run. For a model built from identical blocks (an ``nn.ModuleList``
+of two or more blocks of one structure) it
+
+1. searches the setups (degrees with tp inside a node, microbatch size, schedule and v,
+   recomputation, ZeRO, sequence parallelism) priced in closed form from per-layer ILPs of a
+   two-block copy of the model (:mod:`autopar.solver.search`), then
+2. solves the per-operator placements of the best setup and assembles a runnable plan: the whole
+   model's intra-operator ILP on the (dp, tp) mesh without a pipeline, or every pipeline stage's
+   ILP on the stage mesh (stages with the same graph solved once,
+   :func:`~autopar.solver.pipeline_planner.build_pipeline_plan`). A setup whose per-operator
+   solve does not fit the device memory (the per-operator memory model is finer than the
+   search's) gives way to the next-ranked one, with a warning.
+
+Other models, a single device, bf16 autocast and the GPipe and zero-bubble schedules take the
+per-unit path (:func:`~autopar.solver.planner.make_plan`): the whole model's intra-operator ILP
+for every (dp, tp) mesh and, where pipelines are searched, one whole-model ILP per (pp, stage
+mesh, microbatch count). Its cost grows with the model: seconds for the test models, minutes for
+a billion parameters, which is why models of identical blocks take the search.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten
+
+from autopar.capture import capture, normalize_inputs
+from autopar.config import Config
+from autopar.errors import PlanError
+from autopar.explain import attach, context_of
+from autopar.mesh import Mesh
+from autopar.passes.stages import block_prefix
+from autopar.plan import Plan
+from autopar.solver.ilp import InfeasibleMemoryError
+from autopar.solver.pipeline_planner import ModelFacts, PipelineSetup, build_pipeline_plan
+from autopar.solver.planner import make_plan, mesh_candidates, solve_candidate, traced_flops
+from autopar.solver.search import (
+    LayerSolver, SearchResult, model_flops, pruned_examples, search, search_unsupported,
+)
+from autopar.cost_models.compute import mfu
+from autopar.cost_models.training_step import StepCost
+
+__all__ = ["COMPARED_DEGREES", "PER_UNIT_FALLBACK_LIMIT", "REALIZE_TRIES", "model_fingerprint", "plan_model"]
+
+# setups, best first, whose per-operator placements are tried before giving up
+REALIZE_TRIES = 4
+# the search's space is a subset of the per-unit path's (tp inside a node, power-of-two
+# microbatches, two schedules): when it has no answer, models small enough for whole-model
+# ILPs (blocks x devices up to this) are planned by the per-unit path, which also explains
+# what does not fit stage by stage; beyond it the search's own error is raised
+PER_UNIT_FALLBACK_LIMIT = 1024
+# (dp, tp, pp) degrees whose best setups are realized and compared, for models within it
+COMPARED_DEGREES = 3
+
+
+def model_fingerprint(model: nn.Module, example_inputs: Any) -> str:
+    """A hash of what a plan depends on, without tracing: every parameter's and buffer's name,
+    shape, dtype and tie, the module tree (``repr``), the source of each module class's
+    ``forward``, and the example inputs' shapes and dtypes."""
+    h = hashlib.sha256(type(model).__qualname__.encode())
+    owner: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        h.update(f"p|{name}|{tuple(p.shape)}|{p.dtype}|{owner.setdefault(id(p), name)}".encode())
+    for name, b in model.named_buffers(remove_duplicate=False):
+        h.update(f"b|{name}|{tuple(b.shape)}|{b.dtype}".encode())
+    h.update(repr(model).encode())
+    for cls in sorted({type(m) for m in model.modules()}, key=lambda c: c.__qualname__):
+        try:
+            source = inspect.getsource(cls.forward)
+        except (OSError, TypeError):  # built-in or defined in a REPL: the name stands for it
+            source = cls.__qualname__
+        h.update(source.encode())
+    args, kwargs = normalize_inputs(example_inputs)
+    for x in tree_flatten((args, kwargs))[0]:
+        h.update((f"{tuple(x.shape)}|{x.dtype}" if isinstance(x, torch.Tensor) else repr(x)).encode())
+    return h.hexdigest()[:16]
+
+
+def plan_model(model: nn.Module, mesh: Mesh, example_inputs: Any, config: Config,
+               cost_passes: Sequence[Callable[..., Any]] = (),
+               progress: Callable[[str], None] | None = None, top_k: int = 5,
+               traced: Any = None) -> Plan:
+    """The plan of ``model`` on ``mesh`` (module docstring); ``traced``: the model's whole
+    capture when the caller has one (it is made here only when a path needs it)."""
+    t0 = time.perf_counter()
+    reason = search_unsupported(model, example_inputs, mesh, config)
+    plan = None
+    if reason is None:
+        try:
+            plan = _plan_by_search(model, mesh, example_inputs, config, cost_passes, progress,
+                                   top_k, traced)
+        except PlanError as e:  # InfeasibleMemoryError included
+            if _blocks(model) * mesh.size > PER_UNIT_FALLBACK_LIMIT:
+                raise
+            reason = f"the setup search found no runnable setup ({_first_line(e)})"
+    if plan is None:
+        if progress:
+            progress(f"per-unit planning: {reason}")
+        if traced is None:
+            traced = capture(model, example_inputs, config.mixed_precision)
+        plan = make_plan(traced, mesh, config, cost_passes, progress, model, example_inputs)
+        plan = _replace(plan, solver={**plan.solver, "path": f"per-unit ILPs ({reason})"})
+    return _replace(plan, model_fingerprint=model_fingerprint(model, example_inputs),
+                    solver={**plan.solver, "planning_time_s": time.perf_counter() - t0})
+
+
+def _blocks(model: nn.Module) -> int:
+    prefix = block_prefix([n for n, _ in model.named_parameters(remove_duplicate=False)])
+    return len(model.get_submodule(prefix)) if prefix else 1
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
+def _replace(plan: Plan, **kw: Any) -> Plan:
+    """``dataclasses.replace`` keeping what ``plan.explain`` needs."""
+    return attach(dataclasses.replace(plan, **kw), context_of(plan))
+
+
+def _plan_by_search(model: nn.Module, mesh: Mesh, example_inputs: Any, config: Config,
+                    cost_passes: Sequence[Callable[..., Any]],
+                    progress: Callable[[str], None] | None, top_k: int, traced: Any) -> Plan:
+    """Search the setups, then realize the best one whose per-operator solve fits; a model
+    small enough for whole-model ILPs (:data:`PER_UNIT_FALLBACK_LIMIT`) realizes the best setup
+    of each of the :data:`COMPARED_DEGREES` best (dp, tp, pp) and keeps the one the per-operator
+    model predicts fastest (the closed form prices data parallelism as splitting the batch; the
+    per-operator ILP may do better, e.g. keep a tiny batch replicated)."""
+    layers = LayerSolver(model, example_inputs, mesh, config, cost_passes)
+    result = search(model, example_inputs, mesh, config, cost_passes, progress, layers)
+    if progress:
+        progress(f"searched {result.evaluated} setups in {result.timings['total_s']:.1f} s; best "
+                 f"{result.best.setup.describe()} {result.best.step_time_s * 1e3:.3f} ms")
+    small = _blocks(model) * mesh.size <= PER_UNIT_FALLBACK_LIMIT
+    failed: list[str] = []
+    whole = [traced]
+    done: list[tuple[Plan, StepCost, float]] = []
+    degrees: set[tuple[int, int, int]] = set()
+    for cost in result.ranked:
+        st = cost.setup
+        if len(failed) + len(done) >= REALIZE_TRIES or (done and not small) \
+                or len(degrees) >= COMPARED_DEGREES:
+            break
+        if (st.dp, st.tp, st.pp) in degrees:
+            continue
+        t0 = time.perf_counter()
+        try:
+            plan = _realize(cost, model, mesh, example_inputs, config, cost_passes, layers, whole)
+        except PlanError as e:  # InfeasibleMemoryError included
+            failed.append(f"{st.describe()}: {_first_line(e)}")
+            if progress:
+                progress(f"setup {st.describe()} cannot be placed per operator: {_first_line(e)}")
+            continue
+        degrees.add((st.dp, st.tp, st.pp))
+        elapsed = time.perf_counter() - t0
+        if progress:
+            progress(f"per-operator placements of {st.describe()} solved in {elapsed:.1f} s: "
+                     f"predicted {plan.predicted['step_time_s'] * 1e3:.3f} ms")
+        done.append((plan, cost, elapsed))
+    if done:
+        plan, cost, elapsed = min(done, key=lambda d: d[0].predicted["step_time_s"])
+        return _record_search(plan, cost, result, failed, top_k, elapsed)
+    raise InfeasibleMemoryError(
+        f"the {len(failed)} best setups of the search fit the search's memory model but none "
+        f"could be placed per operator:\n  " + "\n  ".join(failed)
+        + "\nRaise Config.memory_bytes, use more devices or a smaller batch.",
+        required_bytes=0.0, budget_bytes=_budget(config, mesh))
+
+
+def _budget(config: Config, mesh: Mesh) -> float:
+    return config.memory_bytes if config.memory_bytes is not None else mesh.topology.memory_bytes
+
+
+def _concrete(config: Config, cost: StepCost) -> Config:
+    """``config`` with the setup's techniques fixed (what the per-operator solve runs with)."""
+    st = cost.setup
+    return dataclasses.replace(config, recompute=st.recompute, zero=st.zero,
+                               sequence_parallel=st.sequence_parallel if st.tp > 1
+                               else config.sequence_parallel)
+
+
+def _realize(cost: StepCost, model: nn.Module, mesh: Mesh, example_inputs: Any, config: Config,
+             cost_passes: Sequence[Callable[..., Any]], layers: LayerSolver, whole: list) -> Plan:
+    """The runnable plan of one searched setup: its per-operator placements solved."""
+    st = cost.setup
+    concrete = _concrete(config, cost)
+    budget = _budget(config, mesh)
+    pinned = dataclasses.replace(config, dp=st.dp, tp=st.tp, pp=None)
+    if st.pp == 1:
+        if whole[0] is None:
+            whole[0] = capture(model, example_inputs, config.mixed_precision)
+        traced = whole[0]
+        cand = mesh_candidates(mesh.size, pinned)[0]
+        plan = solve_candidate(traced, mesh, concrete, cand, cost_passes, budget)
+        flops, dtype = traced_flops(traced, concrete)
+        step = plan.predicted["step_time_s"] + plan.predicted["optimizer_s"]
+        return _replace(plan, predicted={
+            **plan.predicted, "model_flops": flops,
+            "mfu": mfu(flops, step, mesh.size, mesh.topology, dtype)})
+    cand = mesh_candidates(mesh.size // st.pp, pinned)[0]
+    stage_of_block = [j for j, n in enumerate(cost.blocks_per_stage) for _ in range(n)]
+    stage_of_unit = (0, *stage_of_block, st.pp * st.virtual_stages - 1)
+    setup = PipelineSetup(st.pp, cand, st.microbatches, st.schedule, st.virtual_stages,
+                          stage_of_unit, cost.step_time_s, max(cost.rank_memory_bytes))
+    args, kwargs = normalize_inputs(example_inputs)
+    shapes = tuple(tuple(x.shape) for x in tree_flatten((args, kwargs))[0]
+                   if isinstance(x, torch.Tensor))
+    lc = layers.costs(st.tp, st.microbatch_size, st.sequence_parallel)
+    facts = ModelFacts("", shapes, model_flops(layers, st.microbatch_size) * st.microbatches * st.dp,
+                       "fp32" if lc.param_itemsize >= 4 else "bf16", layers.trace_s)
+    return build_pipeline_plan(model, example_inputs, facts, mesh, concrete, setup, cost_passes,
+                               budget)
+
+
+def _logical_mesh(cost: StepCost) -> dict[str, tuple]:
+    """The logical mesh a setup runs on (``mesh_shape``, ``axis_names``), as its plan has it:
+    ``pp`` outermost when pipelined, then ``dp`` and ``tp`` where larger than 1 (a lone ``tp``
+    of one device when both are 1)."""
+    st = cost.setup
+    axes = [(n, d) for n, d in (("dp", st.dp), ("tp", st.tp)) if d > 1] or [("tp", 1)]
+    if st.pp > 1:
+        axes.insert(0, ("pp", st.pp))
+    return {"mesh_shape": tuple(d for _, d in axes), "axis_names": tuple(n for n, _ in axes)}
+
+
+def _record_search(plan: Plan, cost: StepCost, result: SearchResult, failed: list[str],
+                   top_k: int, realize_s: float) -> Plan:
+    """The realized plan with what the search found: the setup and its prediction, the next
+    ``top_k`` setups as alternatives, the search's counts and timings."""
+    st = cost.setup
+    alts = tuple({"setup": c.setup.describe(),
+                  "degrees": {"dp": c.setup.dp, "tp": c.setup.tp, "pp": c.setup.pp},
+                  **_logical_mesh(c), "step_time_s": float(c.step_time_s),
+                  "peak_memory_bytes": float(max(c.rank_memory_bytes))}
+                 for c in result.ranked if c is not cost)[:top_k]
+    warnings = list(plan.warnings)
+    if failed:
+        warnings.append(f"{len(failed)} better-ranked setup(s) could not be placed per operator "
+                        f"and were skipped: " + "; ".join(failed))
+    techniques = {**plan.techniques, "microbatch_size": st.microbatch_size * st.dp,
+                  "replica_microbatch_size": st.microbatch_size, "microbatches": st.microbatches, "recompute": st.recompute, "zero": st.zero,
+                  "sequence_parallel": st.sequence_parallel}
+    solver = {**plan.solver, "path": "setup search + per-operator ILPs",
+              "setup": st.describe(), "setups_evaluated": result.evaluated,
+              "setups_pruned_memory": len(result.pruned), "layer_solves": result.layer_solves,
+              "search_s": result.timings["total_s"], "placement_s": realize_s,
+              "pruned_examples": pruned_examples(result)}
+    predicted = {**plan.predicted, "search_step_time_s": float(cost.step_time_s),
+                 "search_peak_memory_bytes": float(max(cost.rank_memory_bytes))}
+    return _replace(plan, alternatives=alts, warnings=tuple(warnings), techniques=techniques,
+                    solver=solver, predicted=predicted)
