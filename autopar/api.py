@@ -147,7 +147,7 @@ def _cached_plan(traced: Any, mesh: Mesh, config: Config, cost_passes: Sequence,
 
 
 def _recomputed(traced: Any, the_plan: Plan) -> frozenset[str]:
-    from autopar.passes.recompute import recompute_nodes
+    from autopar.capture.remat import recompute_nodes
 
     return recompute_nodes(traced, the_plan.techniques.get("recompute", "none"))
 
@@ -157,7 +157,7 @@ def _pipelined(model: nn.Module, example_inputs: Any, traced: Any, the_plan: Pla
     """Trace the plan's stages, lower this rank's, and build the pipelined module."""
     from autopar.passes.lower import lower_to_local
     from autopar.runtime.pipeline import PipelineModule
-    from autopar.solver.pipeline_planner import forward_for_plan
+    from autopar.planning.pipeline import forward_for_plan
 
     pipe = the_plan.pipeline
     fwd, stages = forward_for_plan(model, example_inputs, pipe)

@@ -4,7 +4,7 @@
         --json plan.json --trace step.json --svg step.svg
     python -m autopar simulate plan.json --svg step.svg
 
-``MODEL`` is a built-in preset (:func:`autopar.presets.preset`: ``gpt3-175b``, ``gpt2-small``,
+``MODEL`` is a built-in preset (:func:`autopar.model_presets.preset`: ``gpt3-175b``, ``gpt2-small``,
 ``llama-7b``, ...) or ``module:function``, a function called with ``batch=`` and ``seq=`` that
 returns ``(model, example_inputs)``. ``plan`` runs the cluster search
 (:func:`autopar.search`; the model must be built from identical blocks) and prints the chosen
@@ -46,7 +46,7 @@ def parse_mesh(text: str, gpus_per_node: int) -> tuple[int, int]:
 def load_model(spec: str, batch: int, seq: int) -> tuple[Any, Any]:
     """The model and example inputs of ``spec``: a preset name or ``module:function``."""
     if ":" not in spec:
-        from autopar.presets import preset
+        from autopar.model_presets import preset
 
         try:
             return preset(spec, batch, seq)
@@ -139,7 +139,7 @@ def _write(plan: Any, args: argparse.Namespace) -> None:
 
 def _simulate(args: argparse.Namespace) -> Any:
     from autopar.plan import Plan
-    from autopar.timeline import simulate_plan
+    from autopar.report.timeline import simulate_plan
 
     plan = Plan.load(args.plan)
     result = simulate_plan(plan)

@@ -132,7 +132,7 @@ class Plan:
         nodes: joint-graph node name -> :class:`NodePlan`.
         collectives: every collective of one step, in execution order.
         grad_buckets: output indices of the parameter gradients reduced together, one
-            all-reduce per bucket, in the order they are issued (:mod:`autopar.solver.buckets`).
+            all-reduce per bucket, in the order they are issued (:mod:`autopar.planning.buckets`).
         predicted: ``step_time_s``, ``compute_s``, ``comm_s``, ``peak_memory_bytes`` (per device).
         solver: status, gap, backend, solve time, variable counts.
         warnings: ops replicated for lack of a rule, solver time limits, ...
@@ -173,13 +173,13 @@ class Plan:
     def to_chrome_trace(self, path: str | Path) -> Path:
         """Write the simulated step (per pipeline rank: each microbatch's forward and backward,
         and the point-to-point sends) as Chrome trace JSON, for Perfetto or chrome://tracing."""
-        from autopar.timeline import to_chrome_trace
+        from autopar.report.timeline import to_chrome_trace
 
         return to_chrome_trace(self, path)
 
     def to_svg(self, path: str | Path) -> Path:
         """Write the simulated step as an SVG timeline that opens in a browser."""
-        from autopar.timeline import to_svg
+        from autopar.report.timeline import to_svg
 
         return to_svg(self, path)
 
@@ -187,13 +187,13 @@ class Plan:
                 max_alternatives: int = 6) -> Any:
         """Why the solver placed ``target`` as it did: each strategy of its node with its
         compute, communication and memory, every other node held at its choice (see
-        :mod:`autopar.explain`). ``target``: a node name (``plan.operator_table(expand=True)``),
+        :mod:`autopar.report.explain`). ``target``: a node name (``plan.operator_table(expand=True)``),
         a parameter name, or a module or layer path (its costliest ``max_nodes`` nodes).
         Without a target, the setups (degrees, techniques) the planner compared.
 
         Needs a plan made in this process by :func:`autopar.plan`; print the result.
         """
-        from autopar.explain import explain
+        from autopar.report.explain import explain
 
         return explain(self, target, max_nodes, max_alternatives)
 

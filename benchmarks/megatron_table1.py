@@ -28,8 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import autopar  # noqa: E402
 from autopar.cost_models.topology import custom, get_preset  # noqa: E402
 from autopar.cost_models.training_step import Setup, model_flops_megatron  # noqa: E402
-from autopar.presets import megatron_gpt  # noqa: E402
-from autopar.solver.search import LayerSolver, search  # noqa: E402
+from autopar.model_presets import megatron_gpt  # noqa: E402
+from autopar.planning.search import LayerSolver, search  # noqa: E402
 
 # The published rows, copied into the repository with their citations (the file's "meta" note).
 CALIBRATION = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "calibration.json")

@@ -1,60 +1,101 @@
-"""Capture and planning time of a 1.5B-parameter GPT on virtual H100 clusters, without memory.
+"""Planning time and peak memory of ``autopar.plan`` at scale, on this machine, without devices.
 
-    python benchmarks/plan_scale.py [--nodes 1 2]
+    python benchmarks/plan_scale.py                    # both rows, each in a fresh process
+    python benchmarks/plan_scale.py --rows gpt3-175b   # one row
 
-Builds the model under FakeTensorMode (no weights allocated), captures the joint graph once and
-plans it for each cluster (pipelined plans are searched on clusters of more than one node);
-prints capture time, plan time, the chosen degrees, the ILP size before and after linking
-identical layers, and the peak RSS of the process (``--print-plan``: the last plan too).
+Rows: GPT-3 175B (96 identical blocks, fused QKV, batch 1,536 x 2,048) on 1,024 virtual A100s
+(128 DGX nodes of 8), and a 1.5B GPT (48 blocks, hidden 1,600, batch 8 x 1,024) on 8 virtual
+H100s (one node). Both models are built under ``FakeTensorMode`` (no weight is allocated). Each
+row runs ``autopar.plan`` in a fresh Python process (so the peak RSS is that row's) and prints:
+the seconds to plan (the setup search, then the per-operator placements of the chosen setup),
+the chosen setup, the plan's predicted step next to the search's closed-form price of that
+setup, and the process's peak RSS. The plan is saved and loaded back to check the round trip.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import resource
+import subprocess
 import sys
-import time
+import textwrap
 
-import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from tabulate import tabulate
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+ROWS = {
+    "gpt3-175b": dict(kind="preset", name="gpt3-175b", batch=1536, seq=2048,
+                      hardware="a100-dgx", nodes=128, gpus_per_node=8),
+    "gpt-1.5b": dict(kind="gpt", batch=8, seq=1024, hardware="h100-dgx", nodes=1,
+                     gpus_per_node=8),
+}
 
-import autopar  # noqa: E402
-from autopar.capture import capture  # noqa: E402
-from autopar.solver.planner import make_plan  # noqa: E402
-from models import GPT  # noqa: E402
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--print-plan", action="store_true", help="print the last plan")
-    args = parser.parse_args()
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model = GPT(vocab=50304, dim=1600, heads=25, layers=48, seq=1024)
-    ids = torch.randint(0, 50304, (args.batch, 1024))
-    n_params = sum(p.numel() for p in model.parameters())
+_CHILD = textwrap.dedent("""
+    import json, os, resource, sys, tempfile, time
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    import autopar
+    row = json.loads(sys.argv[1])
     t0 = time.perf_counter()
-    traced = capture(model, (ids, ids))
-    capture_s = time.perf_counter() - t0
-    rows = []
-    for nodes in args.nodes:
-        mesh = autopar.Mesh.virtual("h100-dgx", nodes=nodes, gpus_per_node=8)
-        t0 = time.perf_counter()
-        plan = make_plan(traced, mesh, autopar.Config(), model=model, example_inputs=(ids, ids))
-        rows.append([f"{nodes} x 8 h100-dgx", f"{capture_s:.1f}", f"{time.perf_counter() - t0:.1f}",
-                     plan.degrees, plan.solver["ilp_variables_unlinked"], plan.solver["ilp_variables"],
-                     f"{plan.predicted['step_time_s'] * 1e3:.1f}"])
-    print(f"GPT with {n_params / 1e9:.2f} B parameters, batch {args.batch} x 1024 tokens")
-    print(tabulate(rows, headers=["cluster", "capture s", "plan s", "degrees", "ILP vars unlinked",
-                                  "ILP vars linked", "predicted step ms"]))
-    print(f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
-    if args.print_plan:
-        print(plan)
+    if row["kind"] == "preset":
+        from autopar.model_presets import megatron_gpt
+        model, inputs = megatron_gpt(row["name"], batch=row["batch"], seq=row["seq"])
+    else:
+        sys.path.insert(0, os.path.join(sys.argv[2], "tests"))
+        from models import GPT
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = GPT(vocab=50304, dim=1600, heads=25, layers=48, seq=row["seq"])
+        ids = torch.zeros(row["batch"], row["seq"], dtype=torch.long)
+        inputs = (ids, ids)
+    built = time.perf_counter() - t0
+    mesh = autopar.Mesh.virtual(row["hardware"], nodes=row["nodes"],
+                                gpus_per_node=row["gpus_per_node"])
+    t1 = time.perf_counter()
+    plan = autopar.plan(model, mesh, inputs)
+    plan_s = time.perf_counter() - t1
+    path = os.path.join(tempfile.mkdtemp(), "plan.json")
+    plan.save(path)
+    again = autopar.Plan.load(path)
+    print(json.dumps({
+        "build_s": built, "plan_s": plan_s, "search_s": plan.solver.get("search_s", 0.0),
+        "placement_s": plan.solver.get("placement_s", 0.0), "setup": plan.solver.get("setup", ""),
+        "path": plan.solver.get("path", ""), "degrees": plan.degrees,
+        "step_s": plan.predicted["step_time_s"],
+        "search_step_s": plan.predicted.get("search_step_time_s", float("nan")),
+        "stage_solves": (plan.pipeline.cut_solver.get("distinct_stage_solves")
+                         if plan.pipeline else None),
+        "round_trip": again == plan and again.digest() == plan.digest(),
+        "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+""")
+
+
+def run_row(name: str) -> dict:
+    """Plan one row in a fresh process; its JSON result."""
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    out = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(ROWS[name]), root],
+                         capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"row {name} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> list[list]:
+    """Run the rows; print and return the table."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    args = parser.parse_args(argv)
+    table = []
+    for name in args.rows:
+        r = run_row(name)
+        row = ROWS[name]
+        table.append([name, f"{row['nodes']} x {row['gpus_per_node']} {row['hardware']}",
+                      f"{r['plan_s']:.1f}", f"{r['search_s']:.1f}", f"{r['placement_s']:.1f}",
+                      r["setup"] or r["path"], f"{r['step_s']:.3f}", f"{r['search_step_s']:.3f}",
+                      r["stage_solves"], f"{r['rss_mib']:.0f}", r["round_trip"]])
+    print(tabulate(table, headers=["model", "cluster", "plan s", "search s", "placements s",
+                                   "chosen setup", "predicted step s", "search's price s",
+                                   "stage ILPs", "peak RSS MiB", "JSON round trip"]))
+    return table
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from autopar.cost_models.topology import Topology
 from autopar.graph import TracedGraph
 from autopar.strategies.reshard import local_shape, reshard_steps
 from autopar.strategies.space import (
-    Placements, Strategy, StrategySpace, _tensor_inputs, boundary_placements,
+    Placements, Strategy, StrategySpace, tensor_inputs, boundary_placements,
 )
 
 __all__ = ["SpaceCosts", "price_space", "reshard_time", "state_bytes_per_element"]
@@ -127,7 +127,7 @@ def _compute_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: To
     name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
     if name in _FREE:
         return 0.0
-    inputs = _tensor_inputs(n)
+    inputs = tensor_inputs(n)
     local_in = {}
     nbytes = 0
     for a, p in zip(inputs, s.inputs):
@@ -240,7 +240,7 @@ def _fused_edges(traced: TracedGraph) -> dict[str, frozenset]:
     for n in traced.gm.graph.nodes:
         if not _fusible(n):
             continue
-        for a in _tensor_inputs(n):
+        for a in tensor_inputs(n):
             src, _ = _alias_root(a)
             if _fusible(src) and len(_leaf_readers(src)) == 1:
                 out.setdefault(n.name, set()).add(a.name)
@@ -259,7 +259,7 @@ def _leaf_readers(n: fx.Node) -> list[fx.Node]:
 
 def _fused_key(n: fx.Node, fused: frozenset) -> tuple:
     """The fused inputs by position (node names differ between identical layers)."""
-    return tuple(i for i, a in enumerate(_tensor_inputs(n)) if a.name in fused) + (
+    return tuple(i for i, a in enumerate(tensor_inputs(n)) if a.name in fused) + (
         ("out",) if "" in fused else ())
 
 

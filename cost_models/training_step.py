@@ -2,7 +2,7 @@
 parallelism and the optimizer.
 
 The per-layer costs (:class:`UnitCosts`) come from the intra-operator ILP solved on one layer of
-the model (see :mod:`autopar.solver.search`); this module composes them for one candidate setup
+the model (see :mod:`autopar.planning.search`); this module composes them for one candidate setup
 (:class:`Setup`) into a step time and a per-rank memory, with closed forms cheap enough to
 evaluate thousands of setups.
 

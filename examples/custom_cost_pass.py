@@ -28,7 +28,7 @@ import numpy as np
 from torch.distributed.tensor import Replicate
 
 import autopar
-from autopar.presets import megatron_gpt
+from autopar.model_presets import megatron_gpt
 
 PENALTY_S = 1e3  # far above any step time: a strategy with it is never chosen if any other fits
 

@@ -18,12 +18,12 @@ from pathlib import Path
 from typing import Sequence
 
 import autopar
-from autopar.presets import megatron_gpt
+from autopar.model_presets import megatron_gpt
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="gpt3-175b", help="a GPT preset of autopar.presets")
+    p.add_argument("--preset", default="gpt3-175b", help="a GPT preset of autopar.model_presets")
     p.add_argument("--nodes", type=int, default=128)
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--hardware", default="a100-dgx")

@@ -30,7 +30,8 @@ from autopar._torch_private import DTensorSpec, FakeTensorMode, _StridedShard
 from autopar.graph import output_moves
 from autopar.placements import from_str
 from autopar.passes.overlap import overlap_collectives
-from autopar.passes.recompute import TAG, recompute_pass
+from autopar.capture.remat import TAG
+from autopar.passes.recompute import recompute_pass
 from autopar.plan import Plan
 from autopar.strategies import fused
 from autopar.strategies.reshard import local_shape, reshard_steps
@@ -198,7 +199,7 @@ class _Interpreter:
 
 
 class GradientBuckets:
-    """Executes ``Plan.grad_buckets`` (the policy is :mod:`autopar.solver.buckets`): the local
+    """Executes ``Plan.grad_buckets`` (the policy is :mod:`autopar.planning.buckets`): the local
     gradients of a bucket are flattened into one buffer, all-reduced with one collective when
     the last of them is computed, and waited for at the end of the program (the outputs), so
     the reduction runs while the rest of the backward computes; the results are views of the

@@ -1,145 +1,19 @@
-"""Activation recomputation: which forward values to recompute, and the pass that does it.
+"""Activation recomputation pass: re-run the tagged forward values in the backward.
 
-Policies (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
-MLSys'23, sec. 4 and 5):
-
-- ``"none"``: every forward value the backward reads stays alive until then.
-- ``"selective"``: the attention core is recomputed: the fused attention op
-  (``scaled_dot_product_attention``) or, for explicit attention, every value of the softmax's
-  shape (scores, masked scores, probabilities). Their s x s outputs are the 5as/h term of the
-  paper's per-layer activation memory sbh(34 + 5as/h).
-- ``"full"``: each repeated block keeps only its input and re-runs its forward in the backward
-  (the paper's "full activation recomputation", sec. 2 and Table 2).
-
-Two values are never recomputed and are saved instead: outputs of random ops (dropout, whose mask
-must be the forward's; autopar does not replay the RNG) and, in a lowered program, outputs of
-collectives (re-running them would add communication the plan does not price; torch's own
-partitioner saves them too).
-
-:func:`recompute_nodes` picks the joint-graph nodes for a policy; the cost model prices the
-choice with it (``cost_models.sharding``), and :func:`recompute_pass` rewrites the lowered
-per-rank program: nodes tagged ``meta["recompute"]`` (the lowering copies the joint node's
-metadata onto every local node it produces) are copied into the backward, just before their first
-backward reader, so the forward's value is freed after its last forward use.
+The policies (which values, :func:`autopar.capture.remat.recompute_nodes`) are decided on the
+joint graph before planning; this pass rewrites the lowered per-rank program: nodes tagged
+``meta["recompute"]`` (the lowering copies the joint node's metadata onto every local node it
+produces) are copied into the backward, just before their first backward reader, so the
+forward's value is freed after its last forward use.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
-
-import torch
 import torch.fx as fx
 
-from autopar.graph import TracedGraph
+from autopar.capture.remat import TAG, is_comm, is_forward, is_random
 
-__all__ = ["POLICIES", "recompute_nodes", "recompute_pass", "is_random", "TAG"]
-
-POLICIES = ("none", "selective", "full")
-TAG = "recompute"  # the metadata key torch's tracing copies from a node to the nodes it produces
-
-_RANDOM = {"native_dropout", "bernoulli", "rand", "randn", "rand_like", "randn_like", "randint",
-           "randint_like", "randperm", "normal", "uniform", "multinomial", "dropout"}
-_ATTENTION = ("_scaled_dot_product", "scaled_dot_product")
-_ALIAS = {"getitem", "view", "_unsafe_view", "t", "transpose", "permute", "expand", "detach",
-          "alias", "unsqueeze", "squeeze", "reshape", "slice", "select", "split", "unbind"}
-
-
-def _name(n: fx.Node) -> str:
-    return getattr(n.target, "__name__", str(n.target)).split(".")[0]
-
-
-def is_random(n: fx.Node) -> bool:
-    """Whether ``n`` draws random numbers (its recomputation would not reproduce its value), or
-    is a view or ``getitem`` of such a value (re-running it would re-run the draw)."""
-    if n.op != "call_function":
-        return False
-    if _name(n) in _RANDOM or bool(getattr(n.target, "is_random", False)):
-        return True
-    return _name(n) in _ALIAS and bool(n.all_input_nodes) and is_random(n.all_input_nodes[0])
-
-
-def _is_comm(n: fx.Node) -> bool:
-    return n.op == "call_function" and "_c10d_functional" in str(n.target)
-
-
-def _forward(n: fx.Node) -> bool:
-    return n.op == "call_function" and n.meta.get("partitioner_tag") != "is_backward"
-
-
-def _numel(n: fx.Node) -> int | None:
-    val = n.meta.get("val")
-    if isinstance(val, (tuple, list)):
-        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
-    return val.numel() if isinstance(val, torch.Tensor) else None
-
-
-def recompute_nodes(traced: TracedGraph, policy: str) -> frozenset[str]:
-    """Names of the joint graph's forward nodes that ``policy`` recomputes in the backward."""
-    if policy not in POLICIES:
-        raise ValueError(f"recompute policy {policy!r}: use one of {POLICIES}.")
-    if policy == "none":
-        return frozenset()
-    layer = traced.node_layer
-    fwd = [n for n in traced.gm.graph.nodes if _forward(n) and layer.get(n.name)]
-    if policy == "full":
-        # a block's values, except those read outside it (the block's output): they are saved
-        picked = {n.name for n in fwd if not is_random(n) and all(
-            u.op == "call_function" and (layer.get(u.name) == layer[n.name] or not _forward(u))
-            for u in n.users)}
-    else:
-        picked = _attention_core(fwd, layer)
-    return frozenset(_with_aliases(traced.gm.graph.nodes, picked))
-
-
-_MATMUL = {"mm", "bmm", "matmul", "baddbmm", "addmm"}
-
-
-def _attention_core(fwd: list[fx.Node], layer: dict[str, str]) -> set[str]:
-    """Fused attention ops, and for each softmax its block's chain from the scores matmul
-    (``QK^T``) through scaling and masking to the softmax and what follows it up to the matmul
-    with ``V`` (not included): the values of the softmax's shape, through views."""
-    fwd_set = set(fwd)
-    picked = {n.name for n in fwd if _name(n).startswith(_ATTENTION)}
-    for sm in (n for n in fwd if _name(n) in ("_softmax", "softmax")):
-        shape, size = _shape(sm), _numel(sm)
-
-        def joins(m: fx.Node) -> bool:
-            """Same block, same size, and the softmax's shape (or a view, or the scores matmul)."""
-            return (m in fwd_set and layer[m.name] == layer[sm.name] and _numel(m) == size
-                    and not is_random(m) and m.name not in picked
-                    and (_shape(m) == shape or _name(m) in _ALIAS or _name(m) in _MATMUL))
-
-        picked.add(sm.name)
-        up, down = [sm], [sm]
-        while up:  # back to the scores matmul, which is taken and not gone past
-            for a in up.pop().all_input_nodes:
-                if joins(a):
-                    picked.add(a.name)
-                    if _name(a) not in _MATMUL:
-                        up.append(a)
-        while down:  # on to the matmul with V, which is not taken
-            for u in down.pop().users:
-                if joins(u) and _name(u) not in _MATMUL:
-                    picked.add(u.name)
-                    down.append(u)
-    return picked
-
-
-def _shape(n: fx.Node) -> tuple[int, ...] | None:
-    val = n.meta.get("val")
-    if isinstance(val, (tuple, list)):
-        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
-
-
-def _with_aliases(nodes: Iterable[fx.Node], picked: set[str]) -> set[str]:
-    """Add the views and getitems of picked nodes: a saved view would keep its base alive."""
-    out = set(picked)
-    for n in nodes:
-        if _forward(n) and n.name not in out and _name(n) in _ALIAS and \
-                n.all_input_nodes and n.all_input_nodes[0].name in out:
-            out.add(n.name)
-    return out
+__all__ = ["recompute_pass"]
 
 
 def recompute_pass(gm: fx.GraphModule) -> fx.GraphModule:
@@ -153,8 +27,8 @@ def recompute_pass(gm: fx.GraphModule) -> fx.GraphModule:
     The program computes the same values.
     """
     graph = gm.graph
-    tagged = {n for n in graph.nodes if n.meta.get(TAG) and _forward(n) and not is_random(n)
-              and not _is_comm(n) and "wait_tensor" not in str(n.target)}
+    tagged = {n for n in graph.nodes if n.meta.get(TAG) and is_forward(n) and not is_random(n)
+              and not is_comm(n) and "wait_tensor" not in str(n.target)}
     copies: dict[fx.Node, fx.Node] = {}
 
     def ensure(n: fx.Node, before: fx.Node) -> fx.Node:
@@ -170,7 +44,7 @@ def recompute_pass(gm: fx.GraphModule) -> fx.GraphModule:
         return copies[n]
 
     for n in list(graph.nodes):
-        if n.op == "call_function" and not _forward(n):
+        if n.op == "call_function" and not is_forward(n):
             for a in list(n.all_input_nodes):
                 if a in tagged:
                     n.replace_input_with(a, ensure(a, n))

@@ -6,16 +6,16 @@ of two or more blocks of one structure) it
 
 1. searches the setups (degrees with tp inside a node, microbatch size, schedule and v,
    recomputation, ZeRO, sequence parallelism) priced in closed form from per-layer ILPs of a
-   two-block copy of the model (:mod:`autopar.solver.search`), then
+   two-block copy of the model (:mod:`autopar.planning.search`), then
 2. solves the per-operator placements of the best setup and assembles a runnable plan: the whole
    model's intra-operator ILP on the (dp, tp) mesh without a pipeline, or every pipeline stage's
    ILP on the stage mesh (stages with the same graph solved once,
-   :func:`~autopar.solver.pipeline_planner.build_pipeline_plan`). A setup whose per-operator
+   :func:`~autopar.planning.pipeline.build_pipeline_plan`). A setup whose per-operator
    solve does not fit the device memory (the per-operator memory model is finer than the
    search's) gives way to the next-ranked one, with a warning.
 
 Other models, a single device, bf16 autocast and the GPipe and zero-bubble schedules take the
-per-unit path (:func:`~autopar.solver.planner.make_plan`): the whole model's intra-operator ILP
+per-unit path (:func:`~autopar.planning.per_unit.make_plan`): the whole model's intra-operator ILP
 for every (dp, tp) mesh and, where pipelines are searched, one whole-model ILP per (pp, stage
 mesh, microbatch count). Its cost grows with the model: seconds for the test models, minutes for
 a billion parameters, which is why models of identical blocks take the search.
@@ -24,8 +24,6 @@ a billion parameters, which is why models of identical blocks take the search.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import inspect
 import time
 from typing import Any, Callable, Sequence
 
@@ -33,23 +31,26 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten
 
-from autopar.capture import capture, normalize_inputs
+from autopar.capture import capture, model_fingerprint, normalize_inputs
 from autopar.config import Config
 from autopar.errors import PlanError
-from autopar.explain import attach, context_of
+from autopar.plan_context import attach, context_of
 from autopar.mesh import Mesh
-from autopar.passes.stages import block_prefix
+from autopar.capture.layers import block_prefix
 from autopar.plan import Plan
 from autopar.solver.ilp import InfeasibleMemoryError
-from autopar.solver.pipeline_planner import ModelFacts, PipelineSetup, build_pipeline_plan
-from autopar.solver.planner import make_plan, mesh_candidates, solve_candidate, traced_flops
-from autopar.solver.search import (
+from autopar.planning.pipeline import ModelFacts, PipelineSetup, build_pipeline_plan
+from autopar.planning.assembly import traced_flops
+from autopar.planning.candidates import mesh_candidates
+from autopar.planning.per_unit import make_plan
+from autopar.planning.solve import solve_candidate
+from autopar.planning.search import (
     LayerSolver, SearchResult, model_flops, pruned_examples, search, search_unsupported,
 )
 from autopar.cost_models.compute import mfu
 from autopar.cost_models.training_step import StepCost
 
-__all__ = ["COMPARED_DEGREES", "PER_UNIT_FALLBACK_LIMIT", "REALIZE_TRIES", "model_fingerprint", "plan_model"]
+__all__ = ["COMPARED_DEGREES", "PER_UNIT_FALLBACK_LIMIT", "REALIZE_TRIES", "plan_model"]
 
 # setups, best first, whose per-operator placements are tried before giving up
 REALIZE_TRIES = 4
@@ -60,29 +61,6 @@ REALIZE_TRIES = 4
 PER_UNIT_FALLBACK_LIMIT = 1024
 # (dp, tp, pp) degrees whose best setups are realized and compared, for models within it
 COMPARED_DEGREES = 3
-
-
-def model_fingerprint(model: nn.Module, example_inputs: Any) -> str:
-    """A hash of what a plan depends on, without tracing: every parameter's and buffer's name,
-    shape, dtype and tie, the module tree (``repr``), the source of each module class's
-    ``forward``, and the example inputs' shapes and dtypes."""
-    h = hashlib.sha256(type(model).__qualname__.encode())
-    owner: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        h.update(f"p|{name}|{tuple(p.shape)}|{p.dtype}|{owner.setdefault(id(p), name)}".encode())
-    for name, b in model.named_buffers(remove_duplicate=False):
-        h.update(f"b|{name}|{tuple(b.shape)}|{b.dtype}".encode())
-    h.update(repr(model).encode())
-    for cls in sorted({type(m) for m in model.modules()}, key=lambda c: c.__qualname__):
-        try:
-            source = inspect.getsource(cls.forward)
-        except (OSError, TypeError):  # built-in or defined in a REPL: the name stands for it
-            source = cls.__qualname__
-        h.update(source.encode())
-    args, kwargs = normalize_inputs(example_inputs)
-    for x in tree_flatten((args, kwargs))[0]:
-        h.update((f"{tuple(x.shape)}|{x.dtype}" if isinstance(x, torch.Tensor) else repr(x)).encode())
-    return h.hexdigest()[:16]
 
 
 def plan_model(model: nn.Module, mesh: Mesh, example_inputs: Any, config: Config,

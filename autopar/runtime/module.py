@@ -22,7 +22,7 @@ from autopar.errors import InputMismatchError
 from autopar.graph import TracedGraph
 from autopar.plan import Plan
 from autopar.passes.lower import placements_of
-from autopar.passes.stages import set_module_attr
+from autopar.capture.stages import set_module_attr
 from autopar.runtime.faults import collective_failures
 from autopar.runtime.state import StateDictMixin, model_state
 

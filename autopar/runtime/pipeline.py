@@ -33,7 +33,7 @@ from autopar.cost_models.pipeline import TORCH_SCHEDULE_CLASSES
 from autopar.errors import InputMismatchError, PlanError
 from autopar.graph import TracedGraph
 from autopar.passes.lower import placements_of
-from autopar.passes.stages import StageGraph, set_module_attr
+from autopar.capture.stages import StageGraph, set_module_attr
 from autopar.plan import Plan
 from autopar.runtime.faults import collective_failures
 from autopar.runtime.state import StateDictMixin, model_state
@@ -294,7 +294,7 @@ class PipelineModule(StateDictMixin, nn.Module):
         return ins, outs
 
     def _load_inputs(self, args: tuple, kwargs: dict) -> None:
-        from autopar.stage_capture import microbatch_inputs
+        from autopar.capture.stages import microbatch_inputs
 
         pipe = self.plan.pipeline
         flat, spec = tree_flatten((args, kwargs))

@@ -101,42 +101,40 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from autopar.solver.ilp import SolverError, SolverTimeoutError
 
-from autopar.solver._cut_core import (  # noqa: F401  (the public types are re-exported)
+from autopar.solver.cut_core import (  # noqa: F401  (the public types are re-exported)
     CutResult,
     default_in_flight,
     evaluate_cuts,
-    _problem,
     LayerCost,
-    _MIP_RELATIVE_GAP,
-    _Problem,
-    _RETRY_TIGHTEN,
-    _Tables,
-    _all_cuts,
-    _bottleneck_dp,
-    _budget,
-    _check_starts,
-    _fits,
-    _gib,
-    _infeasible_error,
-    _problem,
-    _result,
+    CUT_MIP_RELATIVE_GAP,
+    CutProblem,
+    RETRY_TIGHTEN,
+    CutTables,
+    all_cuts,
+    bottleneck_dp,
+    effective_budget,
+    check_starts,
+    fits_budget,
+    format_gib,
+    infeasible_error,
+    make_problem,
+    make_result,
 )
-from autopar.solver._cut_mip import (  # noqa: F401
-    _Bounds,
-    _min_memory_cut,
-    _bounds,
-    _cut_model,
-    _exclusions,
-    _incumbent,
-    _local_search,
-    _memory_model,
-    _read_starts,
-    _relaxed_bottleneck,
-    _run_mip,
+from autopar.solver.cut_mip import (  # noqa: F401
+    CutBounds,
+    min_memory_cut,
+    cut_bounds,
+    build_cut_model,
+    memory_exclusions,
+    find_incumbent,
+    local_search,
+    build_memory_model,
+    read_starts,
+    relaxed_bottleneck,
+    run_cut_mip,
 )
 
 __all__ = [
@@ -169,18 +167,18 @@ def solve_cuts_dp(
     returned.  Raises :class:`InfeasibleMemoryError` when no cut fits.
     """
     t0 = time.perf_counter()
-    prob = _problem(layers, ranks, microbatches, virtual_stages, in_flight, bubble_weight)
-    budget = _budget(memory_budget_bytes)
+    prob = make_problem(layers, ranks, microbatches, virtual_stages, in_flight, bubble_weight)
+    budget = effective_budget(memory_budget_bytes)
     if prob.v != 1:
         raise ValueError(f"solve_cuts_dp needs virtual_stages=1 (given {prob.v}): with several chunks per rank the "
                          "objective is not a bottleneck; use solve_cuts or brute_force_cuts.")
-    tab = _Tables(prob)
-    found = _relaxed_bottleneck(prob, tab, budget)  # exact for v = 1: a rank is its one stage
+    tab = CutTables(prob)
+    found = relaxed_bottleneck(prob, tab, budget)  # exact for v = 1: a rank is its one stage
     if found is None:
         assert budget is not None
-        least = _min_memory_cut(prob, tab, 1.0)
-        raise _infeasible_error(prob, budget, least.value, least.starts)
-    return _result(tab, found[1], "optimal", "dp", t0)
+        least = min_memory_cut(prob, tab, 1.0)
+        raise infeasible_error(prob, budget, least.value, least.starts)
+    return make_result(tab, found[1], "optimal", "dp", t0)
 
 
 def brute_force_cuts(
@@ -198,22 +196,22 @@ def brute_force_cuts(
     smallest objective.  Raises :class:`InfeasibleMemoryError` when no cut fits.
     """
     t0 = time.perf_counter()
-    prob = _problem(layers, ranks, microbatches, virtual_stages, in_flight, bubble_weight)
-    budget = _budget(memory_budget_bytes)
-    tab = _Tables(prob)
+    prob = make_problem(layers, ranks, microbatches, virtual_stages, in_flight, bubble_weight)
+    budget = effective_budget(memory_budget_bytes)
+    tab = CutTables(prob)
     best, arg = math.inf, None
     min_mem, min_arg = math.inf, None
-    for starts in _all_cuts(prob):
+    for starts in all_cuts(prob):
         _, mems, objective = tab.evaluate(starts)
         peak = max(mems)
         if peak < min_mem:
             min_mem, min_arg = peak, starts
-        if _fits(peak, budget) and objective < best:
+        if fits_budget(peak, budget) and objective < best:
             best, arg = objective, starts
     if arg is None:
         assert budget is not None and min_arg is not None
-        raise _infeasible_error(prob, budget, min_mem, min_arg)
-    return _result(tab, arg, "optimal", "brute-force", t0)
+        raise infeasible_error(prob, budget, min_mem, min_arg)
+    return make_result(tab, arg, "optimal", "brute-force", t0)
 
 
 
@@ -236,63 +234,63 @@ def min_feasible_memory(
     ``in_flight``.  The value is the exact evaluation of the minimising cut, so
     passing it as ``memory_budget_bytes`` to :func:`solve_cuts` succeeds.
     """
-    prob = _problem(layers, ranks, microbatches, virtual_stages, in_flight, None)
+    prob = make_problem(layers, ranks, microbatches, virtual_stages, in_flight, None)
     if not time_limit_s > 0:
         raise ValueError(f"time_limit_s={time_limit_s!r}; required: a positive number of seconds.")
-    found = _min_memory_cut(prob, _Tables(prob), time_limit_s)
+    found = min_memory_cut(prob, CutTables(prob), time_limit_s)
     if not found.proven:
         raise SolverTimeoutError(
             f"could not prove the minimum per-device memory within {time_limit_s:.1f} s; the best cut found needs "
-            f"{_gib(found.value)} (starts {found.starts}). Fix: raise time_limit_s."
+            f"{format_gib(found.value)} (starts {found.starts}). Fix: raise time_limit_s."
         )
     return found.value
 
 
-def _raise_infeasible(prob: _Problem, tab: _Tables, budget: float, time_limit_s: float, t0: float) -> CutResult:
+def _raise_infeasible(prob: CutProblem, tab: CutTables, budget: float, time_limit_s: float, t0: float) -> CutResult:
     """Raise InfeasibleMemoryError; returns the minimum-memory cut when it does fit after all (tolerances)."""
     left = max(time_limit_s - (time.perf_counter() - t0), 0.1 * time_limit_s)
-    found = _min_memory_cut(prob, tab, left)
-    if not _fits(found.value, budget):
-        raise _infeasible_error(prob, budget, found.value, found.starts, found.proven)
-    return _result(tab, found.starts, "feasible", found.backend, t0)
+    found = min_memory_cut(prob, tab, left)
+    if not fits_budget(found.value, budget):
+        raise infeasible_error(prob, budget, found.value, found.starts, found.proven)
+    return make_result(tab, found.starts, "feasible", found.backend, t0)
 
 
-def _solve_cuts_ilp(prob: _Problem, budget: float | None, time_limit_s: float, strengthen: bool) -> CutResult:
+def _solve_cuts_ilp(prob: CutProblem, budget: float | None, time_limit_s: float, strengthen: bool) -> CutResult:
     """The MIP path of :func:`solve_cuts`; ``strengthen=False`` runs the bare formulation (for tests)."""
     t0 = time.perf_counter()
-    tab = _Tables(prob)
+    tab = CutTables(prob)
     if prob.n_stages == 1:
-        if budget is not None and not _fits(max(tab.evaluate((0,))[1]), budget):
+        if budget is not None and not fits_budget(max(tab.evaluate((0,))[1]), budget):
             return _raise_infeasible(prob, tab, budget, time_limit_s, t0)
-        return _result(tab, (0,), "optimal", "dp", t0)
-    incumbent, bounds = None, _Bounds()
+        return make_result(tab, (0,), "optimal", "dp", t0)
+    incumbent, bounds = None, CutBounds()
     if strengthen:
-        relaxed = _relaxed_bottleneck(prob, tab, budget)
+        relaxed = relaxed_bottleneck(prob, tab, budget)
         if relaxed is None:  # not even each stage alone fits, so no rank can
             assert budget is not None
             return _raise_infeasible(prob, tab, budget, time_limit_s, t0)
-        incumbent = _incumbent(prob, tab, budget, relaxed[1])
-        bounds = _bounds(prob, tab, budget, relaxed[0], incumbent[0] if incumbent else math.inf)
+        incumbent = find_incumbent(prob, tab, budget, relaxed[1])
+        bounds = cut_bounds(prob, tab, budget, relaxed[0], incumbent[0] if incumbent else math.inf)
     mip: tuple[tuple[int, ...], str, str] | None = None
-    for tighten in (0.0, _RETRY_TIGHTEN):
+    for tighten in (0.0, RETRY_TIGHTEN):
         try:
-            found = _run_mip(lambda s, tg=tighten: _cut_model(s, prob, budget, tg, bounds), prob, time_limit_s, t0)
+            found = run_cut_mip(lambda s, tg=tighten: build_cut_model(s, prob, budget, tg, bounds), prob, time_limit_s, t0)
         except SolverTimeoutError as err:
             if incumbent is not None:
                 break
             if budget is None:
                 raise
-            least = _min_memory_cut(prob, tab, 0.0, exact=False)
+            least = min_memory_cut(prob, tab, 0.0, exact=False)
             raise SolverTimeoutError(
-                f"{err} No cut within the budget of {_gib(budget)} was found either way; the smallest-memory cut "
-                f"found needs {_gib(least.value)} (starts {least.starts}): the budget may be infeasible. Fix: raise "
+                f"{err} No cut within the budget of {format_gib(budget)} was found either way; the smallest-memory cut "
+                f"found needs {format_gib(least.value)} (starts {least.starts}): the budget may be infeasible. Fix: raise "
                 "time_limit_s or the budget, or see min_feasible_memory."
             ) from None
         if found is None:
             break
         model, status, backend = found
-        starts = _check_starts(prob, _read_starts(model, prob))
-        if budget is None or _fits(max(tab.evaluate(starts)[1]), budget):
+        starts = check_starts(prob, read_starts(model, prob))
+        if budget is None or fits_budget(max(tab.evaluate(starts)[1]), budget):
             mip = (starts, status, backend)
             break
     inc_obj = incumbent[0] if incumbent is not None else math.inf
@@ -300,13 +298,13 @@ def _solve_cuts_ilp(prob: _Problem, budget: float | None, time_limit_s: float, s
         # A proven MIP optimum is kept unless the incumbent beats it by more than the gap (float ties
         # between equally good cuts are not a reason to switch); an unproven one only when no worse.
         mip_obj = tab.evaluate(mip[0])[2]
-        if mip_obj <= inc_obj * (1.0 + (_MIP_RELATIVE_GAP if mip[1] == "optimal" else 0.0)):
-            return _result(tab, mip[0], mip[1], mip[2], t0)
+        if mip_obj <= inc_obj * (1.0 + (CUT_MIP_RELATIVE_GAP if mip[1] == "optimal" else 0.0)):
+            return make_result(tab, mip[0], mip[1], mip[2], t0)
     if incumbent is not None:
         # v = 1: the relaxed bottleneck is exact, so the incumbent is the DP optimum.  Otherwise it is
         # optimal only when the MIP proved that nothing beats it.
         proven = prob.v == 1 or (mip is not None and mip[1] == "optimal")
-        return _result(tab, incumbent[1], "optimal" if proven else "feasible", "dp" if prob.v == 1 else "heuristic", t0)
+        return make_result(tab, incumbent[1], "optimal" if proven else "feasible", "dp" if prob.v == 1 else "heuristic", t0)
     if budget is None:
         raise SolverError("the stage-cut MIP was reported infeasible without a memory budget; this is a solver "
                           "failure, please report the problem instance.")
@@ -339,8 +337,8 @@ def solve_cuts(
     smallest budget that would), :class:`SolverTimeoutError` when the time limit
     passes with no cut known, and ``ValueError`` for malformed inputs.
     """
-    prob = _problem(layers, ranks, microbatches, virtual_stages, in_flight, bubble_weight)
-    budget = _budget(memory_budget_bytes)
+    prob = make_problem(layers, ranks, microbatches, virtual_stages, in_flight, bubble_weight)
+    budget = effective_budget(memory_budget_bytes)
     if not time_limit_s > 0:
         raise ValueError(f"time_limit_s={time_limit_s!r}; required: a positive number of seconds.")
     return _solve_cuts_ilp(prob, budget, float(time_limit_s), strengthen=True)

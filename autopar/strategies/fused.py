@@ -31,7 +31,7 @@ from autopar._torch_private import (
     generate_redistribute_costs,
 )
 
-__all__ = ["install_fused_rules", "strided_placements"]
+__all__ = ["fused_params", "fused_strategy", "needs_local", "run_local", "strided_placements"]
 
 aten = torch.ops.aten
 

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from autopar import _torch_private as private
 from autopar._torch_private import (
@@ -34,7 +34,8 @@ from autopar.graph import TracedGraph
 from autopar.strategies import fused
 from autopar.strategies import rules as _rules  # noqa: F401  (registers autopar's own rules)
 
-__all__ = ["Strategy", "NodeSpace", "StrategySpace", "build_space", "representatives", "Value"]
+__all__ = ["Strategy", "NodeSpace", "StrategySpace", "build_space", "representatives", "tensor_inputs",
+           "Value"]
 
 Placements = tuple[Placement, ...]
 Value = tuple[str, int]
@@ -149,7 +150,7 @@ def _placeholder_strategies(
     return [Strategy((c,), ()) for c in combos if _even(shape, c, mesh_shape, ks)]
 
 
-def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     leaves, _ = tree_flatten(node.args)
     kw = [v for v in node.kwargs.values() if isinstance(v, fx.Node)]
     return [a for a in leaves if isinstance(a, fx.Node)] + kw
@@ -174,7 +175,7 @@ def _replicate_strategy(node: fx.Node, ndim: int) -> Strategy:
         outs = tuple(rep if isinstance(v, torch.Tensor) else None for v in val)
     else:
         outs = (rep if isinstance(val, torch.Tensor) else None,)
-    return Strategy(outs, tuple(rep for _ in _tensor_inputs(node)))
+    return Strategy(outs, tuple(rep for _ in tensor_inputs(node)))
 
 
 class _Builder:
@@ -222,7 +223,7 @@ class _Builder:
         self.nodes[n.name] = NodeSpace(n.name, tuple(strategies), (), role)
 
     def op(self, n: fx.Node) -> None:
-        inputs = _tensor_inputs(n)
+        inputs = tensor_inputs(n)
         values = tuple(self.value(a) for a in inputs)
         strategies, source = self._enumerate(n, inputs)
         self.nodes[n.name] = NodeSpace(n.name, tuple(strategies), values, source)
@@ -283,7 +284,7 @@ class _Builder:
         # from every placement the producer may give.
         single = n.target in self.prop.op_single_dim_strategy_funcs
         rep = single_rep or tuple(Shard(0) for _ in self.mesh_shape)
-        first = _tensor_inputs(n)[lead_pos]
+        first = tensor_inputs(n)[lead_pos]
         replicate = tuple(Replicate() for _ in self.mesh_shape)
 
         def wrap(a: Any) -> Any:
@@ -311,7 +312,7 @@ class _Builder:
         val = n.meta.get("val")
         out_shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else None
                       for v in (val if isinstance(val, (tuple, list)) else [val])]
-        in_shapes = [tuple(a.meta["val"].shape) for a in _tensor_inputs(n)]
+        in_shapes = [tuple(a.meta["val"].shape) for a in tensor_inputs(n)]
         seen: dict[Strategy, None] = {}
         for spec in result.strategies:
             outs = spec.output_specs if isinstance(spec.output_specs, (tuple, list)) else (spec.output_specs,)
@@ -377,7 +378,7 @@ def _build(traced: TracedGraph, mesh: Any, axis_names: Sequence[str], dp_axes: S
             key = rep_of.get(n.name, n.name)
             if key in built:
                 first = b.nodes[built[key]]
-                values = tuple(b.value(a) for a in _tensor_inputs(n))
+                values = tuple(b.value(a) for a in tensor_inputs(n))
                 b.nodes[n.name] = NodeSpace(n.name, first.strategies, values, first.source)
             else:
                 b.op(n)

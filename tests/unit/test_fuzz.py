@@ -19,7 +19,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import autopar
-from autopar.explain import context_of, explain_node
+from autopar.plan_context import context_of
+from autopar.report.explain import explain_node
 from autopar.solver.ilp import brute_force, solve_ilp
 from models import build
 from test_ilp import random_problem

@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 import autopar
 from autopar.capture import capture, prepare_inputs, to_fake
 from autopar.errors import InputMismatchError
-from autopar.stage_capture import capture_stages, capture_with_forward, microbatch_inputs
+from autopar.capture.stages import capture_stages, capture_with_forward, microbatch_inputs
 from models import GPT
 
 SIZE = dict(vocab=128, dim=32, heads=2, layers=2, seq=16)

@@ -10,7 +10,8 @@ import pytest
 
 import autopar
 from autopar.cost_models.training_step import optimizer_step_time
-from autopar.explain import context_of, explain_node
+from autopar.plan_context import context_of
+from autopar.report.explain import explain_node
 from autopar.placements import from_str
 from autopar._torch_private import _StridedShard
 from torch.distributed.tensor import Shard

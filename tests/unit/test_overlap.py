@@ -17,8 +17,8 @@ import autopar
 from autopar import _torch_private as private
 from autopar.capture import capture
 from autopar.passes.lower import lower_to_local
-from autopar.solver.buckets import FIRST_BUCKET_BYTES
-from autopar.solver.planner import make_plan
+from autopar.planning.buckets import FIRST_BUCKET_BYTES
+from autopar.planning.per_unit import make_plan
 from models import build
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import autopar
-from autopar.stage_capture import capture_stages, export_forward, microbatch_inputs
+from autopar.capture.stages import capture_stages, export_forward, microbatch_inputs
 from models import GPT, build
 
 FOUR = autopar.Mesh.virtual("a100-dgx", nodes=1, gpus_per_node=4)

@@ -1,4 +1,4 @@
-"""The cluster-scale search (autopar.solver.search) and its step model (training_step).
+"""The cluster-scale search (autopar.planning.search) and its step model (training_step).
 
 - Megatron-LM's hand configurations of SC'21 Table 1 are predicted within 10% of the published
   TFLOP/s per GPU (three rows here; all ten in benchmarks/megatron_table1.py), and the search's
@@ -22,8 +22,8 @@ from autopar.planning.entry import model_fingerprint
 from autopar.cost_models.training_step import (
     LayerCosts, Setup, UnitCosts, blocks_per_stage, price_setup,
 )
-from autopar.presets import megatron_gpt
-from autopar.solver.search import LayerSolver, candidate_setups, search
+from autopar.model_presets import megatron_gpt
+from autopar.planning.search import LayerSolver, candidate_setups, search
 from models import build
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))

@@ -107,7 +107,7 @@ def test_ilp_matches_enumeration(seed: int, with_budget: bool) -> None:
     budget = budget_for(rows, np.random.RandomState(500 + seed)) if with_budget else None
     rows = reference(layers, p, m, v, budget=budget)
     best, optimal_cuts = best_of(rows)
-    prob = sc._problem(layers, p, m, v, None, None)
+    prob = sc.make_problem(layers, p, m, v, None, None)
     results = {
         "strengthened": solve_cuts(layers, p, m, v, memory_budget_bytes=budget),
         # the bare formulation of the module docstring, without DP bounds, incumbent or exclusions

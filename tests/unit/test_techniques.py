@@ -16,9 +16,11 @@ from torch.utils._pytree import tree_flatten
 
 import autopar
 from autopar.capture import capture
-from autopar.passes.recompute import TAG, is_random, recompute_nodes, recompute_pass
-from autopar.presets import megatron_gpt
-from autopar.solver.planner import memory_techniques, zero_placement
+from autopar.capture.remat import TAG, is_random, recompute_nodes
+from autopar.passes.recompute import recompute_pass
+from autopar.model_presets import megatron_gpt
+from autopar.planning.candidates import memory_techniques
+from autopar.planning.solve import zero_placement
 from models import build
 
 

@@ -1,5 +1,5 @@
 """Looking at a plan: the Chrome trace and the SVG timeline of the simulated step
-(autopar.timeline), and Plan.compare."""
+(autopar.report.timeline), and Plan.compare."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 import autopar
-from autopar.timeline import simulate_plan
+from autopar.report.timeline import simulate_plan
 from models import build
 
 

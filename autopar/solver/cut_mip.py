@@ -12,25 +12,31 @@ from ortools.linear_solver import pywraplp
 
 from autopar.solver.ilp import SolverError, SolverTimeoutError, mip_solvers
 
-from autopar.solver._cut_core import (  # noqa: F401
-    _check_starts,
-    _FIRST_BACKEND_SHARE,
-    _HIGHS_OPTIONS,
-    _LAST_BACKEND_SHARE,
-    _MEM_RTOL,
-    _MIP_BACKENDS,
-    _MIP_RELATIVE_GAP,
-    _Problem,
-    _Tables,
-    _UNKNOWN_STATUS,
-    _bottleneck_dp,
-    _fits,
+from autopar.solver.cut_core import (  # noqa: F401
+    check_starts,
+    FIRST_BACKEND_SHARE,
+    CUT_HIGHS_OPTIONS,
+    LAST_BACKEND_SHARE,
+    MEM_RTOL,
+    CUT_MIP_BACKENDS,
+    CUT_MIP_RELATIVE_GAP,
+    CutProblem,
+    CutTables,
+    UNKNOWN_STATUS,
+    bottleneck_dp,
+    fits_budget,
 )
 
 
 
+__all__ = [
+    "CutBounds", "build_cut_model", "build_memory_model", "cut_bounds", "find_incumbent",
+    "local_search", "memory_exclusions", "min_memory_cut", "read_starts", "relaxed_bottleneck",
+    "run_cut_mip",
+]
+
 @dataclass(frozen=True)
-class _Bounds:
+class CutBounds:
     """Valid bounds for the MIP (seconds / bytes; inf when absent) and interval exclusions.
 
     ``exclusions`` holds ``(j, k, e)``: no solution that can still improve on the
@@ -44,23 +50,23 @@ class _Bounds:
     r_ub: float = math.inf
     exclusions: tuple[tuple[int, int, int], ...] = ()
 
-def _stage_memory_mask(prob: _Problem, tab: _Tables, budget: float | None) -> list[np.ndarray] | None:
+def _stage_memory_mask(prob: CutProblem, tab: CutTables, budget: float | None) -> list[np.ndarray] | None:
     if budget is None:
         return None
-    return [tab.memory_matrix(j) <= budget * (1.0 + _MEM_RTOL) for j in range(prob.n_stages)]
+    return [tab.memory_matrix(j) <= budget * (1.0 + MEM_RTOL) for j in range(prob.n_stages)]
 
 
-def _relaxed_bottleneck(prob: _Problem, tab: _Tables, budget: float | None) -> tuple[float, tuple[int, ...]] | None:
+def relaxed_bottleneck(prob: CutProblem, tab: CutTables, budget: float | None) -> tuple[float, tuple[int, ...]] | None:
     """min over cuts of max_j t_j with every *stage* (not rank) within the budget.
 
     Exact for v = 1; a relaxation for v > 1 (a rank's memory is at least each of
     its stages' memory).  None when no cut passes, i.e. no cut fits at all.
     """
-    return _bottleneck_dp(prob, [tab.time_matrix(j) for j in range(prob.n_stages)],
+    return bottleneck_dp(prob, [tab.time_matrix(j) for j in range(prob.n_stages)],
                           _stage_memory_mask(prob, tab, budget))
 
 
-def _moves(prob: _Problem, cur: tuple[int, ...]):
+def _moves(prob: CutProblem, cur: tuple[int, ...]):
     """Neighbouring cuts: one boundary moved by 1 or 2 layers, or one stage shifted by one layer."""
     n, s = prob.n_layers, prob.n_stages
 
@@ -79,7 +85,7 @@ def _moves(prob: _Problem, cur: tuple[int, ...]):
                     yield cand
 
 
-def _local_search(prob: _Problem, starts: tuple[int, ...], key) -> tuple[tuple, tuple[int, ...]]:
+def local_search(prob: CutProblem, starts: tuple[int, ...], key) -> tuple[tuple, tuple[int, ...]]:
     """First-improvement descent over :func:`_moves` (deterministic).
 
     ``key(starts)`` is a tuple to minimise (the objective first, then tie-breakers
@@ -98,7 +104,7 @@ def _local_search(prob: _Problem, starts: tuple[int, ...], key) -> tuple[tuple, 
     return best, cur
 
 
-def _sum_of_squares_dp(prob: _Problem, tab: _Tables, budget: float | None) -> tuple[int, ...] | None:
+def _sum_of_squares_dp(prob: CutProblem, tab: CutTables, budget: float | None) -> tuple[int, ...] | None:
     """The cut minimising sum_j t_j^2 with every stage within the budget (balanced chunks)."""
     n, s = prob.n_layers, prob.n_stages
     mask = _stage_memory_mask(prob, tab, budget)
@@ -125,7 +131,7 @@ def _sum_of_squares_dp(prob: _Problem, tab: _Tables, budget: float | None) -> tu
     return tuple(starts)
 
 
-def _incumbent(prob: _Problem, tab: _Tables, budget: float | None, start: tuple[int, ...]
+def find_incumbent(prob: CutProblem, tab: CutTables, budget: float | None, start: tuple[int, ...]
                ) -> tuple[float, tuple[int, ...]] | None:
     """A good cut to start from.
 
@@ -137,7 +143,7 @@ def _incumbent(prob: _Problem, tab: _Tables, budget: float | None, start: tuple[
 
     def key(starts: tuple[int, ...]) -> tuple[float, float, float] | None:
         times, mems, objective = tab.evaluate(starts)
-        if not _fits(max(mems), budget):
+        if not fits_budget(max(mems), budget):
             return None
         ranks = [math.fsum(times[r::prob.p]) for r in range(prob.p)]
         return objective, math.fsum(x * x for x in ranks), math.fsum(x * x for x in times)
@@ -147,10 +153,10 @@ def _incumbent(prob: _Problem, tab: _Tables, budget: float | None, start: tuple[
     found = []
     starts = [start, _sum_of_squares_dp(prob, tab, budget)]
     if budget is not None:
-        starts.append(_min_memory_cut(prob, tab, 0.0, exact=False).starts)
+        starts.append(min_memory_cut(prob, tab, 0.0, exact=False).starts)
     for cut in starts:
         if cut is not None and key(cut) is not None:
-            value, cut = _local_search(prob, cut, key)
+            value, cut = local_search(prob, cut, key)
             found.append((value, cut))
     if not found:
         return None
@@ -158,12 +164,12 @@ def _incumbent(prob: _Problem, tab: _Tables, budget: float | None, start: tuple[
     return value[0], cut
 
 
-def _min_sends(prob: _Problem) -> float:
+def _min_sends(prob: CutProblem) -> float:
     """Smallest possible total send time: the S - 1 cheapest layers among 0 .. L - 2."""
     return math.fsum(sorted(prob.send[:-1])[: prob.n_stages - 1])
 
 
-def _exclusions(prob: _Problem, tab: _Tables, budget: float | None, tau: float) -> tuple[tuple[int, int, int], ...]:
+def memory_exclusions(prob: CutProblem, tab: CutTables, budget: float | None, tau: float) -> tuple[tuple[int, int, int], ...]:
     """For each stage j and layer k, the shortest [k, e) that stage j cannot contain.
 
     Stage j containing [k, e) costs at least ``work[k, e)`` plus, for j < S - 1, the
@@ -180,7 +186,7 @@ def _exclusions(prob: _Problem, tab: _Tables, budget: float | None, tau: float) 
             time_lb[:, 1:] = time_lb[:, 1:] + min_send_from[None, :]
         bad = time_lb > tau
         if budget is not None:
-            bad |= tab.memory_matrix(j) > budget * (1.0 + _MEM_RTOL)
+            bad |= tab.memory_matrix(j) > budget * (1.0 + MEM_RTOL)
         for k in range(n):
             if k < j:
                 continue  # z[k, j - 1] = 1: layer k is always before stage j
@@ -190,7 +196,7 @@ def _exclusions(prob: _Problem, tab: _Tables, budget: float | None, tau: float) 
     return tuple(out)
 
 
-def _bounds(prob: _Problem, tab: _Tables, budget: float | None, t_lb: float, upper: float) -> _Bounds:
+def cut_bounds(prob: CutProblem, tab: CutTables, budget: float | None, t_lb: float, upper: float) -> CutBounds:
     """Bounds implied by the relaxed bottleneck ``t_lb`` and an incumbent objective ``upper``."""
     m, w = prob.m, prob.w
     r_lb = t_lb if prob.v == 1 else max(t_lb, (math.fsum(prob.work) + _min_sends(prob)) / prob.p)
@@ -203,7 +209,7 @@ def _bounds(prob: _Problem, tab: _Tables, budget: float | None, t_lb: float, upp
         r_ub = (upper - w * t_lb) / m
         tau, r_ub = tau * slack, r_ub * slack
         tau = min(tau, r_ub)  # T <= Rmax
-    return _Bounds(t_lb, r_lb, tau, r_ub, _exclusions(prob, tab, budget, tau))
+    return CutBounds(t_lb, r_lb, tau, r_ub, memory_exclusions(prob, tab, budget, tau))
 
 
 @dataclass
@@ -212,7 +218,7 @@ class _Model:
     z: list[list[object]]  # z[l][j + 1] for j = -1 .. S - 1: a Variable or the constant 0 / 1
 
 
-def _z_grid(solver: pywraplp.Solver, prob: _Problem) -> list[list[object]]:
+def _z_grid(solver: pywraplp.Solver, prob: CutProblem) -> list[list[object]]:
     """Cumulative variables with the fixings of the module docstring (column 0 is j = -1)."""
     n, s = prob.n_layers, prob.n_stages
     grid: list[list[object]] = []
@@ -277,7 +283,7 @@ def _le(solver: pywraplp.Solver, small: object, large: object) -> None:
     row.constrain(solver, -solver.infinity(), 0.0)
 
 
-def _time_row(prob: _Problem, z: list[list[object]], j: int, scale: float) -> _Row:
+def _time_row(prob: CutProblem, z: list[list[object]], j: int, scale: float) -> _Row:
     row = _Row()
     for layer in range(prob.n_layers):
         row.add_membership(z, layer, j, prob.work[layer] / scale)
@@ -288,7 +294,7 @@ def _time_row(prob: _Problem, z: list[list[object]], j: int, scale: float) -> _R
     return row
 
 
-def _memory_row(prob: _Problem, z: list[list[object]], r: int, scale: float) -> _Row:
+def _memory_row(prob: CutProblem, z: list[list[object]], r: int, scale: float) -> _Row:
     row = _Row()
     for j in range(r, prob.n_stages, prob.p):
         for layer in range(prob.n_layers):
@@ -296,7 +302,7 @@ def _memory_row(prob: _Problem, z: list[list[object]], r: int, scale: float) -> 
     return row
 
 
-def _order_constraints(solver: pywraplp.Solver, prob: _Problem, z: list[list[object]]) -> None:
+def _order_constraints(solver: pywraplp.Solver, prob: CutProblem, z: list[list[object]]) -> None:
     n, s = prob.n_layers, prob.n_stages
     for j in range(s - 1):
         for layer in range(n - 1):
@@ -310,8 +316,8 @@ def _add_exclusions(solver: pywraplp.Solver, z: list[list[object]], exclusions) 
         _le(solver, z[e - 1][j + 1], z[k][j])  # stage j does not contain [k, e)
 
 
-def _cut_model(solver: pywraplp.Solver, prob: _Problem, budget: float | None, tighten: float,
-               bounds: _Bounds) -> _Model:
+def build_cut_model(solver: pywraplp.Solver, prob: CutProblem, budget: float | None, tighten: float,
+               bounds: CutBounds) -> _Model:
     """The stage-cut MIP of the module docstring, with ``bounds`` (seconds) as variable bounds."""
     z = _z_grid(solver, prob)
     _order_constraints(solver, prob, z)
@@ -356,7 +362,7 @@ def _cut_model(solver: pywraplp.Solver, prob: _Problem, budget: float | None, ti
     return _Model(solver, z)
 
 
-def _memory_model(solver: pywraplp.Solver, prob: _Problem, lower: float, upper: float,
+def build_memory_model(solver: pywraplp.Solver, prob: CutProblem, lower: float, upper: float,
                   exclusions: tuple[tuple[int, int, int], ...]) -> _Model:
     """min M subject to every rank's memory <= M, with lower <= M <= upper (bytes)."""
     z = _z_grid(solver, prob)
@@ -375,7 +381,7 @@ def _memory_model(solver: pywraplp.Solver, prob: _Problem, lower: float, upper: 
     return _Model(solver, z)
 
 
-def _read_starts(model: _Model, prob: _Problem) -> tuple[int, ...]:
+def read_starts(model: _Model, prob: CutProblem) -> tuple[int, ...]:
     counts = []
     for j in range(prob.n_stages - 1):
         total = 0
@@ -386,22 +392,22 @@ def _read_starts(model: _Model, prob: _Problem) -> tuple[int, ...]:
     return (0, *counts)
 
 
-def _run_mip(build, prob: _Problem, time_limit_s: float, t0: float) -> tuple[_Model, str, str] | None:
+def run_cut_mip(build, prob: CutProblem, time_limit_s: float, t0: float) -> tuple[_Model, str, str] | None:
     """Solve with HiGHS, then CBC with the remaining time if HiGHS found nothing.
 
     Returns ``(model, status, backend)``, or None when the model is infeasible.
     Raises SolverTimeoutError / SolverError when no backend produced a solution.
     """
-    attempts = mip_solvers(_MIP_BACKENDS, _HIGHS_OPTIONS)
+    attempts = mip_solvers(CUT_MIP_BACKENDS, CUT_HIGHS_OPTIONS)
     tried: list[str] = []
     code = pywraplp.Solver.NOT_SOLVED
     for i, (solver, backend) in enumerate(attempts):
         model = build(solver)
         left = time_limit_s - (time.perf_counter() - t0)
-        share = _FIRST_BACKEND_SHARE if i + 1 < len(attempts) else _LAST_BACKEND_SHARE
+        share = FIRST_BACKEND_SHARE if i + 1 < len(attempts) else LAST_BACKEND_SHARE
         solver.SetTimeLimit(max(1, int(max(left * share, 0.02 * time_limit_s) * 1000)))
         params = pywraplp.MPSolverParameters()
-        params.SetDoubleParam(params.RELATIVE_MIP_GAP, _MIP_RELATIVE_GAP)
+        params.SetDoubleParam(params.RELATIVE_MIP_GAP, CUT_MIP_RELATIVE_GAP)
         code = solver.Solve(params)
         tried.append(backend)
         if code == pywraplp.Solver.INFEASIBLE:
@@ -411,9 +417,9 @@ def _run_mip(build, prob: _Problem, time_limit_s: float, t0: float) -> tuple[_Mo
             if code != pywraplp.Solver.OPTIMAL:
                 objective = solver.Objective()
                 gap = abs(objective.Value() - objective.BestBound()) / max(abs(objective.Value()), 1e-300)
-                status = "optimal" if gap <= _MIP_RELATIVE_GAP else "feasible"
+                status = "optimal" if gap <= CUT_MIP_RELATIVE_GAP else "feasible"
             return model, status, backend
-    if code in (pywraplp.Solver.NOT_SOLVED, _UNKNOWN_STATUS):
+    if code in (pywraplp.Solver.NOT_SOLVED, UNKNOWN_STATUS):
         raise SolverTimeoutError(
             f"{' and '.join(tried)} found no stage cut within the time limit of {time_limit_s:.1f} s for "
             f"{prob.n_layers} layers and {prob.n_stages} stages (required: at least one feasible cut). Fix: raise "
@@ -432,7 +438,7 @@ class _MinMemory:
     backend: str
 
 
-def _min_memory_cut(prob: _Problem, tab: _Tables, time_limit_s: float, exact: bool = True) -> _MinMemory:
+def min_memory_cut(prob: CutProblem, tab: CutTables, time_limit_s: float, exact: bool = True) -> _MinMemory:
     """The smallest peak rank memory over all cuts and a cut attaining it.
 
     v = 1: DP.  v > 1: the relaxed DP (max stage memory) is a lower bound, local
@@ -440,7 +446,7 @@ def _min_memory_cut(prob: _Problem, tab: _Tables, time_limit_s: float, exact: bo
     (skipped when ``exact`` is False: then the local-search cut is returned).
     """
     t0 = time.perf_counter()
-    found = _bottleneck_dp(prob, [tab.memory_matrix(j) for j in range(prob.n_stages)], None)
+    found = bottleneck_dp(prob, [tab.memory_matrix(j) for j in range(prob.n_stages)], None)
     assert found is not None
     lower, start = found  # the largest *stage* memory: exact for v = 1, a lower bound for v > 1
     if prob.v == 1:
@@ -450,20 +456,20 @@ def _min_memory_cut(prob: _Problem, tab: _Tables, time_limit_s: float, exact: bo
         mems = tab.evaluate(starts)[1]
         return max(mems), math.fsum(x * x for x in mems)
 
-    (upper, _), best = _local_search(prob, start, key)
-    if upper <= lower * (1.0 + _MIP_RELATIVE_GAP):
+    (upper, _), best = local_search(prob, start, key)
+    if upper <= lower * (1.0 + CUT_MIP_RELATIVE_GAP):
         return _MinMemory(upper, best, True, "dp")
     if not exact:
         return _MinMemory(upper, best, False, "heuristic")
-    excl = _exclusions(prob, tab, upper, math.inf)
+    excl = memory_exclusions(prob, tab, upper, math.inf)
     try:
-        found = _run_mip(lambda s: _memory_model(s, prob, lower, upper, excl), prob, time_limit_s, t0)
+        found = run_cut_mip(lambda s: build_memory_model(s, prob, lower, upper, excl), prob, time_limit_s, t0)
     except SolverTimeoutError:
         return _MinMemory(upper, best, False, "heuristic")
     if found is None:  # only through tolerances: the incumbent itself satisfies the model
         return _MinMemory(upper, best, False, "heuristic")
     model, status, backend = found
-    starts = _check_starts(prob, _read_starts(model, prob))
+    starts = check_starts(prob, read_starts(model, prob))
     value = max(tab.evaluate(starts)[1])
     if value > upper:
         return _MinMemory(upper, best, status == "optimal", backend)

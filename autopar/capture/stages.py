@@ -1,4 +1,11 @@
-"""Stage pass: a model's forward graph + stage cuts -> one forward GraphModule per pipeline stage.
+"""Capture for pipeline parallelism: the forward graph, its layer units, and one joint graph per stage.
+
+:func:`export_forward` exports the model once (at the microbatch's shape) and assigns every node
+to a layer unit. :func:`capture_stages` cuts that graph at the plan's unit boundaries
+(:func:`split_stages`, below) and traces each stage's forward+backward with AOTAutograd, keeping
+the gradients of its boundary activations (they are sent to the previous stage).
+
+Cutting the forward graph into stages (:func:`split_stages`).
 
 The unit of cutting is the *layer unit*: the code before the repeated blocks (``pre``: embeddings),
 each block (``blocks.0`` ...), and the code after them (``post``: final norm, LM head, loss).
@@ -24,20 +31,140 @@ reads (by flattened index); the last stage outputs the loss.
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-from typing import Sequence
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_map_only
 
-__all__ = ["PRE", "POST", "StageGraph", "block_prefix", "layer_units", "node_stages", "set_module_attr",
-           "split_stages"]
+from autopar import _torch_private as private
+from autopar.capture.joint import (
+    LossModule, build_traced, export_program, first_line, strip_assertions, strip_input_grads,
+    capture_with_export, model_device, model_is_fake, normalize_inputs, prepare_inputs, to_fake,
+)
+from autopar.errors import CaptureError
+from autopar.graph import TracedGraph
+from autopar.capture.layers import WRAP, block_prefix, layer_units
 
-PRE = "pre"
-POST = "post"
-_WRAP = "model."
+__all__ = ["ForwardGraph", "StageGraph", "capture_stages", "capture_with_forward", "export_forward",
+           "microbatch_inputs", "node_stages", "set_module_attr", "split_stages"]
+
+
+
+@dataclass(frozen=True)
+class ForwardGraph:
+    """A model's exported forward graph with its layer units.
+
+    ``canonical`` maps each parameter name used in the graph to the model's own name for that
+    tensor (a tied LM head maps to the embedding it shares).
+    """
+
+    gm: fx.GraphModule
+    units: tuple[str, ...]
+    unit_of: dict[str, int] = field(repr=False)
+    canonical: dict[str, str] = field(repr=False)
+    fake_mode: Any = field(repr=False)
+    in_spec: Any = field(repr=False)
+
+
+def microbatch_inputs(example_inputs: Any, microbatches: int) -> tuple[list[Any], Any]:
+    """Split every tensor input on dim 0 into ``microbatches`` equal chunks.
+
+    Returns the flattened inputs of each microbatch and the pytree spec. Raises ``ValueError``
+    when an input's batch dim does not divide.
+    """
+    args, kwargs = normalize_inputs(example_inputs)
+    flat, spec = tree_flatten((args, kwargs))
+    chunks: list[list[Any]] = [[] for _ in range(microbatches)]
+    for i, x in enumerate(flat):
+        if isinstance(x, torch.Tensor):
+            if x.dim() == 0 or x.shape[0] % microbatches:
+                raise ValueError(
+                    f"input {i} has shape {tuple(x.shape)}: its batch dim (dim 0) must divide into "
+                    f"{microbatches} microbatches. Choose Config(microbatch_size=...) dividing the "
+                    f"batch, or a batch divisible by the microbatch count.")
+            for j, c in enumerate(x.chunk(microbatches, dim=0)):
+                chunks[j].append(c)
+        else:
+            for j in range(microbatches):
+                chunks[j].append(x)
+    return chunks, spec
+
+
+def capture_with_forward(model: nn.Module, example_inputs: Any) -> tuple[TracedGraph, ForwardGraph]:
+    """The joint graph (:func:`autopar.capture.capture`) and the forward graph with its layer
+    units, from one export of the model."""
+    traced, ep = capture_with_export(model, example_inputs)
+    return traced, export_forward(model, example_inputs, ep)
+
+
+def export_forward(model: nn.Module, example_inputs: Any, ep: Any = None) -> ForwardGraph:
+    """Export ``model`` (wrapped to return its loss) on ``example_inputs``; find its layer units.
+
+    ``ep``: an export of the wrapped model on these inputs, if one was already made.
+    """
+    args, kwargs, fake_mode = prepare_inputs(model, example_inputs)
+    if ep is None:
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            ep = export_program(LossModule(model), args, kwargs)
+    gm = ep.module()
+    for n in list(gm.graph.nodes):
+        if n.op == "call_module" and not n.users:  # export's input guard
+            gm.graph.erase_node(n)
+    strip_assertions(gm)
+    names = [n.target[len(WRAP):] for n in gm.graph.nodes if n.op == "get_attr"]
+    prefix = block_prefix(names)
+    blocks = len({n.split(".")[len(prefix.split("."))] for n in names
+                  if prefix and n.startswith(prefix + ".")})
+    units, unit_of = layer_units(list(gm.graph.nodes), prefix, blocks)
+    owner: dict[int, str] = {}
+    canonical: dict[str, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        canonical[name] = owner.setdefault(id(p), name)
+    _, spec = tree_flatten((args, kwargs))
+    return ForwardGraph(gm, units, unit_of, canonical, fake_mode, spec)
+
+
+def capture_stages(fwd: ForwardGraph, stage_of_unit: Sequence[int], mb_inputs: Sequence[Any]
+                   ) -> list[tuple[StageGraph, TracedGraph]]:
+    """Split ``fwd`` by ``stage_of_unit`` and trace every stage's joint graph.
+
+    ``mb_inputs`` are one microbatch's flattened inputs (as the graph was exported for). The
+    boundary activations are produced by running the stages in order on them (under the fake
+    mode of ``fwd`` if it has one, the inputs made fake in it by :func:`autopar.capture.to_fake`).
+    """
+    num_stages = max(stage_of_unit) + 1
+    stage_of = node_stages(fwd.gm, fwd.unit_of, stage_of_unit)
+    stages = split_stages(fwd.gm, stage_of, num_stages)
+    ctx = fwd.fake_mode if fwd.fake_mode is not None else contextlib.nullcontext()
+    out: list[tuple[StageGraph, TracedGraph]] = []
+    flat = list(mb_inputs)
+    if fwd.fake_mode is not None:
+        flat = to_fake(flat, fwd.fake_mode, model_device(fwd.gm))
+    is_fake = model_is_fake(fwd.gm)
+    boundary: list[torch.Tensor] = []
+    for st in stages:
+        start = time.perf_counter()
+        args = tuple(boundary) + tuple(flat[i] for i in st.user_inputs)
+        with ctx, contextlib.ExitStack() as stack:
+            try:
+                joint = private.export_joint(st.gm, args, stack)
+            except Exception as e:
+                raise CaptureError(f"tracing pipeline stage {st.index} failed: {first_line(e)}") from e
+        with ctx, torch.no_grad():
+            outs = st.gm(*args)
+        gm = joint.graph_module
+        strip_input_grads(gm, keep=st.num_boundary)
+        strip_assertions(gm)
+        traced = build_traced(gm, st.gm, fwd.in_spec, is_fake,
+                        time.perf_counter() - start, stage=st)
+        out.append((st, traced))
+        boundary = [tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(True), o) for o in outs]
+    return out
 
 
 @dataclass(frozen=True)
@@ -55,74 +182,6 @@ class StageGraph:
     num_outputs: int
     is_last: bool
     params: tuple[str, ...]
-
-
-def _paths(n: fx.Node) -> list[str]:
-    stack = n.meta.get("nn_module_stack") or n.meta.get("fwd_nn_module_stack") or {}
-    out = []
-    for v in stack.values():
-        p = v[0] if isinstance(v, tuple) else str(v)
-        out.append(p[len(_WRAP):] if p.startswith(_WRAP) else ("" if p == "model" else p))
-    return out
-
-
-def block_prefix(param_names: Sequence[str]) -> str | None:
-    """The module list holding most parameters under integer children (``blocks``, ``h``)."""
-    counts: dict[str, int] = {}
-    indices: dict[str, set[str]] = {}
-    for name in param_names:
-        parts = name.split(".")
-        for i in range(len(parts) - 1):
-            if parts[i].isdigit():
-                prefix = ".".join(parts[:i])
-                counts[prefix] = counts.get(prefix, 0) + 1
-                indices.setdefault(prefix, set()).add(parts[i])
-                break
-    candidates = [(c, pfx) for pfx, c in counts.items() if len(indices[pfx]) >= 2]
-    return max(candidates)[1] if candidates else None
-
-
-def layer_units(nodes: Sequence[fx.Node], prefix: str | None,
-                num_blocks: int) -> tuple[tuple[str, ...], dict[str, int]]:
-    """The layer units (``pre``, ``<prefix>.0`` ..., ``post``) and the unit index of every
-    ``call_function`` node.
-
-    A node inside block ``i`` (by module path) is in unit ``i + 1``. Other nodes go by their
-    top-level module (a module first used before the blocks is ``pre``, else ``post``) or, with no
-    module, by position: in the forward, before the first block is ``pre`` and after it the unit
-    of its latest input (glue between blocks, such as an activation applied by the parent); in
-    the backward (``partitioner_tag == "is_backward"``), before the first block's gradient is
-    ``post``, after it ``pre``.
-    """
-    units = (PRE, *(f"{prefix}.{i}" for i in range(num_blocks)), POST)
-    pat = re.compile(rf"^{re.escape(prefix)}\.(\d+)(\.|$)") if prefix else None
-    block: dict[str, int] = {}
-    for n in nodes:
-        for p in _paths(n):
-            m = pat.match(p) if pat else None
-            if m:
-                block[n.name] = int(m.group(1)) + 1
-                break
-    seen_block = {"fwd": False, "bwd": False}
-    top_unit: dict[str, int] = {}
-    out: dict[str, int] = {}
-    for n in nodes:
-        if n.op != "call_function":
-            continue
-        phase = "bwd" if n.meta.get("partitioner_tag") == "is_backward" else "fwd"
-        if n.name in block:
-            out[n.name] = block[n.name]
-            seen_block[phase] = True
-            continue
-        after = seen_block[phase]
-        positional = (len(units) - 1 if after else 0) if phase == "fwd" else (0 if after else len(units) - 1)
-        tops = [p.split(".")[0] for p in _paths(n) if p]
-        if tops and phase == "fwd":
-            top_unit.setdefault(tops[0], positional)
-        if not tops and after and phase == "fwd":  # glue between blocks: with its latest input
-            positional = max((out[a.name] for a in n.all_input_nodes if a.name in out), default=positional)
-        out[n.name] = top_unit.get(tops[0], positional) if tops else positional
-    return units, out
 
 
 def _pure_nodes(gm: fx.GraphModule) -> set[str]:
@@ -202,7 +261,7 @@ def _build_stage(gm: fx.GraphModule, s: int, num_stages: int, nodes: list[fx.Nod
             env[n.name] = g.get_attr(n.target)
             env[n.name].meta = dict(n.meta)
             if isinstance(_get_attr(gm, n.target), nn.Parameter):
-                params.append(n.target[len(_WRAP):] if n.target.startswith(_WRAP) else n.target)
+                params.append(n.target[len(WRAP):] if n.target.startswith(WRAP) else n.target)
         elif n.op == "call_function" and (stage_of.get(n.name) == s or (n.name in pure and n.name in needed)):
             env[n.name] = g.node_copy(n, lambda a: env[a.name])
     results = []
@@ -254,4 +313,3 @@ def set_module_attr(root: nn.Module, target: str, value: torch.Tensor | nn.Modul
         mod.add_module(leaf, value)
     else:
         mod.register_buffer(leaf, value)
-

@@ -18,7 +18,6 @@ import os
 import re
 import time
 import traceback
-from collections import Counter
 from typing import Any
 
 import torch
@@ -29,10 +28,12 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from autopar import _torch_private as private
 from autopar._torch_private import FakeTensor, FakeTensorMode
 from autopar.errors import CaptureError, InputMismatchError
+from autopar.capture.layers import block_prefix, module_paths
 from autopar.graph import InputInfo, Layer, ParamInfo, TracedGraph
 
-__all__ = ["capture", "capture_with_export", "prepare_inputs", "normalize_inputs", "extract_loss",
-           "to_fake", "model_is_fake", "model_device"]
+__all__ = ["LossModule", "build_traced", "capture", "capture_with_export", "export_program",
+           "extract_loss", "first_line", "model_device", "model_fingerprint", "model_is_fake",
+           "normalize_inputs", "prepare_inputs", "strip_assertions", "strip_input_grads", "to_fake"]
 
 _WRAP = "model."
 
@@ -80,7 +81,7 @@ def extract_loss(out: Any) -> torch.Tensor:
 _OUTPUT_TYPES: dict[str, type | None] = {}
 
 
-class _LossModule(nn.Module):
+class LossModule(nn.Module):
     """Wraps the user's model so the traced function returns the scalar loss."""
 
     def __init__(self, model: nn.Module, autocast: torch.dtype | None = None) -> None:
@@ -135,22 +136,22 @@ def capture_with_export(model: nn.Module, example_inputs: Any,
     args, kwargs, fake_mode = prepare_inputs(model, example_inputs)
     if mixed_precision not in _PRECISION:
         raise ValueError(f"mixed_precision={mixed_precision!r}: use 'fp32', 'bf16' or None.")
-    wrapper = _LossModule(model, _PRECISION[mixed_precision])
+    wrapper = LossModule(model, _PRECISION[mixed_precision])
     ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
     with ctx, contextlib.ExitStack() as stack:
-        ep = _export(wrapper, args, kwargs)
+        ep = export_program(wrapper, args, kwargs)
         flat_args, in_spec = tree_flatten((args, kwargs))
         try:
             joint = private.export_joint(ep.module(), args, stack, kwargs or None)
         except Exception as e:
             raise CaptureError(
-                f"tracing the backward of {type(model).__name__} failed: {_first_line(e)}"
+                f"tracing the backward of {type(model).__name__} failed: {first_line(e)}"
                 f"{_user_frame(e)}"
             ) from e
     gm = joint.graph_module
-    _strip_input_grads(gm)
-    _strip_assertions(gm)
-    return _build(gm, wrapper, in_spec, model_is_fake(model), time.perf_counter() - start), ep
+    strip_input_grads(gm)
+    strip_assertions(gm)
+    return build_traced(gm, wrapper, in_spec, model_is_fake(model), time.perf_counter() - start), ep
 
 
 def prepare_inputs(model: nn.Module, example_inputs: Any) -> tuple[tuple, dict, FakeTensorMode | None]:
@@ -260,7 +261,7 @@ def _empty_like_in(t: torch.Tensor, mode: FakeTensorMode,
                                    requires_grad=t.requires_grad)
 
 
-def _export(wrapper: nn.Module, args: tuple, kwargs: dict) -> Any:
+def export_program(wrapper: nn.Module, args: tuple, kwargs: dict) -> Any:
     try:
         return torch.export.export(wrapper, args, kwargs, strict=False)
     except Exception as e:
@@ -272,11 +273,11 @@ def _export(wrapper: nn.Module, args: tuple, kwargs: dict) -> Any:
             f"could not trace {type(wrapper.model).__name__}: {kind}{_user_frame(e)}. "
             f"autopar needs one whole graph: replace Python branches on tensor values with "
             f"torch.where / torch.cond, and keep shapes independent of data. Cause: "
-            f"{_first_line(e)}"
+            f"{first_line(e)}"
         ) from e
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 
@@ -300,7 +301,7 @@ _ASSERTIONS = ("_assert_tensor_metadata", "_assert_scalar", "_assert_async", "sy
                "sym_constrain_range_for_size", "_functional_assert_async")
 
 
-def _strip_assertions(gm: fx.GraphModule) -> None:
+def strip_assertions(gm: fx.GraphModule) -> None:
     """Drop export's metadata assertions (no outputs, no effect on numbers, no sharding rule)."""
     for n in list(gm.graph.nodes):
         name = getattr(n.target, "__name__", "").split(".")[0]
@@ -309,7 +310,7 @@ def _strip_assertions(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _strip_input_grads(gm: fx.GraphModule, keep: int = 0) -> None:
+def strip_input_grads(gm: fx.GraphModule, keep: int = 0) -> None:
     """Replace gradients of user inputs (never wanted) by ``None`` outputs, then clean up.
 
     The first ``keep`` inputs (a pipeline stage's boundary activations) keep their gradients.
@@ -330,13 +331,13 @@ def _strip_input_grads(gm: fx.GraphModule, keep: int = 0) -> None:
         gm.recompile()
 
 
-def _build(
+def build_traced(
     gm: fx.GraphModule, wrapper: nn.Module, in_spec: Any, is_fake: bool, elapsed: float,
     stage: Any = None,
 ) -> TracedGraph:
     """Read descriptors off the joint graph into a :class:`TracedGraph`.
 
-    ``stage`` (a :class:`autopar.passes.stages.StageGraph`) marks a pipeline stage: its first
+    ``stage`` (a :class:`autopar.capture.stages.StageGraph`) marks a pipeline stage: its first
     ``num_boundary`` inputs are activations, and unless it is the last its outputs are too.
     """
     nb = stage.num_boundary if stage is not None else 0
@@ -416,30 +417,9 @@ def _short(target: str) -> str:
     return target[len(_WRAP):] if target.startswith(_WRAP) else target
 
 
-def _repeated_prefix(params: list[ParamInfo]) -> str | None:
-    """The module list holding most parameters under integer children (``blocks``, ``h``)."""
-    counts: Counter[str] = Counter()
-    indices: dict[str, set[str]] = {}
-    for p in params:
-        parts = p.name.split(".")
-        for i in range(len(parts) - 1):
-            if parts[i].isdigit():
-                prefix = ".".join(parts[:i])
-                counts[prefix] += 1
-                indices.setdefault(prefix, set()).add(parts[i])
-                break
-    candidates = [(c, pfx) for pfx, c in counts.items() if len(indices[pfx]) >= 2]
-    return max(candidates)[1] if candidates else None
-
-
-def _module_paths(n: fx.Node) -> list[str]:
-    stack = n.meta.get("nn_module_stack") or n.meta.get("fwd_nn_module_stack") or {}
-    return [_short(v[0]) if isinstance(v, tuple) else str(v) for v in stack.values()]
-
-
 def _layers(gm: fx.GraphModule, params: list[ParamInfo]) -> tuple[dict[str, str], tuple[Layer, ...]]:
     """Assign every node to a layer (``prefix.N`` of the repeated module, or ``""``)."""
-    prefix = _repeated_prefix(params)
+    prefix = block_prefix([p.name for p in params])
     pat = re.compile(rf"^{re.escape(prefix)}\.(\d+)(\.|$)") if prefix else None
     param_layer = {}
     for p in params:
@@ -454,7 +434,7 @@ def _layers(gm: fx.GraphModule, params: list[ParamInfo]) -> tuple[dict[str, str]
         if n.op != "call_function":
             continue
         layer = None
-        paths = _module_paths(n)
+        paths = module_paths(n, keep_root=True)
         if pat is not None:
             for path in paths:
                 m = pat.match(path)
@@ -497,4 +477,27 @@ def _fingerprint(members: list[str], nodes: dict[str, fx.Node], node_layer: dict
         consts = [a for a in tree_flatten((n.args, n.kwargs))[0] if not isinstance(a, fx.Node)]
         target = "placeholder" if n.op == "placeholder" else n.target
         h.update(f"{n.op}|{target}|{shape}|{refs}|{consts}".encode())
+    return h.hexdigest()[:16]
+
+
+def model_fingerprint(model: nn.Module, example_inputs: Any) -> str:
+    """A hash of what a plan depends on, without tracing: every parameter's and buffer's name,
+    shape, dtype and tie, the module tree (``repr``), the source of each module class's
+    ``forward``, and the example inputs' shapes and dtypes."""
+    h = hashlib.sha256(type(model).__qualname__.encode())
+    owner: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        h.update(f"p|{name}|{tuple(p.shape)}|{p.dtype}|{owner.setdefault(id(p), name)}".encode())
+    for name, b in model.named_buffers(remove_duplicate=False):
+        h.update(f"b|{name}|{tuple(b.shape)}|{b.dtype}".encode())
+    h.update(repr(model).encode())
+    for cls in sorted({type(m) for m in model.modules()}, key=lambda c: c.__qualname__):
+        try:
+            source = inspect.getsource(cls.forward)
+        except (OSError, TypeError):  # built-in or defined in a REPL: the name stands for it
+            source = cls.__qualname__
+        h.update(source.encode())
+    args, kwargs = normalize_inputs(example_inputs)
+    for x in tree_flatten((args, kwargs))[0]:
+        h.update((f"{tuple(x.shape)}|{x.dtype}" if isinstance(x, torch.Tensor) else repr(x)).encode())
     return h.hexdigest()[:16]

@@ -14,28 +14,36 @@ import numpy as np
 from autopar.solver.ilp import InfeasibleMemoryError, format_bytes
 
 
-_MEM_RTOL = 1e-9  # a cut fits when rank memory <= budget * (1 + _MEM_RTOL)
+__all__ = [
+    "CUT_HIGHS_OPTIONS", "CUT_MIP_BACKENDS", "CUT_MIP_RELATIVE_GAP", "CutProblem", "CutResult",
+    "CutTables", "FIRST_BACKEND_SHARE", "LAST_BACKEND_SHARE", "LayerCost", "MEM_RTOL",
+    "RETRY_TIGHTEN", "UNKNOWN_STATUS", "all_cuts", "bottleneck_dp", "check_starts",
+    "default_in_flight", "effective_budget", "evaluate_cuts", "fits_budget", "format_gib",
+    "infeasible_error", "make_problem", "make_result",
+]
+
+MEM_RTOL = 1e-9  # a cut fits when rank memory <= budget * (1 + MEM_RTOL)
 
 
-_MIP_RELATIVE_GAP = 1e-9
+CUT_MIP_RELATIVE_GAP = 1e-9
 
 
-_MIP_BACKENDS = (("HIGHS", "HiGHS"), ("CBC", "CBC"))  # (OR-Tools id, reported name)
+CUT_MIP_BACKENDS = (("HIGHS", "HiGHS"), ("CBC", "CBC"))  # (OR-Tools id, reported name)
 
 
-_HIGHS_OPTIONS = "output_flag=false\nmip_abs_gap=0\nprimal_feasibility_tolerance=1e-9"
+CUT_HIGHS_OPTIONS = "output_flag=false\nmip_abs_gap=0\nprimal_feasibility_tolerance=1e-9"
 
 
-_UNKNOWN_STATUS = 99  # what OR-Tools' HiGHS interface returns at its time limit (no incumbent exposed)
+UNKNOWN_STATUS = 99  # what OR-Tools' HiGHS interface returns at its time limit (no incumbent exposed)
 
 
-_FIRST_BACKEND_SHARE = 2 / 3  # of the remaining time, when a second backend can still take over
+FIRST_BACKEND_SHARE = 2 / 3  # of the remaining time, when a second backend can still take over
 
 
-_LAST_BACKEND_SHARE = 0.75  # CBC overruns its limit by up to a few seconds
+LAST_BACKEND_SHARE = 0.75  # CBC overruns its limit by up to a few seconds
 
 
-_RETRY_TIGHTEN = 1e-6  # relative tightening of the memory rows when a result broke the budget
+RETRY_TIGHTEN = 1e-6  # relative tightening of the memory rows when a result broke the budget
 
 
 _BRUTE_FORCE_MAX = 200_000
@@ -82,7 +90,7 @@ class CutResult:
 
 
 @dataclass(frozen=True)
-class _Problem:
+class CutProblem:
     """Validated, normalised inputs."""
 
     names: tuple[str, ...]
@@ -134,14 +142,14 @@ def default_in_flight(ranks: int, microbatches: int, virtual_stages: int = 1) ->
     return tuple(min(p - j % p, m) for j in range(p * v))
 
 
-def _problem(
+def make_problem(
     layers: Sequence[LayerCost],
     ranks: int,
     microbatches: int,
     virtual_stages: int,
     in_flight: Sequence[float] | None,
     bubble_weight: float | None,
-) -> _Problem:
+) -> CutProblem:
     """Validate the inputs (ValueError says what was given and what is required)."""
     p = _count(ranks, "ranks", "the number of pipeline ranks")
     m = _count(microbatches, "microbatches", "microbatches per step")
@@ -169,7 +177,7 @@ def _problem(
                              f"(ranks x virtual_stages = {n_stages}).")
         flight = tuple(_nonneg(f, f"in_flight[{j}]") for j, f in enumerate(flight))
     w = float(p - 1) if bubble_weight is None else _nonneg(bubble_weight, "bubble_weight")
-    return _Problem(
+    return CutProblem(
         names=tuple(lay.name for lay in layers),
         work=tuple(float(lay.forward_s) + float(lay.backward_s) for lay in layers),
         send=tuple(float(lay.send_s) for lay in layers),
@@ -179,20 +187,20 @@ def _problem(
     )
 
 
-def _budget(memory_budget_bytes: float | None) -> float | None:
+def effective_budget(memory_budget_bytes: float | None) -> float | None:
     if memory_budget_bytes is None:
         return None
     return _nonneg(memory_budget_bytes, "memory_budget_bytes")
 
 
-def _fits(memory: float, budget: float | None) -> bool:
-    return budget is None or memory <= budget * (1.0 + _MEM_RTOL)
+def fits_budget(memory: float, budget: float | None) -> bool:
+    return budget is None or memory <= budget * (1.0 + MEM_RTOL)
 
 
-class _Tables:
+class CutTables:
     """fsum of work / state / activation over every layer range [k, e) (the single arithmetic used)."""
 
-    def __init__(self, prob: _Problem) -> None:
+    def __init__(self, prob: CutProblem) -> None:
         n = prob.n_layers
         self.prob = prob
         self.work = np.full((n + 1, n + 1), np.nan)
@@ -231,7 +239,7 @@ class _Tables:
         return tuple(times), rank_mem, objective
 
 
-def _check_starts(prob: _Problem, starts: Sequence[int]) -> tuple[int, ...]:
+def check_starts(prob: CutProblem, starts: Sequence[int]) -> tuple[int, ...]:
     try:
         out = tuple(operator.index(s) for s in starts)
     except TypeError:
@@ -244,7 +252,7 @@ def _check_starts(prob: _Problem, starts: Sequence[int]) -> tuple[int, ...]:
     return out
 
 
-def _result(tab: _Tables, starts: Sequence[int], status: str, backend: str, t0: float) -> CutResult:
+def make_result(tab: CutTables, starts: Sequence[int], status: str, backend: str, t0: float) -> CutResult:
     starts = tuple(int(s) for s in starts)
     times, mems, objective = tab.evaluate(starts)
     return CutResult(starts, times, mems, objective, status, backend, time.perf_counter() - t0)
@@ -264,11 +272,11 @@ def evaluate_cuts(
     ``starts`` holds the first layer of each of the ``ranks * virtual_stages``
     stages.  This is the evaluation every solver of this module reports.
     """
-    prob = _problem(layers, ranks, microbatches, virtual_stages, in_flight, bubble_weight)
-    return _Tables(prob).evaluate(_check_starts(prob, starts))
+    prob = make_problem(layers, ranks, microbatches, virtual_stages, in_flight, bubble_weight)
+    return CutTables(prob).evaluate(check_starts(prob, starts))
 
 
-def _bottleneck_dp(prob: _Problem, cost: list[np.ndarray], allowed: list[np.ndarray] | None
+def bottleneck_dp(prob: CutProblem, cost: list[np.ndarray], allowed: list[np.ndarray] | None
                    ) -> tuple[float, tuple[int, ...]] | None:
     """Minimise ``max_j cost[j][k_j, e_j]`` over cuts (v = 1 semantics: one value per stage).
 
@@ -302,7 +310,7 @@ def _bottleneck_dp(prob: _Problem, cost: list[np.ndarray], allowed: list[np.ndar
     return opt, tuple(starts)
 
 
-def _all_cuts(prob: _Problem):
+def all_cuts(prob: CutProblem):
     n, s = prob.n_layers, prob.n_stages
     count = math.comb(n - 1, s - 1)
     if count > _BRUTE_FORCE_MAX:
@@ -312,14 +320,14 @@ def _all_cuts(prob: _Problem):
         yield (0, *cuts)
 
 
-def _gib(x: float) -> str:
+def format_gib(x: float) -> str:
     return f"{x:.0f} bytes ({format_bytes(x)})"
 
 
-def _stage_excess(prob: _Problem, budget: float, starts: Sequence[int]) -> str:
+def _stage_excess(prob: CutProblem, budget: float, starts: Sequence[int]) -> str:
     """Each pipeline rank's memory at the cut ``starts`` and how far it is over ``budget``."""
     ends = list(starts[1:]) + [prob.n_layers]
-    _, rank_mem, _ = _Tables(prob).evaluate(starts)
+    _, rank_mem, _ = CutTables(prob).evaluate(starts)
     parts = []
     for r, mem in enumerate(rank_mem):
         layers = ", ".join(f"{starts[j]}-{ends[j] - 1}" for j in range(r, prob.n_stages, prob.p))
@@ -328,7 +336,7 @@ def _stage_excess(prob: _Problem, budget: float, starts: Sequence[int]) -> str:
     return "; ".join(parts)
 
 
-def _infeasible_error(prob: _Problem, budget: float, required: float, starts: Sequence[int],
+def infeasible_error(prob: CutProblem, budget: float, required: float, starts: Sequence[int],
                       proven: bool = True) -> InfeasibleMemoryError:
     """Error naming the budget, the smallest budget any cut fits, and the fixes.
 
@@ -339,15 +347,15 @@ def _infeasible_error(prob: _Problem, budget: float, required: float, starts: Se
     floor = max(((st + flight * ac, i) for i, (st, ac) in enumerate(zip(prob.state, prob.act))),
                 key=lambda x: (x[0], -x[1]))  # the largest layer, the first on ties
     if floor[0] > budget:
-        tab_note = (f" Layer {floor[1]} ({prob.names[floor[1]]!r}) alone needs {_gib(floor[0])} even with the fewest "
+        tab_note = (f" Layer {floor[1]} ({prob.names[floor[1]]!r}) alone needs {format_gib(floor[0])} even with the fewest "
                     "microbatches in flight, so more pipeline stages cannot help: split it with tensor parallelism "
                     "or recompute its activations.")
     msg = (
         f"no cut of the {prob.n_layers} layers into {prob.n_stages} pipeline stages (ranks={prob.p} x "
-        f"virtual_stages={prob.v}) fits the per-device memory budget: given {_gib(budget)}, "
+        f"virtual_stages={prob.v}) fits the per-device memory budget: given {format_gib(budget)}, "
         + ("the smallest budget any cut fits is " if proven else
            "the smallest budget found within the time limit (the exact minimum may be lower) is ")
-        + f"{_gib(required)} (cut starts {tuple(starts)}: {_stage_excess(prob, budget, starts)})."
+        + f"{format_gib(required)} (cut starts {tuple(starts)}: {_stage_excess(prob, budget, starts)})."
         + f"{tab_note} Fix: use more pipeline stages "
         "(more ranks), tensor parallelism to split each layer's parameters and activations, activation "
         "recomputation (or fewer microbatches in flight) to shrink the saved activations, or a device with "

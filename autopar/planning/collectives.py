@@ -16,7 +16,7 @@ from autopar.graph import TracedGraph, output_moves
 from autopar.mesh import Mesh
 from autopar.placements import from_str
 from autopar.plan import Collective, NodePlan
-from autopar.solver.records import _phase
+from autopar.capture.layers import node_phase
 from autopar.strategies.reshard import reshard_steps
 
 __all__ = ["StepCollectives", "step_collectives"]
@@ -70,7 +70,7 @@ class _Walk:
         if (arg.name, dst) in self.done:
             return
         self.done.add((arg.name, dst))
-        same_part = arg.op == "call_function" and _phase(arg) == phase
+        same_part = arg.op == "call_function" and node_phase(arg) == phase
         start = arg.name if same_part else self.previous
         who = arg.name if consumer == "output" else consumer
         for s in self.steps(arg, dst):
@@ -93,9 +93,9 @@ def step_collectives(traced: TracedGraph, shape: Sequence[int], names: Sequence[
                      nodes: dict[str, NodePlan], outputs: Sequence, mesh: Mesh,
                      buckets: tuple[tuple[int, ...], ...] = ()) -> StepCollectives:
     """Walk the graph as the lowering does and list every collective (deduplicated moves);
-    the gradients of a bucket (:mod:`autopar.solver.buckets`) make one all-reduce, where the
+    the gradients of a bucket (:mod:`autopar.planning.buckets`) make one all-reduce, where the
     last of them is computed."""
-    from autopar.strategies.space import _tensor_inputs
+    from autopar.strategies.space import tensor_inputs
 
     walk = _Walk(traced, shape, names, nodes, outputs, mesh)
     out_node = next(n for n in traced.gm.graph.nodes if n.op == "output")
@@ -105,8 +105,8 @@ def step_collectives(traced: TracedGraph, shape: Sequence[int], names: Sequence[
     for n in traced.gm.graph.nodes:
         layer = traced.node_layer.get(n.name, "")
         if n.op == "call_function" and n.target is not operator.getitem:
-            for a, dst in zip(_tensor_inputs(n), nodes[n.name].inputs):
-                walk.move(a, dst, _phase(n), layer, n.name)
+            for a, dst in zip(tensor_inputs(n), nodes[n.name].inputs):
+                walk.move(a, dst, node_phase(n), layer, n.name)
             if n.name in early:
                 walk.move(n, outputs[early[n.name]], "forward", layer, "output")
         if n.op == "call_function" and n.name in late:

@@ -17,7 +17,6 @@ from typing import Any
 
 from autopar.cost_models.pipeline import ScheduleResult, simulate
 from autopar.errors import PlanError
-from autopar.plan import Plan
 
 __all__ = ["simulate_plan", "trace_events", "to_chrome_trace", "to_svg"]
 
@@ -25,7 +24,7 @@ _NAMES = {"F": "forward", "B": "backward (input)", "W": "backward (weights)", "B
 _COLORS = {"F": "#4e79a7", "B": "#59a14f", "W": "#f28e2b", "BW": "#59a14f", "send": "#9c9c9c"}
 
 
-def simulate_plan(plan: Plan) -> ScheduleResult:
+def simulate_plan(plan: Any) -> ScheduleResult:
     """The plan's step as the simulator runs it (times in seconds, per rank)."""
     pipe = plan.pipeline
     if pipe is None:
@@ -62,7 +61,7 @@ def _sends(result: ScheduleResult, ranks: int, p2p_s: float) -> list[tuple[int, 
     return out
 
 
-def trace_events(plan: Plan) -> list[dict[str, Any]]:
+def trace_events(plan: Any) -> list[dict[str, Any]]:
     """Chrome trace events of the simulated step: metadata naming each track, then one complete
     (``"X"``) event per action and per transfer, in microseconds."""
     result = simulate_plan(plan)
@@ -87,14 +86,14 @@ def trace_events(plan: Plan) -> list[dict[str, Any]]:
     return events
 
 
-def to_chrome_trace(plan: Plan, path: str | Path) -> Path:
+def to_chrome_trace(plan: Any, path: str | Path) -> Path:
     """Write the simulated step as Chrome trace JSON to ``path``; returns the path."""
     path = Path(path)
     path.write_text(json.dumps({"traceEvents": trace_events(plan), "displayTimeUnit": "ms"}))
     return path
 
 
-def to_svg(plan: Plan, path: str | Path, width: int = 1000) -> Path:
+def to_svg(plan: Any, path: str | Path, width: int = 1000) -> Path:
     """Write the simulated step as an SVG timeline (one row per rank, one box per action,
     labelled with its microbatch; transfers as thin grey bars under the row)."""
     result = simulate_plan(plan)
@@ -135,7 +134,7 @@ def to_svg(plan: Plan, path: str | Path, width: int = 1000) -> Path:
     return path
 
 
-def _title(plan: Plan, result: ScheduleResult) -> str:
+def _title(plan: Any, result: ScheduleResult) -> str:
     pipe = plan.pipeline
     sched = f"{pipe.schedule}, {pipe.microbatches} microbatches, " if pipe else ""
     return (f"{plan.degrees} {sched}step {result.step_time_s * 1e3:.3f} ms, "

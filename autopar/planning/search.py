@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.nn as nn
 
+from autopar.capture import model_fingerprint
 from autopar.config import Config
 from autopar.cost_models.compute import graph_flops
 from autopar.cost_models.sharding import state_bytes_per_element
@@ -34,17 +35,23 @@ from autopar.cost_models.training_step import (
 )
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
-from autopar.passes.recompute import is_random
-from autopar.passes.stages import block_prefix
-from autopar.solver.pipeline_planner import _batch, _unflatten, chosen_comm
-from autopar.solver.planner import _Candidate, solve_space, unpinned_space
-from autopar.stage_capture import capture_with_forward, microbatch_inputs
+from autopar.capture.remat import is_random
+from autopar.capture.layers import block_fingerprint, block_prefix, layer_units
+from autopar.planning.pipeline import batch_size, chosen_comm, unflatten_inputs
+from autopar.planning.candidates import Candidate
+from autopar.planning.solve import solve_space, unpinned_space
+from autopar.capture.stages import capture_with_forward, microbatch_inputs
 
 __all__ = ["LayerSolver", "SearchResult", "candidate_setups", "layer_costs", "model_flops",
-           "pruned_examples", "search", "search_unsupported", "tp_degrees",
+           "pipelines_always", "pruned_examples", "search", "search_unsupported", "tp_degrees",
            "TP_ACROSS_NODES_MAX"]
 
 _MAX_MICROBATCH = 8
+# Two-block traces of the last models searched in this process, by model fingerprint (structure,
+# shapes and dtypes: a trace is priced, never run, so another instance of the same model reuses
+# it, as a job planning several configurations of one model does)
+_TRACES: dict[str, tuple[Any, Any]] = {}
+_TRACE_CACHE_SIZE = 8
 _MAX_VIRTUAL = 8
 
 
@@ -84,9 +91,9 @@ class LayerSolver:
         self.config = dataclasses.replace(config, recompute="none", zero=0)
         self.mesh, self.cost_passes = mesh, cost_passes
         self.example_inputs = example_inputs
-        self.batch = _batch(example_inputs)
+        self.batch = batch_size(example_inputs)
         self.model, self.prefix, self.num_blocks = _two_block_copy(model)
-        block = repr(_fingerprint(model.get_submodule(self.prefix)[0])).encode()
+        block = repr(block_fingerprint(model.get_submodule(self.prefix)[0])).encode()
         self.fingerprint = (f"{type(model).__name__}:{self.num_blocks}x"
                             f"{hashlib.sha256(block).hexdigest()[:12]}")
         self.traces: dict[int, tuple[Any, Any]] = {}
@@ -100,7 +107,7 @@ class LayerSolver:
         if key not in self.solved:
             traced, fwd = self._trace(b)
             t0 = time.perf_counter()
-            cand = _Candidate((tp,), ("tp",), ())
+            cand = Candidate((tp,), ("tp",), ())
             if (b, tp) not in self.spaces:  # shared by the sp on/off solves
                 self.spaces[(b, tp)] = unpinned_space(traced, cand, self.config)
             space, costs, res = solve_space(traced, self.mesh, self.config, cand,
@@ -124,18 +131,15 @@ class LayerSolver:
         if b not in self.traces:
             t0 = time.perf_counter()
             chunks, _ = microbatch_inputs(self.example_inputs, self.batch // b)
-            self.traces[b] = capture_with_forward(self.model, _unflatten(self.example_inputs,
-                                                                         chunks[0]))
+            inputs = unflatten_inputs(self.example_inputs, chunks[0])
+            key = model_fingerprint(self.model, inputs)
+            if key not in _TRACES:
+                while len(_TRACES) >= _TRACE_CACHE_SIZE:
+                    _TRACES.pop(next(iter(_TRACES)))
+                _TRACES[key] = capture_with_forward(self.model, inputs)
+            self.traces[b] = _TRACES[key]
             self.trace_s += time.perf_counter() - t0
         return self.traces[b]
-
-
-def _fingerprint(block: nn.Module) -> tuple:
-    """What makes two blocks cost the same: their structure (``repr`` shows every submodule and
-    its sizes) and the shapes and dtypes of their parameters and buffers."""
-    tensors = tuple((n, tuple(t.shape), str(t.dtype))
-                    for n, t in (*block.named_parameters(), *block.named_buffers()))
-    return (repr(block), tensors)
 
 
 def _two_block_copy(model: nn.Module) -> tuple[nn.Module, str, int]:
@@ -147,7 +151,7 @@ def _two_block_copy(model: nn.Module) -> tuple[nn.Module, str, int]:
                         f"nn.ModuleList of layers); {type(model).__name__} has none. Plan it with "
                         f"autopar.plan(model, mesh, example_inputs) instead.")
     blocks = model.get_submodule(prefix)
-    prints = {_fingerprint(b) for b in blocks}
+    prints = {block_fingerprint(b) for b in blocks}
     if len(prints) > 1:
         raise PlanError(f"the blocks of {prefix!r} differ ({len(prints)} kinds); the cluster "
                         f"search needs identical blocks. Plan it with autopar.plan(...) instead.")
@@ -172,7 +176,6 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
                 num_blocks: int, optimizer: str, seq_shards: int) -> LayerCosts:
     """Per-unit costs of a two-block trace's ILP solution (unit 2, the second block, stands for
     every block); ``seq_shards``: the tp degree when the block input is sequence-sharded."""
-    from autopar.passes.stages import layer_units
 
     nodes = list(traced.gm.graph.nodes)
     units, unit_of = layer_units(nodes, fwd.units[1].rsplit(".", 1)[0], 2)
@@ -359,13 +362,22 @@ def search_unsupported(model: nn.Module, example_inputs: Any, mesh: Mesh,
     blocks = model.get_submodule(prefix)
     if not isinstance(blocks, (nn.ModuleList, nn.Sequential)) or len(blocks) < 2:
         return f"{prefix!r} is not a list of two or more blocks"
-    if len({_fingerprint(b) for b in blocks}) > 1:
+    if len({block_fingerprint(b) for b in blocks}) > 1:
         return f"the blocks of {prefix!r} differ"
     try:
-        _batch(example_inputs)
+        batch_size(example_inputs)
     except PlanError as e:
         return str(e)
     return None
+
+
+def pipelines_always(config: Config, mesh: Mesh) -> bool:
+    """Whether pipelined setups are searched even when a setup without one fits: when asked
+    (``Config.pp > 1``) or when the mesh spans nodes (where Megatron-LM puts pipeline stages,
+    keeping tensor parallelism on a node's links). On one node tensor and data parallelism over
+    the node's links beat a pipeline's bubble, and the pipelined setups (a trace per
+    microbatch size) are searched only when nothing else fits."""
+    return (config.pp is not None and config.pp > 1) or mesh.nodes > 1
 
 
 def search(model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config | None = None,
@@ -387,9 +399,14 @@ def search(model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config | N
     ranked: list[StepCost] = []
     pruned: list[StepCost] = []
     price_s = 0.0
-    for n, setup in enumerate(candidate_setups(mesh.size, topo.gpus_per_node, rep.batch,
-                                               rep.num_blocks, config,
-                                               replica_microbatches=replica_microbatches), 1):
+    setups = list(candidate_setups(mesh.size, topo.gpus_per_node, rep.batch, rep.num_blocks,
+                                   config, replica_microbatches=replica_microbatches))
+    later = [] if pipelines_always(config, mesh) else [s for s in setups if s.pp > 1]
+    queue = [s for s in setups if s not in later]
+    n = 0
+    while queue:
+        setup = queue.pop(0)
+        n += 1
         rep.costs(setup.tp, setup.microbatch_size, setup.sequence_parallel)
         t1 = time.perf_counter()
         cost = rep.price(setup, budget)
@@ -402,6 +419,8 @@ def search(model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config | N
             best = min(ranked, key=lambda c: c.step_time_s) if ranked else None
             progress(f"{n} setups priced, {len(rep.solved)} layer ILPs solved; best so far: "
                      + (f"{best.setup.describe()} {best.step_time_s:.3f} s" if best else "none fits"))
+        if not queue and not ranked and later:  # nothing fits without a pipeline
+            queue, later = later, []
     if not ranked and not pruned:
         raise PlanError(f"no setup of {mesh.size} devices matches the batch of {rep.batch} and "
                         f"the config {config}; choose a batch divisible by the data-parallel "

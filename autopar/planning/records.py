@@ -8,41 +8,38 @@ from typing import Any, Sequence
 
 from torch._ops import OpOverload
 
-from autopar.capture import _module_paths
+from autopar.capture.layers import module_paths, node_phase
 from autopar.config import Config
 from autopar.graph import TracedGraph
-from autopar.passes.recompute import recompute_nodes
+from autopar.capture.remat import recompute_nodes
 from autopar.plan import NodePlan
 
-__all__ = ["param_shards"]
+__all__ = ["NORMS", "applied_techniques", "describe_nodes", "local_elements", "param_shards",
+           "precision"]
 
 # the normalisation ops sequence parallelism shards (as planner._pin_norms pins them)
-_NORMS = {"native_layer_norm", "native_rms_norm", "_fused_rms_norm"}
+NORMS = {"native_layer_norm", "native_rms_norm", "_fused_rms_norm"}
 
 
-def _phase(node: Any) -> str:
-    return "backward" if node.meta.get("partitioner_tag") == "is_backward" else "forward"
-
-
-def _describe_nodes(traced: TracedGraph, nodes: dict[str, NodePlan], compute: dict[str, float],
+def describe_nodes(traced: TracedGraph, nodes: dict[str, NodePlan], compute: dict[str, float],
                     comm: dict[str, float]) -> dict[str, NodePlan]:
     """``nodes`` with each node's op, module, layer, phase and predicted costs filled in."""
     out = {}
     for n in traced.gm.graph.nodes:
         if n.name not in nodes:
             continue
-        paths = _module_paths(n) if n.op == "call_function" else []
+        paths = module_paths(n) if n.op == "call_function" else []
         op = (str(n.target).removesuffix(".default") if isinstance(n.target, OpOverload)
               else getattr(n.target, "__name__", str(n.target)) if n.op == "call_function"
               else n.op)
         out[n.name] = dataclasses.replace(
             nodes[n.name], op=op, module=paths[-1] if paths else "",
-            layer=traced.node_layer.get(n.name, ""), phase=_phase(n),
+            layer=traced.node_layer.get(n.name, ""), phase=node_phase(n),
             compute_s=compute.get(n.name, 0.0), comm_s=comm.get(n.name, 0.0))
     return out
 
 
-def _local_elements(traced: TracedGraph, nodes: dict[str, NodePlan], cand: Any) -> float:
+def local_elements(traced: TracedGraph, nodes: dict[str, NodePlan], cand: Any) -> float:
     """Parameter elements one device holds (a tied parameter once)."""
     return sum(p.numel / param_shards(nodes[p.node].outputs[0], cand.shape)
                for p in traced.params if p.tied_to is None)
@@ -57,7 +54,7 @@ def param_shards(placements: Sequence[str], mesh_shape: Sequence[int]) -> int:
     return n
 
 
-def _applied(traced: TracedGraph, config: Config, cand: Any,
+def applied_techniques(traced: TracedGraph, config: Config, cand: Any,
              nodes: dict[str, NodePlan]) -> tuple[dict[str, Any], list[str]]:
     """The techniques the plan really uses (a setting that changes nothing is recorded as off,
     with a warning saying why)."""
@@ -73,7 +70,7 @@ def _applied(traced: TracedGraph, config: Config, cand: Any,
         notes.append("zero=1 shards nothing on this mesh (no data-parallel axis, or no parameter "
                      "dim divides by it); the optimizer state is not sharded")
     return {"recompute": recompute, "zero": zero, "sequence_parallel": _sequence_sharded(
-        traced, cand, nodes), "mixed_precision": _precision(traced, config)}, notes
+        traced, cand, nodes), "mixed_precision": precision(traced, config)}, notes
 
 
 def _sequence_sharded(traced: TracedGraph, cand: Any, nodes: dict[str, NodePlan]) -> bool:
@@ -83,12 +80,12 @@ def _sequence_sharded(traced: TracedGraph, cand: Any, nodes: dict[str, NodePlan]
         return False
     axis = cand.names.index("tp")
     norms = [n.name for n in traced.gm.graph.nodes if n.op == "call_function"
-             and getattr(n.target, "__name__", "").split(".")[0] in _NORMS and n.name in nodes
+             and getattr(n.target, "__name__", "").split(".")[0] in NORMS and n.name in nodes
              and nodes[n.name].inputs]
     return bool(norms) and all(nodes[n].inputs[0][axis] == "S(1)" for n in norms)
 
 
-def _precision(traced: TracedGraph, config: Config) -> str:
+def precision(traced: TracedGraph, config: Config) -> str:
     """``"bf16-autocast"`` for Config(mixed_precision="bf16"), else the parameters' dtype."""
     if config.mixed_precision == "bf16":
         return "bf16-autocast"

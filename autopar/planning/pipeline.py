@@ -27,18 +27,18 @@ from autopar.cost_models.comm import axis_collective_time
 from autopar.cost_models.compute import mfu
 from autopar.cost_models.pipeline import check_schedule, in_flight, simulate
 from autopar.errors import PlanError
-from autopar.explain import attach, context_of
+from autopar.plan_context import attach, context_of
 from autopar.graph import TracedGraph
 from autopar.mesh import Mesh
-from autopar.passes.stages import layer_units
+from autopar.capture.layers import layer_units
 from autopar.plan import Collective, PipelinePlan, Plan
 from autopar.solver.ilp import InfeasibleMemoryError, format_bytes
-from autopar.solver.planner import (
-    _Candidate, mesh_candidates, solve_candidate, solve_space, traced_flops,
-)
-from autopar.solver.records import param_shards
+from autopar.planning.assembly import traced_flops
+from autopar.planning.candidates import Candidate, mesh_candidates
+from autopar.planning.solve import solve_candidate, solve_space
+from autopar.planning.records import param_shards
 from autopar.solver.stage_cuts import LayerCost, solve_cuts
-from autopar.stage_capture import (
+from autopar.capture.stages import (
     ForwardGraph, capture_stages, capture_with_forward, export_forward, microbatch_inputs,
 )
 
@@ -56,7 +56,7 @@ class PipelineSetup:
     """One point of the pipeline search."""
 
     pp: int
-    cand: _Candidate
+    cand: Candidate
     microbatches: int
     schedule: str
     virtual_stages: int
@@ -65,7 +65,7 @@ class PipelineSetup:
     memory_bytes: float
 
 
-def _batch(example_inputs: Any) -> int:
+def batch_size(example_inputs: Any) -> int:
     chunks, _ = microbatch_inputs(example_inputs, 1)
     sizes = {x.shape[0] for x in chunks[0] if hasattr(x, "shape") and x.dim() > 0}
     if len(sizes) != 1:
@@ -97,7 +97,7 @@ def _schedules(pp: int, units: int, config: Config) -> list[tuple[str, int]]:
 
 
 def unit_costs(traced: TracedGraph, units: tuple[str, ...], prefix: str | None, space: Any,
-               costs: Any, choice: dict[str, int], fwd: ForwardGraph, cand: _Candidate, pp: int,
+               costs: Any, choice: dict[str, int], fwd: ForwardGraph, cand: Candidate, pp: int,
                mesh: Mesh) -> list[LayerCost]:
     """Per layer unit: forward and backward seconds, state and activation bytes, send time.
 
@@ -143,7 +143,7 @@ def chosen_comm(space: Any, costs: Any, choice: dict[str, int], backward: set[st
         yield value[0], param is not None, float(t)
 
 
-def _send_times(fwd: ForwardGraph, units: tuple[str, ...], cand: _Candidate, pp: int,
+def _send_times(fwd: ForwardGraph, units: tuple[str, ...], cand: Candidate, pp: int,
                 mesh: Mesh) -> list[float]:
     """Seconds to send the activations crossing a cut after each unit, and their gradients."""
     dp = math.prod(cand.shape[a] for a in cand.dp_axes)
@@ -167,7 +167,7 @@ def search_pipeline(model: Any, example_inputs: Any, mesh: Mesh, config: Config,
                     progress: Callable[[str], None] | None = None
                     ) -> tuple[list[PipelineSetup], list[InfeasibleMemoryError], list[str]]:
     """Every feasible pipeline setup, best first; the memory errors and placement failures."""
-    batch = _batch(example_inputs)
+    batch = batch_size(example_inputs)
     setups: list[PipelineSetup] = []
     infeasible: list[InfeasibleMemoryError] = []
     failures: list[str] = []
@@ -201,11 +201,11 @@ def search_pipeline(model: Any, example_inputs: Any, mesh: Mesh, config: Config,
 
 def _search_point(model: Any, example_inputs: Any, mesh: Mesh, config: Config,
                   cost_passes: Sequence[Callable[..., Any]], budget: float | None, pp: int,
-                  cand: _Candidate, m: int, cache: dict, infeasible: list) -> list[PipelineSetup]:
+                  cand: Candidate, m: int, cache: dict, infeasible: list) -> list[PipelineSetup]:
     """The setups of one (pp, stage mesh, microbatch count): a cut per schedule and v."""
     if m not in cache:
         chunks, _ = microbatch_inputs(example_inputs, m)
-        mb = _unflatten(example_inputs, chunks[0])
+        mb = unflatten_inputs(example_inputs, chunks[0])
         traced, fwd = capture_with_forward(model, mb)
         cache[m] = (fwd, traced)
     fwd, traced = cache[m]
@@ -301,7 +301,7 @@ def _stage_of_unit(starts: Sequence[int], n: int) -> tuple[int, ...]:
     return tuple(j for j in range(len(starts)) for _ in range(bounds[j], bounds[j + 1]))
 
 
-def _unflatten(example_inputs: Any, flat: Sequence[Any]) -> Any:
+def unflatten_inputs(example_inputs: Any, flat: Sequence[Any]) -> Any:
     if isinstance(example_inputs, dict):
         return dict(zip(example_inputs.keys(), flat))
     if not isinstance(example_inputs, (tuple, list)):
@@ -325,7 +325,7 @@ def _traced_stages(model: Any, example_inputs: Any, microbatches: int,
     same_model = bool(_LAST_MODEL) and _LAST_MODEL[0]() is model
     if key not in _LAST_STAGES or not same_model:
         chunks, _ = microbatch_inputs(example_inputs, microbatches)
-        fwd = export_forward(model, _unflatten(example_inputs, chunks[0]))
+        fwd = export_forward(model, unflatten_inputs(example_inputs, chunks[0]))
         if len(fwd.units) != len(stage_of_unit):
             raise PlanError(f"the model has {len(fwd.units)} layer units {fwd.units}; the plan "
                             f"cuts {len(stage_of_unit)}: re-plan for this model.")
@@ -532,7 +532,7 @@ def _assemble(model: Any, facts: ModelFacts, mesh: Mesh, config: Config, setup: 
         techniques=dict(plans[0].techniques))
 
 
-def _point_to_point(stages: list, cand: _Candidate, m: int) -> list[Collective]:
+def _point_to_point(stages: list, cand: Candidate, m: int) -> list[Collective]:
     """The sends and receives of boundary activations (forward) and their gradients (backward),
     for every microbatch, tagged with the stage whose ranks issue them."""
     dp = math.prod(cand.shape[a] for a in cand.dp_axes)

@@ -9,12 +9,11 @@ optimal solution no alternative that fits memory is cheaper; ``plan.explain`` sh
 each one loses.
 
 The strategy space and its prices stay in memory with a plan made in this process (they are
-not saved to JSON): :func:`attach` registers them, :func:`context_of` finds them.
+not saved to JSON): :mod:`autopar.plan_context` keeps them.
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,23 +21,10 @@ import numpy as np
 from tabulate import tabulate
 
 from autopar.errors import PlanError
+from autopar.plan_context import ExplainContext, context_of
 from autopar.placements import to_str
 
-__all__ = ["Alternative", "Explanation", "ExplainContext", "NodeExplanation", "attach",
-           "context_of", "explain"]
-
-
-@dataclass(frozen=True)
-class ExplainContext:
-    """What the ILP saw: the graph, strategy space, prices, chosen index per node, the memory
-    budget and the ILP group of every node (linked nodes share one choice)."""
-
-    traced: Any
-    space: Any
-    costs: Any
-    choice: dict[str, int]
-    budget: float | None
-    group_of: dict[str, int]
+__all__ = ["Alternative", "Explanation", "NodeExplanation", "explain", "explain_node"]
 
 
 @dataclass(frozen=True)
@@ -116,22 +102,6 @@ class Explanation:
             parts.append(f"... and {self.more} more node(s) in {self.target!r}: explain a node by "
                          f"its name for its alternatives")
         return "\n\n".join(parts)
-
-
-_CONTEXTS: dict[int, ExplainContext] = {}
-
-
-def attach(plan: Any, ctx: ExplainContext | None) -> Any:
-    """Keep ``ctx`` with ``plan`` (until the plan is garbage collected); returns ``plan``."""
-    if ctx is not None and id(plan) not in _CONTEXTS:
-        _CONTEXTS[id(plan)] = ctx
-        weakref.finalize(plan, _CONTEXTS.pop, id(plan), None)
-    return plan
-
-
-def context_of(plan: Any) -> ExplainContext | None:
-    """The context :func:`attach` kept with ``plan``, or ``None``."""
-    return _CONTEXTS.get(id(plan))
 
 
 def _group_costs(ctx: ExplainContext, group: set[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

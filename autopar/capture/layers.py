@@ -1,0 +1,139 @@
+"""Module paths, repeated blocks, layer units and node phases of a traced graph (one copy each).
+
+A *layer unit* is what a pipeline stage is cut from: the code before the repeated blocks
+(``pre``: embeddings), each block (``blocks.0`` ...), and the code after them (``post``: final
+norm, LM head, loss). The repeated blocks are the module list holding most parameters under
+integer children (``blocks``, ``h``, ``layers``). Graph nodes carry the module stack they ran in
+(``nn_module_stack``; backward nodes ``fwd_nn_module_stack``), from which their module path,
+block and unit follow; ``partitioner_tag`` tells the backward from the forward.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+__all__ = ["PRE", "POST", "WRAP", "block_fingerprint", "block_prefix", "identical_blocks",
+           "is_backward", "layer_units", "module_paths", "node_phase", "op_name"]
+
+PRE = "pre"
+POST = "post"
+WRAP = "model."  # the loss wrapper's attribute holding the user's model
+
+
+def module_paths(n: fx.Node, keep_root: bool = False) -> list[str]:
+    """The module paths of ``n``'s module stack, outermost first, relative to the user's model
+    (``blocks.0.attn``); the model itself is ``""`` (``"model"`` with ``keep_root``)."""
+    stack = n.meta.get("nn_module_stack") or n.meta.get("fwd_nn_module_stack") or {}
+    out = []
+    for v in stack.values():
+        p = v[0] if isinstance(v, tuple) else str(v)
+        if p.startswith(WRAP):
+            out.append(p[len(WRAP):])
+        else:
+            out.append(p if keep_root or p != "model" else "")
+    return out
+
+
+def is_backward(n: fx.Node) -> bool:
+    """Whether ``n`` is in the backward part of a joint graph."""
+    return n.meta.get("partitioner_tag") == "is_backward"
+
+
+def node_phase(n: fx.Node) -> str:
+    """``"backward"`` or ``"forward"``."""
+    return "backward" if is_backward(n) else "forward"
+
+
+def op_name(n: fx.Node) -> str:
+    """The name of ``n``'s op without overload or namespace (``native_layer_norm`` for
+    ``aten.native_layer_norm.default``), ``""`` for a node that calls no op."""
+    target = n.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._opname
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.split("::")[-1]
+    return getattr(target, "__name__", "").split(".")[0] if n.op == "call_function" else ""
+
+
+def block_prefix(param_names: Sequence[str]) -> str | None:
+    """The module list holding most parameters under integer children (``blocks``, ``h``)."""
+    counts: dict[str, int] = {}
+    indices: dict[str, set[str]] = {}
+    for name in param_names:
+        parts = name.split(".")
+        for i in range(len(parts) - 1):
+            if parts[i].isdigit():
+                prefix = ".".join(parts[:i])
+                counts[prefix] = counts.get(prefix, 0) + 1
+                indices.setdefault(prefix, set()).add(parts[i])
+                break
+    candidates = [(c, pfx) for pfx, c in counts.items() if len(indices[pfx]) >= 2]
+    return max(candidates)[1] if candidates else None
+
+
+
+def block_fingerprint(block: nn.Module) -> tuple:
+    """What makes two blocks cost the same: their structure (``repr`` shows every submodule and
+    its sizes) and the shapes and dtypes of their parameters and buffers."""
+    tensors = tuple((n, tuple(t.shape), str(t.dtype))
+                    for n, t in (*block.named_parameters(), *block.named_buffers()))
+    return (repr(block), tensors)
+
+
+def identical_blocks(model: nn.Module) -> tuple[str | None, int, int]:
+    """``(prefix, blocks, kinds)``: the repeated blocks' module list (``None`` if the model has
+    none), how many blocks it holds and how many distinct :func:`block_fingerprint` they have."""
+    prefix = block_prefix([n for n, _ in model.named_parameters(remove_duplicate=False)])
+    if prefix is None:
+        return None, 0, 0
+    blocks = model.get_submodule(prefix)
+    children = list(blocks) if isinstance(blocks, (nn.ModuleList, nn.Sequential)) else []
+    return prefix, len(children), len({block_fingerprint(b) for b in children})
+
+
+def layer_units(nodes: Sequence[fx.Node], prefix: str | None,
+                num_blocks: int) -> tuple[tuple[str, ...], dict[str, int]]:
+    """The layer units (``pre``, ``<prefix>.0`` ..., ``post``) and the unit index of every
+    ``call_function`` node.
+
+    A node inside block ``i`` (by module path) is in unit ``i + 1``. Other nodes go by their
+    top-level module (a module first used before the blocks is ``pre``, else ``post``) or, with no
+    module, by position: in the forward, before the first block is ``pre`` and after it the unit
+    of its latest input (glue between blocks, such as an activation applied by the parent); in
+    the backward (``partitioner_tag == "is_backward"``), before the first block's gradient is
+    ``post``, after it ``pre``.
+    """
+    units = (PRE, *(f"{prefix}.{i}" for i in range(num_blocks)), POST)
+    pat = re.compile(rf"^{re.escape(prefix)}\.(\d+)(\.|$)") if prefix else None
+    block: dict[str, int] = {}
+    for n in nodes:
+        for p in module_paths(n):
+            m = pat.match(p) if pat else None
+            if m:
+                block[n.name] = int(m.group(1)) + 1
+                break
+    seen_block = {"fwd": False, "bwd": False}
+    top_unit: dict[str, int] = {}
+    out: dict[str, int] = {}
+    for n in nodes:
+        if n.op != "call_function":
+            continue
+        phase = "bwd" if n.meta.get("partitioner_tag") == "is_backward" else "fwd"
+        if n.name in block:
+            out[n.name] = block[n.name]
+            seen_block[phase] = True
+            continue
+        after = seen_block[phase]
+        positional = (len(units) - 1 if after else 0) if phase == "fwd" else (0 if after else len(units) - 1)
+        tops = [p.split(".")[0] for p in module_paths(n) if p]
+        if tops and phase == "fwd":
+            top_unit.setdefault(tops[0], positional)
+        if not tops and after and phase == "fwd":  # glue between blocks: with its latest input
+            positional = max((out[a.name] for a in n.all_input_nodes if a.name in out), default=positional)
+        out[n.name] = top_unit.get(tops[0], positional) if tops else positional
+    return units, out

@@ -1,0 +1,143 @@
+"""Activation recomputation policies: which forward values of a joint graph are recomputed.
+
+Policies (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models",
+MLSys'23, sec. 4 and 5):
+
+- ``"none"``: every forward value the backward reads stays alive until then.
+- ``"selective"``: the attention core is recomputed: the fused attention op
+  (``scaled_dot_product_attention``) or, for explicit attention, every value of the softmax's
+  shape (scores, masked scores, probabilities). Their s x s outputs are the 5as/h term of the
+  paper's per-layer activation memory sbh(34 + 5as/h).
+- ``"full"``: each repeated block keeps only its input and re-runs its forward in the backward
+  (the paper's "full activation recomputation", sec. 2 and Table 2).
+
+Two values are never recomputed and are saved instead: outputs of random ops (dropout, whose mask
+must be the forward's; autopar does not replay the RNG) and, in a lowered program, outputs of
+collectives (re-running them would add communication the plan does not price; torch's own
+partitioner saves them too).
+
+:func:`recompute_nodes` picks the joint-graph nodes for a policy; the planner prices the choice
+with it (``cost_models.sharding``) and :func:`autopar.passes.recompute.recompute_pass` carries it
+out on the lowered per-rank program.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.fx as fx
+
+from autopar.capture.layers import is_backward
+from autopar.graph import TracedGraph
+
+__all__ = ["POLICIES", "TAG", "is_comm", "is_forward", "is_random", "recompute_nodes"]
+
+POLICIES = ("none", "selective", "full")
+TAG = "recompute"  # the metadata key torch's tracing copies from a node to the nodes it produces
+
+_RANDOM = {"native_dropout", "bernoulli", "rand", "randn", "rand_like", "randn_like", "randint",
+           "randint_like", "randperm", "normal", "uniform", "multinomial", "dropout"}
+_ATTENTION = ("_scaled_dot_product", "scaled_dot_product")
+_ALIAS = {"getitem", "view", "_unsafe_view", "t", "transpose", "permute", "expand", "detach",
+          "alias", "unsqueeze", "squeeze", "reshape", "slice", "select", "split", "unbind"}
+
+
+def _name(n: fx.Node) -> str:
+    return getattr(n.target, "__name__", str(n.target)).split(".")[0]
+
+
+def is_random(n: fx.Node) -> bool:
+    """Whether ``n`` draws random numbers (its recomputation would not reproduce its value), or
+    is a view or ``getitem`` of such a value (re-running it would re-run the draw)."""
+    if n.op != "call_function":
+        return False
+    if _name(n) in _RANDOM or bool(getattr(n.target, "is_random", False)):
+        return True
+    return _name(n) in _ALIAS and bool(n.all_input_nodes) and is_random(n.all_input_nodes[0])
+
+
+def is_comm(n: fx.Node) -> bool:
+    """Whether ``n`` is a functional collective of a lowered program."""
+    return n.op == "call_function" and "_c10d_functional" in str(n.target)
+
+
+def is_forward(n: fx.Node) -> bool:
+    """Whether ``n`` calls an op in the forward part of a joint program."""
+    return n.op == "call_function" and not is_backward(n)
+
+
+def _numel(n: fx.Node) -> int | None:
+    val = n.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
+    return val.numel() if isinstance(val, torch.Tensor) else None
+
+
+def recompute_nodes(traced: TracedGraph, policy: str) -> frozenset[str]:
+    """Names of the joint graph's forward nodes that ``policy`` recomputes in the backward."""
+    if policy not in POLICIES:
+        raise ValueError(f"recompute policy {policy!r}: use one of {POLICIES}.")
+    if policy == "none":
+        return frozenset()
+    layer = traced.node_layer
+    fwd = [n for n in traced.gm.graph.nodes if is_forward(n) and layer.get(n.name)]
+    if policy == "full":
+        # a block's values, except those read outside it (the block's output): they are saved
+        picked = {n.name for n in fwd if not is_random(n) and all(
+            u.op == "call_function" and (layer.get(u.name) == layer[n.name] or not is_forward(u))
+            for u in n.users)}
+    else:
+        picked = _attention_core(fwd, layer)
+    return frozenset(_with_aliases(traced.gm.graph.nodes, picked))
+
+
+_MATMUL = {"mm", "bmm", "matmul", "baddbmm", "addmm"}
+
+
+def _attention_core(fwd: list[fx.Node], layer: dict[str, str]) -> set[str]:
+    """Fused attention ops, and for each softmax its block's chain from the scores matmul
+    (``QK^T``) through scaling and masking to the softmax and what follows it up to the matmul
+    with ``V`` (not included): the values of the softmax's shape, through views."""
+    fwd_set = set(fwd)
+    picked = {n.name for n in fwd if _name(n).startswith(_ATTENTION)}
+    for sm in (n for n in fwd if _name(n) in ("_softmax", "softmax")):
+        shape, size = _shape(sm), _numel(sm)
+
+        def joins(m: fx.Node) -> bool:
+            """Same block, same size, and the softmax's shape (or a view, or the scores matmul)."""
+            return (m in fwd_set and layer[m.name] == layer[sm.name] and _numel(m) == size
+                    and not is_random(m) and m.name not in picked
+                    and (_shape(m) == shape or _name(m) in _ALIAS or _name(m) in _MATMUL))
+
+        picked.add(sm.name)
+        up, down = [sm], [sm]
+        while up:  # back to the scores matmul, which is taken and not gone past
+            for a in up.pop().all_input_nodes:
+                if joins(a):
+                    picked.add(a.name)
+                    if _name(a) not in _MATMUL:
+                        up.append(a)
+        while down:  # on to the matmul with V, which is not taken
+            for u in down.pop().users:
+                if joins(u) and _name(u) not in _MATMUL:
+                    picked.add(u.name)
+                    down.append(u)
+    return picked
+
+
+def _shape(n: fx.Node) -> tuple[int, ...] | None:
+    val = n.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        val = next((v for v in val if isinstance(v, torch.Tensor)), None)
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _with_aliases(nodes: Iterable[fx.Node], picked: set[str]) -> set[str]:
+    """Add the views and getitems of picked nodes: a saved view would keep its base alive."""
+    out = set(picked)
+    for n in nodes:
+        if is_forward(n) and n.name not in out and _name(n) in _ALIAS and \
+                n.all_input_nodes and n.all_input_nodes[0].name in out:
+            out.add(n.name)
+    return out

@@ -1,0 +1,165 @@
+"""Plan assembly for one solved setup: degrees from the chosen axes, per-node records, the
+step's collectives and gradient buckets, the predicted step, FLOPs and MFU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.distributed.tensor import Replicate
+
+from autopar.config import Config
+from autopar.cost_models.compute import graph_flops, mfu
+from autopar.cost_models.overlap import overlapped_step_time
+from autopar.cost_models.sharding import SpaceCosts
+from autopar.cost_models.training_step import optimizer_step_time
+from autopar.graph import TracedGraph
+from autopar.mesh import Mesh
+from autopar.placements import to_str
+from autopar.plan import NodePlan, Plan
+from autopar.planning.buckets import gradient_buckets
+from autopar.planning.collectives import step_collectives
+from autopar.solver.intra_op import IntraOpResult
+from autopar.planning.records import (
+    applied_techniques, describe_nodes, local_elements, precision,
+)
+from autopar.strategies.space import StrategySpace, boundary_placements
+
+from autopar.capture.layers import node_phase
+__all__ = ['BUCKET_CAPS', 'build_plan', 'traced_flops', 'utilization']
+
+
+from autopar.planning.candidates import Candidate
+
+
+def _axis_roles(traced: TracedGraph, space: StrategySpace, res: IntraOpResult,
+                cand: Candidate) -> tuple[dict[str, int], list[str]]:
+    """Degrees from what the solver chose: a data-parallel axis of the candidate (parameters
+    replicated on it, or ZeRO-sharded) or an axis on which every parameter is replicated is data
+    parallel (the batch is split, or nothing is); any other axis is tensor parallel. Also warns
+    about axes on which nothing at all is split."""
+    dp, tp, notes = 1, 1, []
+    for axis, size in enumerate(cand.shape):
+        params_rep = axis in cand.dp_axes or all(
+            isinstance(space.nodes[p.node].strategies[res.choice[p.node]].outputs[0][axis], Replicate)
+            for p in traced.params)
+        used = any(
+            out is not None and not isinstance(out[axis], Replicate)
+            for name, i in res.choice.items() for out in space.nodes[name].strategies[i].outputs)
+        if params_rep:
+            dp *= size
+        else:
+            tp *= size
+        if not used:
+            notes.append(f"mesh axis {cand.names[axis]!r} ({size} devices) splits nothing: every "
+                         f"device on it repeats the same work (the model is too small to gain)")
+    return {"dp": dp, "tp": tp, "pp": 1}, notes
+
+
+def build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate,
+                space: StrategySpace, costs: SpaceCosts, res: IntraOpResult) -> Plan:
+    chosen = {name: space.nodes[name].strategies[i] for name, i in res.choice.items()}
+    txt = lambda pl: tuple(to_str(p) for p in pl) if pl is not None else None  # noqa: E731
+    nodes = {name: NodePlan(tuple(txt(o) for o in s.outputs), tuple(txt(i) for i in s.inputs))
+             for name, s in chosen.items()}
+    for n in traced.gm.graph.nodes:  # getitem aliases read their producer's placement
+        if n.name in space.alias:
+            src, idx = space.alias[n.name]
+            nodes[n.name] = NodePlan((nodes[src].outputs[idx],), ())
+    out_node = next(n for n in traced.gm.graph.nodes if n.op == "output")
+    rep = tuple("R" for _ in cand.shape)
+    edge = txt(boundary_placements(len(cand.shape), cand.dp_axes))
+    boundary = set(traced.boundary_outputs) | set(traced.boundary_grad_outputs)
+    outputs: list[tuple[str, ...] | None] = []
+    param_of_grad = {p.grad_output_index: p for p in traced.params}
+    for i, a in enumerate(out_node.args[0]):
+        if a is None:
+            outputs.append(None)
+        elif i == traced.loss_output_index:
+            outputs.append(rep)
+        elif i in boundary:
+            outputs.append(edge)
+        else:
+            outputs.append(nodes[param_of_grad[i].node].outputs[0])
+    node_compute = {n: float(costs.compute[n][i]) for n, i in res.choice.items()}
+    step_s, cap, buckets, comm = _communication(traced, cand, mesh, config, nodes, outputs,
+                                                set(param_of_grad), node_compute)
+    collectives, comm_s, comm_fwd = comm.collectives, comm.total_s, comm.forward_s
+    nodes = describe_nodes(traced, nodes, node_compute, comm.per_node)
+    compute_s = float(sum(node_compute.values()))
+    memory = float(sum(costs.memory[n][i] for n, i in res.choice.items()))
+    params = {p.node for p in traced.params}
+    state = float(sum(costs.memory[n][i] for n, i in res.choice.items() if n in params))
+    graph_nodes = {n.name: n for n in traced.gm.graph.nodes}
+    compute_fwd = float(sum(costs.compute[n][i] for n, i in res.choice.items()
+                            if node_phase(graph_nodes[n]) == "forward"))
+    sol = res.solution
+    degrees, notes = _axis_roles(traced, space, res, cand)
+    techniques, applied_notes = applied_techniques(traced, config, cand, nodes)
+    techniques["bucket_bytes"] = cap
+    warnings = list(space.warnings) + notes + applied_notes
+    if sol.status != "optimal":
+        warnings.append(f"ILP stopped at the time limit ({config.solver_time_limit_s} s) with "
+                        f"gap {sol.gap:.3g}; raise Config.solver_time_limit_s for a better plan")
+    return Plan(
+        model_fingerprint=traced.fingerprint(), mesh_shape=cand.shape, axis_names=cand.names,
+        degrees=degrees,
+        params={p.name: nodes[p.node].outputs[0] for p in traced.params},
+        inputs=tuple(nodes[i.node].outputs[0] for i in traced.inputs),
+        output_placements=tuple(outputs), nodes=nodes, collectives=tuple(collectives),
+        grad_buckets=buckets,
+        predicted={"step_time_s": step_s, "compute_s": compute_s, "comm_s": comm_s,
+                   "forward_s": compute_fwd + comm_fwd, "state_bytes": state,
+                   "peak_memory_bytes": memory, "ilp_objective_s": sol.objective,
+                   "optimizer_s": optimizer_step_time(local_elements(traced, nodes, cand),
+                                                      config.optimizer, mesh.topology)},
+        solver={"status": sol.status, "gap": sol.gap, "backend": sol.backend,
+                "solve_time_s": sol.solve_time_s, "ilp_variables": sol.num_variables,
+                "ilp_variables_unlinked": res.variables_unlinked, "ilp_groups": res.groups,
+                "capture_time_s": traced.capture_time_s},
+        warnings=tuple(warnings), topology=mesh.topology.name, config=config.to_dict(),
+        input_shapes=tuple(i.shape for i in traced.inputs),
+        techniques=techniques,
+    )
+
+
+BUCKET_CAPS = (25 * 2**20, 4 * 2**20, 2**20)  # tried when Config.bucket_bytes is None
+
+
+def _communication(traced: TracedGraph, cand: Candidate, mesh: Mesh, config: Config,
+                   nodes: dict[str, NodePlan], outputs: list, grads: set[int],
+                   node_compute: dict[str, float]) -> tuple[float, int, tuple, Any]:
+    """The step's collectives and its time as the lowered program runs it (collectives
+    overlapping the compute between their issue and their first use: autopar.passes.overlap,
+    cost_models.overlap), for the gradient bucket cap of the config or, left to the planner,
+    the cap of :data:`BUCKET_CAPS` with the shortest step (the largest on a tie: fewer
+    collectives). Returns ``(step seconds, cap, buckets, StepCollectives)``."""
+    order = [n.name for n in traced.gm.graph.nodes]
+    placements = {k: v.outputs[0] for k, v in nodes.items()}
+    caps = BUCKET_CAPS if config.bucket_bytes is None else (config.bucket_bytes,)
+    best: tuple | None = None
+    seen: set[tuple] = set()
+    for cap in caps:
+        buckets = gradient_buckets(traced.gm, placements, outputs, grads, cand.shape, cap)
+        if buckets in seen:
+            continue
+        seen.add(buckets)
+        comm = step_collectives(traced, cand.shape, cand.names, nodes, outputs, mesh, buckets)
+        step = overlapped_step_time(order, node_compute, comm.comms)
+        if best is None or step < best[0] * (1 - 1e-9):
+            best = (step, cap, buckets, comm)
+    return best
+
+
+def traced_flops(traced: TracedGraph, config: Config) -> tuple[float, str]:
+    """The model's FLOPs per step of a whole trace (forward and backward, no recomputation) and
+    the dtype whose peak its matmuls run at (``"bf16"`` or ``"fp32"``, for MFU)."""
+    dtype = "bf16" if precision(traced, config) in ("bf16-autocast", "bfloat16", "float16") else "fp32"
+    return graph_flops(traced.gm), dtype
+
+
+def utilization(traced: TracedGraph, config: Config, mesh: Mesh, step_s: float,
+                 devices: int) -> dict[str, float]:
+    """The model's FLOPs per step and the predicted MFU at the peak of the dtype the matmuls
+    run in, over ``step_s`` (the training step with its optimizer update)."""
+    flops, dtype = traced_flops(traced, config)
+    return {"model_flops": flops, "mfu": mfu(flops, step_s, devices, mesh.topology, dtype)}

@@ -1,0 +1,207 @@
+"""The intra-operator solve of one setup: strategy space, pinning (ZeRO, sequence parallelism,
+tied weights), prices, cost passes and the ILP, assembled into a Plan."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+from torch.distributed.tensor import Replicate, Shard
+
+from autopar.config import Config
+from autopar.cost_models.passes import run_cost_passes
+from autopar.cost_models.sharding import SpaceCosts, price_space
+from autopar.errors import PlanError
+from autopar.graph import TracedGraph
+from autopar.mesh import Mesh, planning_device_mesh
+from autopar.placements import to_str
+from autopar.plan import Plan
+from autopar.planning.buckets import reduce_at_outputs
+from autopar.solver.intra_op import IntraOpResult, ilp_groups, solve_intra_op
+from autopar.planning.records import (
+    NORMS,
+)
+from autopar.plan_context import ExplainContext, attach, context_of
+from autopar.capture.remat import recompute_nodes
+from autopar.strategies.space import StrategySpace, build_space
+
+__all__ = ['replace_plan', 'solve_candidate', 'solve_space', 'unpinned_space', 'zero_placement']
+
+
+from autopar.planning.assembly import build_plan
+from autopar.planning.candidates import Candidate
+
+
+def solve_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate,
+                cost_passes: Sequence[Callable[..., SpaceCosts]], budget: float | None,
+                fixed: dict[str, tuple[str, ...]] | None = None, activation_scale: int = 1,
+                sequence_parallel: bool | None = None, base_space: StrategySpace | None = None
+                ) -> tuple[StrategySpace, SpaceCosts, IntraOpResult]:
+    """Strategy space, its prices and the intra-operator ILP's choice on the logical mesh.
+
+    ``fixed`` pins parameters (by name) to a placement, e.g. a tied weight already placed by an
+    earlier pipeline stage. ``activation_scale`` multiplies the memory of saved activations: a
+    pipeline stage holds that many microbatches in flight. ``sequence_parallel`` True makes
+    every layer norm take its input sharded on the sequence dim (dim 1) over the ``tp`` axis
+    (Korthikanti et al., MLSys'23, sec. 4.2.2), False makes it take it replicated there; None
+    leaves the choice to the ILP. ``base_space``: the unpinned space of this graph and mesh,
+    built earlier (it is copied, not changed). With ``config.zero`` the parameters take
+    :func:`zero_placement` on the dp axes; with sequence parallelism on, the forward's residual
+    adds are pinned to ``Shard(1)`` too (:func:`_pin_norms`); recomputation
+    (``config.recompute``) is priced by :func:`~autopar.cost_models.sharding.price_space`.
+    """
+    if base_space is None:
+        base_space = unpinned_space(traced, cand, config)
+    space = dataclasses.replace(base_space, nodes=dict(base_space.nodes))
+    if config.zero and cand.dp_axes:
+        _shard_states(traced, space, cand)
+    for p in traced.params:
+        if fixed and p.name in fixed:
+            _pin(space, p.node, p.name, fixed[p.name])
+    if sequence_parallel is None:
+        sequence_parallel = config.sequence_parallel
+    if sequence_parallel is not None and "tp" in cand.names:
+        _pin_norms(traced, space, cand.names.index("tp"), sequence_parallel)
+    recompute = recompute_nodes(traced, config.recompute or "none")
+    costs = run_cost_passes(price_space(traced, space, mesh.topology, config.optimizer, recompute),
+                            space, mesh.topology, cost_passes)
+    if activation_scale != 1:
+        params = {p.node for p in traced.params}
+        costs = dataclasses.replace(costs, memory={
+            n: m if n in params else m * activation_scale for n, m in costs.memory.items()})
+    costs = _with_recompute_peak(traced, costs)
+    return space, costs, solve_intra_op(traced, space, costs, budget, config.solver_time_limit_s)
+
+
+def unpinned_space(traced: TracedGraph, cand: Candidate, config: Config) -> StrategySpace:
+    """Every node's strategies on the logical mesh ``cand``, before any pinning."""
+    with planning_device_mesh(cand.shape, cand.names) as dm:
+        return build_space(traced, dm, cand.names, cand.dp_axes, config.unknown_op)
+
+
+def _pin(space: StrategySpace, node: str, name: str, placement: tuple[str, ...]) -> None:
+    ns = space.nodes[node]
+    keep = tuple(s for s in ns.strategies if tuple(to_str(p) for p in s.outputs[0]) == tuple(placement))
+    if not keep:
+        raise PlanError(f"parameter {name!r} cannot take the placement {placement} that another "
+                        f"pipeline stage gave it (it shares the tensor); choose other degrees.")
+    space.nodes[node] = dataclasses.replace(ns, strategies=keep)
+
+
+def zero_placement(placements: tuple, shape: Sequence[int], mesh_shape: Sequence[int],
+                   dp_axes: Sequence[int]) -> tuple:
+    """A parameter's placement under ZeRO: on each data-parallel axis, ``Shard`` of the largest
+    dim no other axis shards and whose shard divides evenly; ``Replicate`` stays where no dim
+    qualifies (the parameter is then not sharded over that axis).
+
+    A parameter stored this way is all-gathered where it is used and its gradient is
+    reduce-scattered, as FSDP2 shards ``DTensor`` parameters; the optimizer, built on the
+    parameters, then keeps its states sharded (ZeRO-1, Rajbhandari et al., SC'20, sec. 5.1).
+    """
+    out = list(placements)
+    for axis in dp_axes:
+        if not isinstance(out[axis], Replicate):
+            continue
+        taken = {p.dim for p in out if hasattr(p, "dim")}
+        local = list(shape)
+        for a, p in enumerate(out):
+            if hasattr(p, "dim"):
+                local[p.dim] //= mesh_shape[a]
+        dims = [d for d in range(len(shape)) if d not in taken and local[d] % mesh_shape[axis] == 0
+                and local[d] >= mesh_shape[axis]]
+        if dims:
+            out[axis] = Shard(max(dims, key=lambda d: (local[d], -d)))
+    return tuple(out)
+
+
+def _shard_states(traced: TracedGraph, space: StrategySpace, cand: Candidate) -> None:
+    """Give every parameter its :func:`zero_placement` on the dp axes (ZeRO-1)."""
+    for p in traced.params:
+        ns = space.nodes[p.node]
+        shape = tuple(traced.node(p.node).meta["val"].shape)
+        strategies = tuple(dataclasses.replace(s, outputs=(zero_placement(
+            s.outputs[0], shape, cand.shape, cand.dp_axes),)) for s in ns.strategies)
+        space.nodes[p.node] = dataclasses.replace(ns, strategies=tuple(dict.fromkeys(strategies)))
+
+
+
+
+def _pin_norms(traced: TracedGraph, space: StrategySpace, axis: int, sharded: bool) -> None:
+    """Keep the layer-norm strategies whose input on ``axis`` is ``Shard(1)`` (``sharded``) or
+    ``Replicate`` (not ``sharded``). Sharded, the forward's residual adds (the adds of the
+    shape a layer norm reads) are kept on ``Shard(1)`` too, as in Megatron-LM's sequence
+    parallelism, where the whole region between a row-parallel output and the next
+    column-parallel input is sequence-sharded: the row-parallel partial sum is reduce-scattered
+    into it and all-gathered out of it (Korthikanti et al., MLSys'23, sec. 4.2.2, Fig. 5)."""
+    want = Shard(1) if sharded else Replicate()
+    norm_shapes = set()
+    for n in traced.gm.graph.nodes:
+        name = getattr(n.target, "__name__", "").split(".")[0]
+        if n.op != "call_function" or name not in NORMS or n.name not in space.nodes:
+            continue
+        norm_shapes.add(tuple(n.args[0].meta["val"].shape))
+        _keep(space, n.name, lambda s: s.inputs and s.inputs[0][axis] == want,
+              f"layer norm {n.name} has no strategy with its input {want} on the tp axis; use "
+              f"sequence_parallel={not sharded} or None for this model.")
+    if not sharded:
+        return
+    for n in traced.gm.graph.nodes:
+        if n.op == "call_function" and getattr(n.target, "__name__", "") == "add.Tensor" and \
+                n.meta.get("partitioner_tag") != "is_backward" and n.name in space.nodes and \
+                tuple(n.meta["val"].shape) in norm_shapes and len(n.all_input_nodes) == 2:
+            _keep(space, n.name, lambda s: s.outputs[0] is not None and s.outputs[0][axis] == want,
+                  f"residual add {n.name} has no strategy with its output Shard(1) on the tp "
+                  f"axis, which sequence parallelism requires; use sequence_parallel=None or "
+                  f"False for this model.")
+
+
+def _keep(space: StrategySpace, node: str, pred: Callable[[Any], bool], error: str) -> None:
+    """Keep the strategies of ``node`` that satisfy ``pred``; none left raises ``error``."""
+    ns = space.nodes[node]
+    keep = tuple(s for s in ns.strategies if pred(s))
+    if not keep:
+        raise PlanError(error)
+    space.nodes[node] = dataclasses.replace(ns, strategies=keep)
+
+
+def solve_candidate(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate,
+                    cost_passes: Sequence[Callable[..., SpaceCosts]], budget: float | None,
+                    stage: int | None = None, fixed: dict[str, tuple[str, ...]] | None = None,
+                    activation_scale: int = 1) -> Plan:
+    """Solve the intra-operator ILP of ``traced`` on the logical mesh ``cand``.
+
+    Raises :class:`PlanError` when the graph cannot be placed on it and
+    :class:`InfeasibleMemoryError` when nothing fits ``budget``. ``stage`` tags the collectives
+    of a pipeline stage.
+    """
+    space, costs, res = solve_space(traced, mesh, config, cand, cost_passes, budget, fixed,
+                                    activation_scale)
+    grads = {p.grad_output_index for p in traced.params if p.grad_output_index is not None}
+    res = dataclasses.replace(res, choice=reduce_at_outputs(traced.gm, space, res.choice, grads))
+    plan = build_plan(traced, mesh, config, cand, space, costs, res)
+    attach(plan, ExplainContext(traced, space, costs, res.choice, budget,
+                                ilp_groups(traced, space)[0]))
+    if stage is not None:
+        plan = replace_plan(plan, collectives=tuple(dataclasses.replace(c, stage=stage)
+                                                for c in plan.collectives))
+    return plan
+
+
+def replace_plan(plan: Plan, **kw: Any) -> Plan:
+    """``dataclasses.replace`` that keeps what ``plan.explain`` needs."""
+    return attach(dataclasses.replace(plan, **kw), context_of(plan))
+
+
+def _with_recompute_peak(traced: TracedGraph, costs: SpaceCosts) -> SpaceCosts:
+    """Add to the memory the values recomputed values occupy at once: those of one block,
+    rematerialized while that block's backward runs (Chen et al. 2016, arXiv:1604.06174,
+    sec. 4). Each recomputed node carries its bytes divided by the number of blocks, so the ILP
+    sees one block's worth (exact when the blocks are identical, as the ILP links them; their
+    mean otherwise)."""
+    if not costs.recomputed:
+        return costs
+    blocks = len({traced.node_layer.get(n, "") for n in costs.recomputed})
+    memory = dict(costs.memory)
+    for name, arr in costs.recomputed.items():
+        memory[name] = memory[name] + arr / blocks
+    return dataclasses.replace(costs, memory=memory)
