@@ -16,7 +16,8 @@ import torch
 __all__ = [
     "DTensorSpec", "TensorMeta", "OpSchema", "OpSpec", "OpStrategy", "RuntimeSchemaInfo",
     "TupleStrategy", "expand_to_full_mesh_op_strategy", "generate_redistribute_costs",
-    "_StridedShard", "FakeTensor", "FakeTensorMode",
+    "_StridedShard", "FakeTensor", "FakeTensorMode", "OpOverload", "OpOverloadPacket",
+    "TorchDispatchMode", "funcol", "tree_flatten", "tree_map", "tree_map_only",
     "SUPPORTED",
     "check_torch_version",
     "sharding_propagator",
@@ -47,7 +48,11 @@ def check_torch_version() -> None:
 
 check_torch_version()
 
+from torch._ops import OpOverload, OpOverloadPacket  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_flatten, tree_map, tree_map_only  # noqa: E402
+import torch.distributed._functional_collectives as funcol  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: E402
 from torch.distributed.tensor._op_schema import (  # noqa: E402

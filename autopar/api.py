@@ -10,14 +10,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.capture import capture
+from autopar.capture import capture, model_fingerprint
 from autopar.config import Config
 from autopar.errors import MeshError, PlanError
 from autopar.mesh import Mesh
 from autopar.plan import Plan
 from autopar.runtime.faults import check_same_plan
 from autopar.runtime.module import ParallelModule
-from autopar.planning.entry import model_fingerprint, plan_model
+from autopar.planning.entry import plan_model
 
 __all__ = ["plan", "parallelize", "search"]
 

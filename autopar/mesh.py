@@ -15,7 +15,7 @@ import torch.distributed as dist
 from autopar.cost_models.topology import Topology, get_preset
 from autopar.errors import MeshError
 
-__all__ = ["Mesh"]
+__all__ = ["Mesh", "planning_device_mesh"]
 
 
 @dataclass(frozen=True)

@@ -111,7 +111,7 @@ def megatron_gpt(name_or_sizes: str | dict[str, int], batch: int, seq: int = 204
     """A :class:`MegatronGPT` built under ``FakeTensorMode`` (no memory) and fake example inputs
     of ``batch`` sequences; ``name_or_sizes`` is a key of :data:`GPT_CONFIGS` or a dict with
     ``hidden``, ``layers``, ``heads``."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from autopar._torch_private import FakeTensorMode
 
     sizes = GPT_CONFIGS[name_or_sizes] if isinstance(name_or_sizes, str) else dict(name_or_sizes)
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -195,7 +195,7 @@ def llama(name_or_sizes: str | dict[str, int], batch: int, seq: int = 2048, voca
           **kw: Any) -> tuple[Llama, tuple[torch.Tensor, ...]]:
     """A :class:`Llama` built under ``FakeTensorMode`` and example inputs of ``batch``
     sequences; ``name_or_sizes`` is a key of :data:`LLAMA_CONFIGS` or a dict of its sizes."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from autopar._torch_private import FakeTensorMode
 
     sizes = LLAMA_CONFIGS[name_or_sizes] if isinstance(name_or_sizes, str) else dict(name_or_sizes)
     with FakeTensorMode(allow_non_fake_inputs=True):

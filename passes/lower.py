@@ -67,7 +67,7 @@ def _gather_strided(x: DTensor, axis: int, after: tuple, mesh: Any) -> DTensor:
     fake tensors. Rank r holds parts ``[p_0^r, ..., p_{k-1}^r]``; gathering gives them rank-major
     and a reshape/transpose makes them part-major, the global order.
     """
-    import torch.distributed._functional_collectives as funcol
+    from autopar._torch_private import funcol
 
     p = x.placements[axis]
     dim, k, n = p.dim, p.split_factor, mesh.shape[axis]
@@ -333,7 +333,7 @@ def _local_view(n: fx.Node, x: DTensor, out_placements: tuple, mesh: Any) -> DTe
 
 
 def _run_replicated(n: fx.Node, args: Any, kwargs: dict, mesh: Any) -> Any:
-    from torch.utils._pytree import tree_map
+    from autopar._torch_private import tree_map
 
     rep = tuple(Replicate() for _ in mesh.shape)
     unwrap = lambda x: x.to_local() if isinstance(x, DTensor) else x  # noqa: E731
@@ -343,7 +343,7 @@ def _run_replicated(n: fx.Node, args: Any, kwargs: dict, mesh: Any) -> Any:
 
 
 def _tensor_leaves(n: fx.Node) -> list[fx.Node]:
-    from torch.utils._pytree import tree_flatten
+    from autopar._torch_private import tree_flatten
 
     leaves, _ = tree_flatten(n.args)
     return [a for a in leaves if isinstance(a, fx.Node)] + [v for v in n.kwargs.values() if isinstance(v, fx.Node)]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten, tree_map_only
+from autopar._torch_private import tree_flatten, tree_map_only
 
 from autopar import _torch_private as private
 from autopar._torch_private import FakeTensor, FakeTensorMode

@@ -13,9 +13,10 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-import torch
 import torch.fx as fx
 import torch.nn as nn
+
+from autopar._torch_private import OpOverload, OpOverloadPacket
 
 __all__ = ["PRE", "POST", "WRAP", "block_fingerprint", "block_prefix", "identical_blocks",
            "is_backward", "layer_units", "module_paths", "node_phase", "op_name"]
@@ -53,9 +54,9 @@ def op_name(n: fx.Node) -> str:
     """The name of ``n``'s op without overload or namespace (``native_layer_norm`` for
     ``aten.native_layer_norm.default``), ``""`` for a node that calls no op."""
     target = n.target
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         return target._opname
-    if isinstance(target, torch._ops.OpOverloadPacket):
+    if isinstance(target, OpOverloadPacket):
         return target._qualified_op_name.split("::")[-1]
     return getattr(target, "__name__", "").split(".")[0] if n.op == "call_function" else ""
 

@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn as nn
-from torch.utils._pytree import tree_flatten
+from autopar._torch_private import tree_flatten
 
 from autopar.capture import capture, model_fingerprint, normalize_inputs
 from autopar.config import Config

@@ -22,10 +22,10 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from autopar.config import SCHEDULES, Config
+from autopar.config import Config
 from autopar.cost_models.comm import axis_collective_time
 from autopar.cost_models.compute import mfu
-from autopar.cost_models.pipeline import check_schedule, in_flight, simulate
+from autopar.cost_models.pipeline import SCHEDULES, check_schedule, in_flight, simulate
 from autopar.errors import PlanError
 from autopar.plan_context import attach, context_of
 from autopar.graph import TracedGraph
@@ -42,8 +42,9 @@ from autopar.capture.stages import (
     ForwardGraph, capture_stages, capture_with_forward, export_forward, microbatch_inputs,
 )
 
-__all__ = ["ModelFacts", "PipelineSetup", "build_pipeline_plan", "chosen_comm", "renamed_stage_plan",
-           "search_pipeline", "stage_key", "unit_costs"]
+__all__ = ["batch_size", "build_pipeline_plan", "chosen_comm", "forward_for_plan", "ModelFacts",
+           "PipelineSetup", "renamed_stage_plan", "search_pipeline", "stage_key",
+           "unflatten_inputs", "unit_costs"]
 
 _MAX_MICROBATCH_CANDIDATES = 3
 # Share of a backward that computes weight gradients, for zero-bubble's separate W step: about

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-from torch._ops import OpOverload
+from autopar._torch_private import OpOverload
 
 from autopar.capture.layers import module_paths, node_phase
 from autopar.config import Config

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils._pytree import tree_flatten
+from autopar._torch_private import tree_flatten
 
 from autopar.errors import InputMismatchError
 from autopar.graph import TracedGraph

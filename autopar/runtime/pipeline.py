@@ -23,11 +23,11 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-import torch.distributed._functional_collectives as funcol
+from autopar._torch_private import funcol
 import torch.fx as fx
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils._pytree import tree_flatten
+from autopar._torch_private import tree_flatten
 
 from autopar.cost_models.pipeline import TORCH_SCHEDULE_CLASSES
 from autopar.errors import InputMismatchError, PlanError

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+from autopar._torch_private import TorchDispatchMode
 
 __all__ = ["CommMeter", "StepProfile", "profile_step"]
 

@@ -11,13 +11,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from autopar.solver.ilp import InfeasibleMemoryError, format_bytes
+from autopar.solver.mip import CUT_SETTINGS
 
 
 __all__ = [
-    "CUT_HIGHS_OPTIONS", "CUT_MIP_BACKENDS", "CUT_MIP_RELATIVE_GAP", "CutProblem", "CutResult",
-    "CutTables", "FIRST_BACKEND_SHARE", "LAST_BACKEND_SHARE", "LayerCost", "MEM_RTOL",
-    "RETRY_TIGHTEN", "UNKNOWN_STATUS", "all_cuts", "bottleneck_dp", "check_starts",
+    "CUT_MIP_RELATIVE_GAP", "CutProblem", "CutResult", "CutTables", "LayerCost", "MEM_RTOL",
+    "RETRY_TIGHTEN", "all_cuts", "bottleneck_dp", "check_starts",
     "default_in_flight", "effective_budget", "evaluate_cuts", "fits_budget", "format_gib",
     "infeasible_error", "make_problem", "make_result",
 ]
@@ -25,22 +26,7 @@ __all__ = [
 MEM_RTOL = 1e-9  # a cut fits when rank memory <= budget * (1 + MEM_RTOL)
 
 
-CUT_MIP_RELATIVE_GAP = 1e-9
-
-
-CUT_MIP_BACKENDS = (("HIGHS", "HiGHS"), ("CBC", "CBC"))  # (OR-Tools id, reported name)
-
-
-CUT_HIGHS_OPTIONS = "output_flag=false\nmip_abs_gap=0\nprimal_feasibility_tolerance=1e-9"
-
-
-UNKNOWN_STATUS = 99  # what OR-Tools' HiGHS interface returns at its time limit (no incumbent exposed)
-
-
-FIRST_BACKEND_SHARE = 2 / 3  # of the remaining time, when a second backend can still take over
-
-
-LAST_BACKEND_SHARE = 0.75  # CBC overruns its limit by up to a few seconds
+CUT_MIP_RELATIVE_GAP = CUT_SETTINGS.relative_gap
 
 
 RETRY_TIGHTEN = 1e-6  # relative tightening of the memory rows when a result broke the budget

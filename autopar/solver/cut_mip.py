@@ -10,21 +10,12 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.linear_solver import pywraplp
 
-from autopar.solver.ilp import SolverError, SolverTimeoutError, mip_solvers
+from autopar.solver.mip import (
+    CUT_SETTINGS, UNKNOWN_STATUS, SolverError, SolverTimeoutError, relative_gap, run_mip,
+)
 
-from autopar.solver.cut_core import (  # noqa: F401
-    check_starts,
-    FIRST_BACKEND_SHARE,
-    CUT_HIGHS_OPTIONS,
-    LAST_BACKEND_SHARE,
-    MEM_RTOL,
-    CUT_MIP_BACKENDS,
-    CUT_MIP_RELATIVE_GAP,
-    CutProblem,
-    CutTables,
-    UNKNOWN_STATUS,
-    bottleneck_dp,
-    fits_budget,
+from autopar.solver.cut_core import (
+    CUT_MIP_RELATIVE_GAP, MEM_RTOL, CutProblem, CutTables, bottleneck_dp, check_starts, fits_budget,
 )
 
 
@@ -398,27 +389,15 @@ def run_cut_mip(build, prob: CutProblem, time_limit_s: float, t0: float) -> tupl
     Returns ``(model, status, backend)``, or None when the model is infeasible.
     Raises SolverTimeoutError / SolverError when no backend produced a solution.
     """
-    attempts = mip_solvers(CUT_MIP_BACKENDS, CUT_HIGHS_OPTIONS)
-    tried: list[str] = []
-    code = pywraplp.Solver.NOT_SOLVED
-    for i, (solver, backend) in enumerate(attempts):
-        model = build(solver)
-        left = time_limit_s - (time.perf_counter() - t0)
-        share = FIRST_BACKEND_SHARE if i + 1 < len(attempts) else LAST_BACKEND_SHARE
-        solver.SetTimeLimit(max(1, int(max(left * share, 0.02 * time_limit_s) * 1000)))
-        params = pywraplp.MPSolverParameters()
-        params.SetDoubleParam(params.RELATIVE_MIP_GAP, CUT_MIP_RELATIVE_GAP)
-        code = solver.Solve(params)
-        tried.append(backend)
-        if code == pywraplp.Solver.INFEASIBLE:
-            return None
-        if code in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-            status = "optimal"
-            if code != pywraplp.Solver.OPTIMAL:
-                objective = solver.Objective()
-                gap = abs(objective.Value() - objective.BestBound()) / max(abs(objective.Value()), 1e-300)
-                status = "optimal" if gap <= CUT_MIP_RELATIVE_GAP else "feasible"
-            return model, status, backend
+    run = run_mip(build, CUT_SETTINGS, time_limit_s, t0)
+    code, tried = run.code, run.tried
+    if code == pywraplp.Solver.INFEASIBLE:
+        return None
+    if run.model is not None:
+        status = "optimal"
+        if code != pywraplp.Solver.OPTIMAL:
+            status = "optimal" if relative_gap(run.model.solver) <= CUT_MIP_RELATIVE_GAP else "feasible"
+        return run.model, status, run.backend
     if code in (pywraplp.Solver.NOT_SOLVED, UNKNOWN_STATUS):
         raise SolverTimeoutError(
             f"{' and '.join(tried)} found no stage cut within the time limit of {time_limit_s:.1f} s for "

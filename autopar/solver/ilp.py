@@ -54,26 +54,22 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from ortools.linear_solver import pywraplp
 
-from autopar.errors import AutoparError, PlanError
+from autopar.errors import PlanError
+from autopar.solver.mip import (
+    INTRA_OP_SETTINGS, UNKNOWN_STATUS, SolverError, SolverTimeoutError, run_mip,
+)
 
-__all__ = [
-    "ILPEdge", "ILPProblem", "ILPSolution", "InfeasibleMemoryError", "SolverError", "SolverTimeoutError",
-    "solve_ilp", "brute_force", "evaluate_choice", "min_memory_bytes", "mip_solvers",
-]
+__all__ = ["brute_force", "evaluate_choice", "format_bytes", "ILPEdge", "ILPProblem", "ILPSolution",
+           "InfeasibleMemoryError", "min_memory_bytes", "solve_ilp"]
 
 _INTEGRALITY_TOL = 1e-6
-_MIP_RELATIVE_GAP = 1e-4
-_MIP_BACKENDS = (("HIGHS", "HiGHS"), ("CBC", "CBC"), ("SCIP", "SCIP"))  # (OR-Tools id, reported name)
+_MIP_RELATIVE_GAP = INTRA_OP_SETTINGS.relative_gap
 _BRUTE_FORCE_MAX = 10_000_000
-_UNKNOWN_STATUS = 99  # what OR-Tools' HiGHS interface returns at its time limit (no incumbent exposed)
-_FIRST_BACKEND_SHARE = 2 / 3  # of the remaining time, when a second backend can still take over
-_LAST_BACKEND_SHARE = 0.75  # CBC overruns its limit by up to a few seconds
 
 
 @dataclass(frozen=True)
@@ -131,14 +127,6 @@ class InfeasibleMemoryError(PlanError, ValueError):
         super().__init__(message)
         self.required_bytes = required_bytes
         self.budget_bytes = budget_bytes
-
-
-class SolverError(AutoparError, RuntimeError):
-    """The MIP backend failed (no backend available, or an abnormal status)."""
-
-
-class SolverTimeoutError(SolverError):
-    """The time limit passed before any feasible solution was found."""
 
 
 def _group_name(problem: ILPProblem, g: int) -> str:
@@ -466,30 +454,9 @@ def _rounding_solution(
     return _solution(problem, choice, status, gap, t0, "lp-rounding", lp.model.solver)
 
 
-def mip_solvers(backends: Sequence[tuple[str, str]] = _MIP_BACKENDS,
-                highs_options: str = "output_flag=false") -> list[tuple[pywraplp.Solver, str]]:
-    """Up to two MIP backends of ``backends`` ((OR-Tools id, reported name), in preference order;
-    the second only runs if the first finds nothing). HiGHS gets ``highs_options`` (by default
-    only: no banner on stdout)."""
-    found = []
-    for name, label in backends:
-        solver = pywraplp.Solver.CreateSolver(name)
-        if solver is not None:
-            if name == "HIGHS":
-                solver.SetSolverSpecificParametersAsString(highs_options)
-            found.append((solver, label))
-    if not found:
-        raise SolverError(
-            f"none of the MIP backends {', '.join(label for _, label in backends)} is available in this "
-            "OR-Tools build (required: at least one); install an OR-Tools wheel that bundles them "
-            "(pip install -U ortools)."
-        )
-    return found[:2]
-
-
 def _no_solution_error(code: int, tried: list[str], limit_s: float) -> SolverError:
     """Error for a solve that ended without any feasible solution."""
-    if code in (pywraplp.Solver.NOT_SOLVED, _UNKNOWN_STATUS):
+    if code in (pywraplp.Solver.NOT_SOLVED, UNKNOWN_STATUS):
         return SolverTimeoutError(
             f"{' and '.join(tried)} found no feasible sharding within the time limit of {limit_s:.1f} s "
             "(required: at least one feasible solution). Fix: raise Config.solver_time_limit_s, "
@@ -508,23 +475,13 @@ def _solve_mip(
 
     Returns the solution (None when no backend found one), the last status code and the backends tried.
     """
-    attempts = mip_solvers()
-    tried: list[str] = []
-    code = pywraplp.Solver.NOT_SOLVED
-    for i, (solver, backend) in enumerate(attempts):
-        model = _build(solver, red, slack, integer=True)
-        left = problem.time_limit_s - (time.perf_counter() - t0)
-        share = _FIRST_BACKEND_SHARE if i + 1 < len(attempts) else _LAST_BACKEND_SHARE
-        solver.SetTimeLimit(max(1, int(max(left * share, 0.02 * problem.time_limit_s) * 1000)))
-        params = pywraplp.MPSolverParameters()
-        params.SetDoubleParam(params.RELATIVE_MIP_GAP, _MIP_RELATIVE_GAP)
-        code = solver.Solve(params)
-        tried.append(backend)
-        if code == pywraplp.Solver.INFEASIBLE:
-            raise _infeasible_error(problem)
-        if code in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-            return _mip_solution(problem, red, model, code, backend, t0), code, tried
-    return None, code, tried
+    run = run_mip(lambda solver: _build(solver, red, slack, integer=True), INTRA_OP_SETTINGS,
+                  problem.time_limit_s, t0)
+    if run.code == pywraplp.Solver.INFEASIBLE:
+        raise _infeasible_error(problem)
+    if run.model is None:
+        return None, run.code, list(run.tried)
+    return _mip_solution(problem, red, run.model, run.code, run.backend, t0), run.code, list(run.tried)
 
 
 def _mip_solution(

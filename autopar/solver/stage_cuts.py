@@ -102,7 +102,7 @@ import math
 import time
 from collections.abc import Sequence
 
-from autopar.solver.ilp import SolverError, SolverTimeoutError
+from autopar.solver.mip import SolverError, SolverTimeoutError
 
 from autopar.solver.cut_core import (  # noqa: F401  (the public types are re-exported)
     CutResult,

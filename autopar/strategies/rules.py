@@ -21,6 +21,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar import _torch_private as private
 from autopar._torch_private import (
+    OpOverload,
     OpSchema,
     OpStrategy,
     RuntimeSchemaInfo,
@@ -37,17 +38,17 @@ RuleFn = Callable[[tuple[Any, ...], dict[str, Any]], list[list[Any]]]
 class OpRule:
     """A registered rule: the op, its number of outputs and the single-axis rule function."""
 
-    op: torch._ops.OpOverload
+    op: OpOverload
     num_outputs: int
     fn: RuleFn
     static_argnum: int
 
 
-_RULES: dict[torch._ops.OpOverload, OpRule] = {}
+_RULES: dict[OpOverload, OpRule] = {}
 
 
 def register_op_rule(
-    op: torch._ops.OpOverload, num_outputs: int = 1, static_argnum: int = 100
+    op: OpOverload, num_outputs: int = 1, static_argnum: int = 100
 ) -> Callable[[RuleFn], RuleFn]:
     """Decorator: register a single-axis sharding rule for ``op`` (overrides DTensor's).
 
@@ -66,7 +67,7 @@ def register_op_rule(
     return deco
 
 
-def registered_rules() -> dict[torch._ops.OpOverload, OpRule]:
+def registered_rules() -> dict[OpOverload, OpRule]:
     """The rules registered so far (autopar's own and the user's)."""
     return dict(_RULES)
 

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
-from torch.utils._pytree import tree_flatten
+from autopar._torch_private import tree_flatten
 
 from autopar import _torch_private as private
 from autopar._torch_private import (
@@ -34,8 +34,8 @@ from autopar.graph import TracedGraph
 from autopar.strategies import fused
 from autopar.strategies import rules as _rules  # noqa: F401  (registers autopar's own rules)
 
-__all__ = ["Strategy", "NodeSpace", "StrategySpace", "build_space", "representatives", "tensor_inputs",
-           "Value"]
+__all__ = ["boundary_placements", "build_space", "NodeSpace", "Placements", "representatives", "Strategy",
+           "StrategySpace", "tensor_inputs", "Value"]
 
 Placements = tuple[Placement, ...]
 Value = tuple[str, int]

@@ -12,11 +12,11 @@ from ortools.linear_solver import pywraplp
 
 import autopar.solver.ilp as ilp
 from autopar.errors import PlanError
+from autopar.solver.mip import SolverTimeoutError
 from autopar.solver.ilp import (
     ILPEdge,
     ILPProblem,
     InfeasibleMemoryError,
-    SolverTimeoutError,
     brute_force,
     solve_ilp,
 )
