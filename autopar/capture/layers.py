@@ -13,13 +13,14 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 
 from autopar._torch_private import OpOverload, OpOverloadPacket
 
-__all__ = ["PRE", "POST", "WRAP", "block_fingerprint", "block_prefix", "identical_blocks",
-           "is_backward", "layer_units", "module_paths", "node_phase", "op_name"]
+__all__ = ["PRE", "POST", "WRAP", "aten_ops", "block_fingerprint", "block_prefix", "identical_blocks",
+           "is_backward", "is_op", "layer_units", "module_paths", "node_phase", "op_name"]
 
 PRE = "pre"
 POST = "post"
@@ -48,6 +49,21 @@ def is_backward(n: fx.Node) -> bool:
 def node_phase(n: fx.Node) -> str:
     """``"backward"`` or ``"forward"``."""
     return "backward" if is_backward(n) else "forward"
+
+
+def aten_ops(*names: str) -> frozenset:
+    """The aten op packets (``torch.ops.aten.<name>``, every overload) of ``names`` that this
+    torch release has: the keys :func:`is_op` matches a node's op against."""
+    return frozenset(getattr(torch.ops.aten, n) for n in names if hasattr(torch.ops.aten, n))
+
+
+def is_op(n: fx.Node, ops: frozenset) -> bool:
+    """Whether ``n`` calls one of ``ops``: aten op packets (:func:`aten_ops`; any overload
+    matches), op overloads, or Python callables such as ``operator.getitem``."""
+    if n.op != "call_function":
+        return False
+    target = n.target
+    return target in ops or (isinstance(target, OpOverload) and target.overloadpacket in ops)
 
 
 def op_name(n: fx.Node) -> str:

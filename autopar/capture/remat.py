@@ -28,7 +28,7 @@ from typing import Iterable
 import torch
 import torch.fx as fx
 
-from autopar.capture.layers import is_backward
+from autopar.capture.layers import aten_ops, is_backward, is_op
 from autopar.graph import TracedGraph
 
 __all__ = ["POLICIES", "TAG", "is_comm", "is_forward", "is_random", "recompute_nodes"]
@@ -36,8 +36,10 @@ __all__ = ["POLICIES", "TAG", "is_comm", "is_forward", "is_random", "recompute_n
 POLICIES = ("none", "selective", "full")
 TAG = "recompute"  # the metadata key torch's tracing copies from a node to the nodes it produces
 
-_RANDOM = {"native_dropout", "bernoulli", "rand", "randn", "rand_like", "randn_like", "randint",
-           "randint_like", "randperm", "normal", "uniform", "multinomial", "dropout"}
+_RANDOM = aten_ops("native_dropout", "bernoulli", "rand", "randn", "rand_like", "randn_like",
+                   "randint", "randint_like", "randperm", "normal", "uniform", "multinomial",
+                   "dropout")
+_SOFTMAX = aten_ops("_softmax", "softmax")
 _ATTENTION = ("_scaled_dot_product", "scaled_dot_product")
 _ALIAS = {"getitem", "view", "_unsafe_view", "t", "transpose", "permute", "expand", "detach",
           "alias", "unsqueeze", "squeeze", "reshape", "slice", "select", "split", "unbind"}
@@ -52,7 +54,7 @@ def is_random(n: fx.Node) -> bool:
     is a view or ``getitem`` of such a value (re-running it would re-run the draw)."""
     if n.op != "call_function":
         return False
-    if _name(n) in _RANDOM or bool(getattr(n.target, "is_random", False)):
+    if is_op(n, _RANDOM) or bool(getattr(n.target, "is_random", False)):
         return True
     return _name(n) in _ALIAS and bool(n.all_input_nodes) and is_random(n.all_input_nodes[0])
 
@@ -92,7 +94,7 @@ def recompute_nodes(traced: TracedGraph, policy: str) -> frozenset[str]:
     return frozenset(_with_aliases(traced.gm.graph.nodes, picked))
 
 
-_MATMUL = {"mm", "bmm", "matmul", "baddbmm", "addmm"}
+_MATMUL = aten_ops("mm", "bmm", "matmul", "baddbmm", "addmm")
 
 
 def _attention_core(fwd: list[fx.Node], layer: dict[str, str]) -> set[str]:
@@ -101,14 +103,14 @@ def _attention_core(fwd: list[fx.Node], layer: dict[str, str]) -> set[str]:
     with ``V`` (not included): the values of the softmax's shape, through views."""
     fwd_set = set(fwd)
     picked = {n.name for n in fwd if _name(n).startswith(_ATTENTION)}
-    for sm in (n for n in fwd if _name(n) in ("_softmax", "softmax")):
+    for sm in (n for n in fwd if is_op(n, _SOFTMAX)):
         shape, size = _shape(sm), _numel(sm)
 
         def joins(m: fx.Node) -> bool:
             """Same block, same size, and the softmax's shape (or a view, or the scores matmul)."""
             return (m in fwd_set and layer[m.name] == layer[sm.name] and _numel(m) == size
                     and not is_random(m) and m.name not in picked
-                    and (_shape(m) == shape or _name(m) in _ALIAS or _name(m) in _MATMUL))
+                    and (_shape(m) == shape or _name(m) in _ALIAS or is_op(m, _MATMUL)))
 
         picked.add(sm.name)
         up, down = [sm], [sm]
@@ -116,11 +118,11 @@ def _attention_core(fwd: list[fx.Node], layer: dict[str, str]) -> set[str]:
             for a in up.pop().all_input_nodes:
                 if joins(a):
                     picked.add(a.name)
-                    if _name(a) not in _MATMUL:
+                    if not is_op(a, _MATMUL):
                         up.append(a)
         while down:  # on to the matmul with V, which is not taken
             for u in down.pop().users:
-                if joins(u) and _name(u) not in _MATMUL:
+                if joins(u) and not is_op(u, _MATMUL):
                     picked.add(u.name)
                     down.append(u)
     return picked

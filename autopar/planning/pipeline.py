@@ -30,7 +30,7 @@ from autopar.errors import PlanError
 from autopar.plan_context import attach, context_of
 from autopar.graph import TracedGraph
 from autopar.mesh import Mesh
-from autopar.capture.layers import layer_units
+from autopar.capture.layers import is_backward, layer_units
 from autopar.plan import Collective, PipelinePlan, Plan
 from autopar.solver.ilp import InfeasibleMemoryError, format_bytes
 from autopar.planning.assembly import traced_flops
@@ -111,7 +111,7 @@ def unit_costs(traced: TracedGraph, units: tuple[str, ...], prefix: str | None, 
     params = {p.node for p in traced.params}
     fw, bw = np.zeros(len(units)), np.zeros(len(units))
     state, act = np.zeros(len(units)), np.zeros(len(units))
-    backward = {n.name for n in nodes if n.meta.get("partitioner_tag") == "is_backward"}
+    backward = {n.name for n in nodes if is_backward(n)}
     for n in nodes:
         if n.name not in choice:
             continue
@@ -124,8 +124,8 @@ def unit_costs(traced: TracedGraph, units: tuple[str, ...], prefix: str | None, 
         t = costs.compute[n.name][choice[n.name]]
         (bw if n.name in backward else fw)[u] += t
         act[u] += costs.memory[n.name][choice[n.name]]
-    for name, is_backward, t in chosen_comm(space, costs, choice, backward):
-        (bw if is_backward else fw)[unit_of.get(name, len(units) - 1)] += t
+    for name, in_backward, t in chosen_comm(space, costs, choice, backward):
+        (bw if in_backward else fw)[unit_of.get(name, len(units) - 1)] += t
     send = _send_times(fwd, units, cand, pp, mesh)
     return [LayerCost(units[i], float(fw[i]), float(bw[i]), float(state[i]), float(act[i]), send[i])
             for i in range(len(units))]

@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 from autopar._torch_private import OpOverload
 
-from autopar.capture.layers import module_paths, node_phase
+from autopar.capture.layers import aten_ops, is_op, module_paths, node_phase
 from autopar.config import Config
 from autopar.graph import TracedGraph
 from autopar.capture.remat import recompute_nodes
@@ -17,8 +17,8 @@ from autopar.plan import NodePlan
 __all__ = ["NORMS", "applied_techniques", "describe_nodes", "local_elements", "param_shards",
            "precision"]
 
-# the normalisation ops sequence parallelism shards (as planner._pin_norms pins them)
-NORMS = {"native_layer_norm", "native_rms_norm", "_fused_rms_norm"}
+# the normalisation ops sequence parallelism shards (as solve.pin_norms pins them)
+NORMS = aten_ops("native_layer_norm", "native_rms_norm", "_fused_rms_norm")
 
 
 def describe_nodes(traced: TracedGraph, nodes: dict[str, NodePlan], compute: dict[str, float],
@@ -80,7 +80,7 @@ def _sequence_sharded(traced: TracedGraph, cand: Any, nodes: dict[str, NodePlan]
         return False
     axis = cand.names.index("tp")
     norms = [n.name for n in traced.gm.graph.nodes if n.op == "call_function"
-             and getattr(n.target, "__name__", "").split(".")[0] in NORMS and n.name in nodes
+             and is_op(n, NORMS) and n.name in nodes
              and nodes[n.name].inputs]
     return bool(norms) and all(nodes[n].inputs[0][axis] == "S(1)" for n in norms)
 

@@ -36,7 +36,7 @@ from autopar.cost_models.training_step import (
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
 from autopar.capture.remat import is_random
-from autopar.capture.layers import block_fingerprint, block_prefix, layer_units
+from autopar.capture.layers import is_backward, block_fingerprint, block_prefix, layer_units
 from autopar.planning.pipeline import batch_size, chosen_comm, unflatten_inputs
 from autopar.planning.candidates import Candidate
 from autopar.planning.solve import solve_space, unpinned_space
@@ -179,7 +179,7 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
 
     nodes = list(traced.gm.graph.nodes)
     units, unit_of = layer_units(nodes, fwd.units[1].rsplit(".", 1)[0], 2)
-    backward = {n.name for n in nodes if n.meta.get("partitioner_tag") == "is_backward"}
+    backward = {n.name for n in nodes if is_backward(n)}
     acc = [dict(f=0.0, b=0.0, fc=0.0, bc=0.0, state=0.0, act=0.0, elems=0.0, attn_f=0.0,
                 attn_b=0.0) for _ in units]
     seq = _seq_len(traced)
@@ -210,8 +210,8 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
         if n.name not in backward and _is_attention_core(n, seq):
             a["attn_f"] += costs.compute[n.name][i]
             a["attn_b"] += costs.memory[n.name][i]
-    for name, is_backward, t in chosen_comm(space, costs, choice, backward):
-        acc[unit_of.get(name, len(units) - 1)]["bc" if is_backward else "fc"] += t
+    for name, in_backward, t in chosen_comm(space, costs, choice, backward):
+        acc[unit_of.get(name, len(units) - 1)]["bc" if in_backward else "fc"] += t
     unit = lambda a: UnitCosts(a["f"] + a["fc"], a["b"] + a["bc"], a["fc"], a["bc"],  # noqa: E731
                                a["state"], a["act"], a["elems"], a["attn_f"], a["attn_b"])
     boundary = _boundary_bytes(fwd)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
+import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar.config import Config
@@ -22,6 +23,7 @@ from autopar.planning.records import (
     NORMS,
 )
 from autopar.plan_context import ExplainContext, attach, context_of
+from autopar.capture.layers import is_backward, is_op
 from autopar.capture.remat import recompute_nodes
 from autopar.strategies.space import StrategySpace, build_space
 
@@ -126,6 +128,9 @@ def _shard_states(traced: TracedGraph, space: StrategySpace, cand: Candidate) ->
 
 
 
+_ADD = frozenset({torch.ops.aten.add.Tensor})  # the residual add (the Tensor overload only)
+
+
 def _pin_norms(traced: TracedGraph, space: StrategySpace, axis: int, sharded: bool) -> None:
     """Keep the layer-norm strategies whose input on ``axis`` is ``Shard(1)`` (``sharded``) or
     ``Replicate`` (not ``sharded``). Sharded, the forward's residual adds (the adds of the
@@ -136,8 +141,7 @@ def _pin_norms(traced: TracedGraph, space: StrategySpace, axis: int, sharded: bo
     want = Shard(1) if sharded else Replicate()
     norm_shapes = set()
     for n in traced.gm.graph.nodes:
-        name = getattr(n.target, "__name__", "").split(".")[0]
-        if n.op != "call_function" or name not in NORMS or n.name not in space.nodes:
+        if not is_op(n, NORMS) or n.name not in space.nodes:
             continue
         norm_shapes.add(tuple(n.args[0].meta["val"].shape))
         _keep(space, n.name, lambda s: s.inputs and s.inputs[0][axis] == want,
@@ -146,8 +150,7 @@ def _pin_norms(traced: TracedGraph, space: StrategySpace, axis: int, sharded: bo
     if not sharded:
         return
     for n in traced.gm.graph.nodes:
-        if n.op == "call_function" and getattr(n.target, "__name__", "") == "add.Tensor" and \
-                n.meta.get("partitioner_tag") != "is_backward" and n.name in space.nodes and \
+        if is_op(n, _ADD) and not is_backward(n) and n.name in space.nodes and \
                 tuple(n.meta["val"].shape) in norm_shapes and len(n.all_input_nodes) == 2:
             _keep(space, n.name, lambda s: s.outputs[0] is not None and s.outputs[0][axis] == want,
                   f"residual add {n.name} has no strategy with its output Shard(1) on the tp "

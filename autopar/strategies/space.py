@@ -51,12 +51,16 @@ class Strategy:
 
 @dataclass(frozen=True)
 class NodeSpace:
-    """Candidate strategies of one node; ``inputs`` are the values its tensor inputs read."""
+    """Candidate strategies of one node; ``inputs`` are the values its tensor inputs read;
+    ``op`` the aten op overload it calls (``torch.ops.aten.addmm.default``; ``None`` for a
+    placeholder or a constant): what a cost pass matches on (``ns.op.overloadpacket is
+    torch.ops.aten.addmm``)."""
 
     node: str
     strategies: tuple[Strategy, ...]
     inputs: tuple[Value, ...]
     source: str
+    op: Any = None
 
 
 @dataclass(frozen=True)
@@ -226,7 +230,7 @@ class _Builder:
         inputs = tensor_inputs(n)
         values = tuple(self.value(a) for a in inputs)
         strategies, source = self._enumerate(n, inputs)
-        self.nodes[n.name] = NodeSpace(n.name, tuple(strategies), values, source)
+        self.nodes[n.name] = NodeSpace(n.name, tuple(strategies), values, source, n.target)
 
     def _enumerate(self, n: fx.Node, inputs: list[fx.Node]) -> tuple[list[Strategy], str]:
         if not inputs:
@@ -379,7 +383,8 @@ def _build(traced: TracedGraph, mesh: Any, axis_names: Sequence[str], dp_axes: S
             if key in built:
                 first = b.nodes[built[key]]
                 values = tuple(b.value(a) for a in tensor_inputs(n))
-                b.nodes[n.name] = NodeSpace(n.name, first.strategies, values, first.source)
+                b.nodes[n.name] = NodeSpace(n.name, first.strategies, values, first.source,
+                                            n.target)
             else:
                 b.op(n)
                 built[key] = n.name

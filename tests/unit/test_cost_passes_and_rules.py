@@ -51,10 +51,16 @@ def test_cost_pass_sees_costs_space_and_topology(megatron):
         seen["mesh"] = space.mesh_shape
         seen["aligned"] = all(len(costs.compute[n]) == len(ns.strategies)
                               for n, ns in space.nodes.items())
+        # every op node says which aten op it calls: a pass can match ops, not node names
+        ops = {ns.op.overloadpacket for ns in space.nodes.values() if ns.op is not None}
+        seen["ops"] = {torch.ops.aten.addmm, torch.ops.aten.native_layer_norm} <= ops
+        seen["placeholders"] = all(ns.op is None for ns in space.nodes.values()
+                                   if ns.source in ("param", "input", "tangent"))
         return costs
 
     again = autopar.plan(model, mesh, inputs, config=autopar.Config(tp=2), cost_passes=[spy])
-    assert seen == {"topology": "a100-dgx", "mesh": (2,), "aligned": True}
+    assert seen == {"topology": "a100-dgx", "mesh": (2,), "aligned": True, "ops": True,
+                    "placeholders": True}
     assert again.digest() == plan.digest()  # a pass that changes nothing changes nothing
 
 
