@@ -6,10 +6,8 @@
 
 ``MODEL`` is a built-in preset (:func:`autopar.model_presets.preset`: ``gpt3-175b``, ``gpt2-small``,
 ``llama-7b``, ...) or ``module:function``, a function called with ``batch=`` and ``seq=`` that
-returns ``(model, example_inputs)``. ``plan`` runs the cluster search
-(:func:`autopar.search`; the model must be built from identical blocks) and prints the chosen
-setup; ``--per-operator`` runs :func:`autopar.plan` instead (per-operator placements, for models
-small enough to trace whole). Progress goes to stderr.
+returns ``(model, example_inputs)``. ``plan`` runs :func:`autopar.plan` (the setup search, then
+the chosen setup's per-operator placements) and prints the plan. Progress goes to stderr.
 """
 
 from __future__ import annotations
@@ -87,10 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", choices=("none", "selective", "full"), default=None)
     p.add_argument("--zero", type=int, choices=(0, 1), default=None)
     p.add_argument("--memory-gib", type=float, default=None, help="per-device budget (default: the hardware's)")
-    p.add_argument("--per-operator", action="store_true", help="autopar.plan (whole-model ILP) instead of the search")
-    p.add_argument("--operators", action="store_true", help="list every operator (with --per-operator)")
+    p.add_argument("--per-operator", action="store_true",
+                   help="accepted for older scripts: every plan has per-operator placements now")
+    p.add_argument("--operators", action="store_true", help="list every operator")
     p.add_argument("--explain", metavar="TARGET", action="append", default=[],
-                   help="why a node, parameter or module is placed as it is (with --per-operator; repeatable)")
+                   help="why a node, parameter or module is placed as it is (repeatable)")
     _outputs(p)
     s = sub.add_parser("simulate", help="replay a saved plan's step; print it, draw it")
     s.add_argument("plan", help="a plan saved with plan.save / --json")
@@ -119,10 +118,7 @@ def _plan(args: argparse.Namespace) -> Any:
                             recompute=args.recompute, zero=args.zero,
                             memory_bytes=args.memory_gib * 2**30 if args.memory_gib else None)
     t0 = time.perf_counter()
-    if args.per_operator:
-        plan = autopar.plan(model, mesh, inputs, config=config, progress=say)
-    else:
-        plan = autopar.search(model, mesh, inputs, config=config, progress=say)
+    plan = autopar.plan(model, mesh, inputs, config=config, progress=say)
     say(f"planned in {time.perf_counter() - t0:.1f} s")
     return plan
 
@@ -155,8 +151,6 @@ def main(argv: list[str]) -> int:
     """Run ``plan`` or ``simulate`` with ``argv`` (the words after ``python -m autopar``)."""
     args = build_parser().parse_args(argv)
     if args.command == "plan":
-        if (args.explain or args.operators) and not args.per_operator:
-            raise SystemExit("--explain and --operators need per-operator choices: add --per-operator")
         plan = _plan(args)
         print(plan)
         if args.operators:

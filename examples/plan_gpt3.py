@@ -1,13 +1,14 @@
 """Plan GPT-3 175B for a virtual cluster of 1,024 A100s (128 DGX nodes of 8), on this machine.
 
-    python examples/plan_gpt3.py                       # about 20 s on 2 CPU cores
+    python examples/plan_gpt3.py                       # about a minute on 2 CPU cores
     python examples/plan_gpt3.py --json plan.json --trace step.json --svg step.svg
 
 The model is built under ``FakeTensorMode``: no weight is ever allocated. ``autopar.search``
-searches degrees (tp inside a node), pipeline schedule and microbatches, recomputation, ZeRO-1
-and sequence parallelism from one per-layer ILP per distinct layer shape, and prints the
-winner next to the setup Megatron-LM's authors used for this model (Narayanan et al., SC'21,
-Table 1: tp=8, pp=16, dp=8, microbatch 1, interleaved schedule).
+(``autopar.plan`` with alternatives) searches degrees (tp inside a node), pipeline schedule and
+microbatches, recomputation, ZeRO-1 and sequence parallelism from one per-layer ILP per
+distinct layer shape, then solves the winner's per-operator placements (a runnable plan), and
+prints it; Megatron-LM's authors used tp=8, pp=16, dp=8, microbatch 1 and the interleaved
+schedule for this model (Narayanan et al., SC'21, Table 1).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def main(argv: Sequence[str] | None = None) -> autopar.Plan:
     mesh = autopar.Mesh.virtual(args.hardware, nodes=args.nodes, gpus_per_node=args.gpus_per_node)
     t0 = time.perf_counter()
     plan = autopar.search(model, mesh, inputs, progress=lambda msg: print("  " + msg, flush=True))
-    print(f"searched in {time.perf_counter() - t0:.1f} s\n")
+    print(f"planned in {time.perf_counter() - t0:.1f} s\n")
     print(plan)
     flops = plan.predicted["model_flops"] / plan.step_breakdown()["total_s"] / mesh.size
     print(f"\npredicted {flops / 1e12:.0f} TFLOP/s per GPU (model FLOPs, no recomputation)")

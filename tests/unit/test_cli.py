@@ -46,8 +46,10 @@ def test_plan_a_module_function_per_operator(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "parameters" in out and "every operator" in out and "aten.addmm" in out
     assert "why 'blocks.0.fc1'" in out and "vs chosen" in out
-    with pytest.raises(SystemExit, match="add --per-operator"):
-        main(["plan", "mymodel:make", "--batch", "8", "--explain", "blocks.0.fc1"])
+    # every plan has per-operator placements: --explain needs no other flag
+    assert main(["plan", "mymodel:make", "--mesh", "1x2", "--hardware", "cpu-gloo", "--batch", "8",
+                 "--seq", "16", "--explain", "blocks.0.fc1"]) == 0
+    assert "why 'blocks.0.fc1'" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="cannot load"):
         main(["plan", "mymodel:nope", "--batch", "8"])
     with pytest.raises(SystemExit, match="unknown model preset"):
