@@ -47,7 +47,9 @@ class UnitCosts:
 
     ``forward_comm_s`` / ``backward_comm_s`` are the collective parts of ``forward_s`` /
     ``backward_s``. ``param_elements``: parameter elements this rank holds for the unit.
-    ``attention_forward_s`` / ``attention_bytes``: the attention core's share ([SEL]).
+    ``attention_forward_s`` / ``attention_bytes``: the attention core's share ([SEL]);
+    ``random_bytes``: the values of random ops (dropout), which no recomputation re-runs (the
+    runtime never replays a draw), so they stay saved under every policy.
     """
 
     forward_s: float
@@ -59,6 +61,7 @@ class UnitCosts:
     param_elements: float
     attention_forward_s: float = 0.0
     attention_bytes: float = 0.0
+    random_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -170,8 +173,8 @@ def _flight(schedule: str, pp: int, v: int, m: int) -> tuple[int, ...]:
 def _block_parts(lc: LayerCosts, recompute: str) -> tuple[float, float, float]:
     """(forward s, backward s, saved bytes) of one block under ``recompute`` ([MEG], [SEL])."""
     b = lc.block
-    if recompute == "full":
-        return b.forward_s, b.backward_s + b.forward_s, lc.input_bytes
+    if recompute == "full":  # the block's input, and its random values (never re-drawn)
+        return b.forward_s, b.backward_s + b.forward_s, lc.input_bytes + b.random_bytes
     if recompute == "selective":
         return b.forward_s, b.backward_s + b.attention_forward_s, b.activation_bytes - b.attention_bytes
     return b.forward_s, b.backward_s, b.activation_bytes
@@ -231,8 +234,11 @@ def _sync_per_microbatch(lc: LayerCosts, setup: Setup, elems: list[float], fw: l
                          bw: list[float], topology: Topology) -> tuple[list[float], list[float]]:
     """Stage times when every microbatch reduces the stage's gradients over dp in its backward
     (all-reduce; ZeRO-1: reduce-scatter, with the parameters all-gathered in every forward),
-    each collective overlapping the stage's compute as the runtime issues it (bucketed, as the
-    gradients appear): a stage takes the longer of its compute and its collectives."""
+    each overlapping the stage's compute (the stage takes the longer of the two). Optimistic
+    against the runtime, which issues a ZeRO gather where the parameter is used and runs every
+    collective on one stream (the per-operator plan's overlap replay prices that); pricing it
+    so here steers the search to setups whose stages then do not fit per operator (the stage
+    memory model is coarser than the per-operator one): both are left to part 2."""
     out_f, out_b = [], []
     for f, b, n in zip(fw, bw, elems):
         nbytes = n * lc.param_itemsize

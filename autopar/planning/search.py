@@ -181,7 +181,7 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
     units, unit_of = layer_units(nodes, fwd.units[1].rsplit(".", 1)[0], 2)
     backward = {n.name for n in nodes if is_backward(n)}
     acc = [dict(f=0.0, b=0.0, fc=0.0, bc=0.0, state=0.0, act=0.0, elems=0.0, attn_f=0.0,
-                attn_b=0.0) for _ in units]
+                attn_b=0.0, rand=0.0) for _ in units]
     seq = _seq_len(traced)
     params = {p.node: p for p in traced.params}
     by_name = {p.name: p for p in traced.params}
@@ -207,13 +207,16 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
         a = acc[unit_of.get(n.name, len(units) - 1)]
         a["b" if n.name in backward else "f"] += costs.compute[n.name][i]
         a["act"] += costs.memory[n.name][i]
+        if n.name not in backward and is_random(n):
+            a["rand"] += costs.memory[n.name][i]
         if n.name not in backward and _is_attention_core(n, seq):
             a["attn_f"] += costs.compute[n.name][i]
             a["attn_b"] += costs.memory[n.name][i]
     for name, in_backward, t in chosen_comm(space, costs, choice, backward):
         acc[unit_of.get(name, len(units) - 1)]["bc" if in_backward else "fc"] += t
     unit = lambda a: UnitCosts(a["f"] + a["fc"], a["b"] + a["bc"], a["fc"], a["bc"],  # noqa: E731
-                               a["state"], a["act"], a["elems"], a["attn_f"], a["attn_b"])
+                               a["state"], a["act"], a["elems"], a["attn_f"], a["attn_b"],
+                               a["rand"])
     boundary = _boundary_bytes(fwd)
     itemsize = traced.params[0].dtype.itemsize if traced.params else 4
     return LayerCosts(unit(acc[0]), unit(acc[2]), unit(acc[-1]), num_blocks, tied_state, tied_elems,
