@@ -1,4 +1,5 @@
-"""``Plan``: what the solver chose, frozen, with JSON round trip and readable tables."""
+"""``Plan``: what the planner chose, frozen, with its JSON round trip (data; the tables, pictures
+and explanations of a plan are in :mod:`autopar.report`)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from tabulate import tabulate
 
 from autopar.errors import PlanError
 
@@ -266,31 +266,6 @@ class Plan:
         return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()
 
     # ---- views -------------------------------------------------------------------------------
-    def _stage_table(self) -> str:
-        pipe = self.pipeline
-        times = pipe.predicted.get("stage_time_s", [])
-        forward = pipe.predicted.get("stage_forward_s") or [
-            s.predicted.get("forward_s", 0.0) for s in pipe.stages]
-        memory = pipe.predicted.get("peak_memory_bytes", [])
-        stage_memory = pipe.predicted.get("stage_memory_bytes") or [
-            s.predicted.get("peak_memory_bytes", 0.0) for s in pipe.stages]
-        pp = self.degrees.get("pp", 1)
-        per_rank = max(1, self.degrees.get("dp", 1) * self.degrees.get("tp", 1))
-        rows = []
-        for j in range(pipe.num_stages):
-            units = pipe.stage_units(j)
-            span = units[0] if len(units) == 1 else f"{units[0]} .. {units[-1]} ({len(units)})"
-            first = (j % pp) * per_rank  # the pp axis is outermost: rank = pp_rank * dp * tp + ...
-            devices = f"{first}" if per_rank == 1 else f"{first}-{first + per_rank - 1}"
-            fw = forward[j] if j < len(forward) else None
-            rows.append([j, devices, span,
-                         f"{fw * 1e3:.3f}" if fw is not None else "",
-                         f"{(times[j] - fw) * 1e3:.3f}" if fw is not None and j < len(times) else "",
-                         f"{stage_memory[j] / 2**20:.1f}" if j < len(stage_memory) else "",
-                         f"{memory[j % pp] / 2**20:.1f}" if j % pp < len(memory) else ""])
-        return tabulate(rows, headers=["stage", "ranks", "layers", "forward ms / mb",
-                                       "backward ms / mb", "stage peak MiB", "rank peak MiB"])
-
     def step_breakdown(self) -> dict[str, float]:
         """The predicted training step, split into ``compute_s``, ``exposed_comm_s`` (the
         collectives and pipeline sends no compute hides), ``bubble_s`` (pipeline fill and
@@ -319,55 +294,12 @@ class Plan:
         return {"compute_s": compute, "exposed_comm_s": max(total - compute - bubble - opt, 0.0),
                 "bubble_s": bubble, "optimizer_s": opt, "total_s": total}
 
-    def _breakdown_table(self) -> str:
-        parts = self.step_breakdown()
-        total = parts["total_s"] or 1.0
-        rows = [[label, f"{parts[k] * 1e3:.3f}", f"{parts[k] / total:.1%}"]
-                for k, label in (("compute_s", "compute"), ("exposed_comm_s", "exposed communication"),
-                                 ("bubble_s", "pipeline bubble"), ("optimizer_s", "optimizer"))]
-        rows.append(["training step", f"{parts['total_s'] * 1e3:.3f}", "100.0%"])
-        return tabulate(rows, headers=["predicted step", "ms", "share"])
-
     def operator_table(self, expand: bool | Sequence[str] = False) -> str:
-        """Per operator: its placements per mesh axis (outputs, then the inputs it needs) and
-        its predicted compute and communication milliseconds per step.
+        """Per operator: its placements per mesh axis and predicted compute and communication
+        milliseconds per step (:func:`autopar.report.tables.operator_table`)."""
+        from autopar.report.tables import operator_table
 
-        ``expand=False`` collapses each layer to one line (layers with identical figures in a
-        row share one line), ``True`` lists every operator, a list of layer names (``"blocks.3"``,
-        ``""`` for nodes outside the repeated layers) lists those layers' operators. A pipelined
-        plan's operators are in its stages: ``plan.pipeline.stages[j].operator_table()``.
-        """
-        if not self.nodes:
-            return "(no per-operator choices in this plan)"
-        ops = [(name, n) for name, n in self.nodes.items() if n.op and n.op not in ("placeholder", "getitem")]
-        if not ops:
-            return "(this plan was saved without per-operator costs; plan again to see them)"
-        show = (lambda layer: True) if expand is True else (
-            (lambda layer: False) if expand is False else (lambda layer, e=set(expand): layer in e))
-        fmt = lambda pl: "[" + ", ".join(pl) + "]" if pl is not None else "-"  # noqa: E731
-        by_layer: dict[str, list[tuple[str, NodePlan]]] = {}
-        for name, n in ops:
-            by_layer.setdefault(n.layer, []).append((name, n))
-        rows: list[list[Any]] = []
-        for layer, members in by_layer.items():
-            if show(layer):
-                rows += [[name, n.op, n.module or "-", n.phase, " ".join(fmt(o) for o in n.outputs),
-                          " ".join(fmt(i) for i in n.inputs), f"{n.compute_s * 1e3:.4f}",
-                          f"{n.comm_s * 1e3:.4f}"] for name, n in members]
-                continue
-            fw = sum(n.compute_s for _, n in members if n.phase == "forward")
-            bw = sum(n.compute_s for _, n in members if n.phase != "forward")
-            comm = sum(n.comm_s for _, n in members)
-            row = [layer or "(outside the layers)", f"{len(members)} ops", "", "", "", "",
-                   f"{fw * 1e3:.4f} fw + {bw * 1e3:.4f} bw", f"{comm * 1e3:.4f}"]
-            prev = rows[-1] if rows else None
-            if prev is not None and prev[1:] == row[1:] and layer and prev[0].startswith(
-                    layer.rsplit(".", 1)[0] + "."):
-                prev[0] = prev[0].split(" .. ")[0] + f" .. {layer}"
-            else:
-                rows.append(row)
-        return tabulate(rows, headers=["node / layer", "op", "module", "phase", "outputs per axis",
-                                       "inputs per axis", "compute ms", "comm ms"])
+        return operator_table(self, expand)
 
     def _collectives_of(self, phase: str | None, axis: str | None, pp_rank: int | None
                         ) -> list[Collective]:
@@ -401,79 +333,12 @@ class Plan:
         return out
 
     def compare(self, other: "Plan") -> str:
-        """What differs between this plan (``A``) and ``other`` (``B``), as tables: degrees,
-        schedule, techniques and predictions, collectives by kind, and the parameters placed
-        differently."""
-        def summary(p: "Plan") -> dict[str, Any]:
-            pipe = p.pipeline
-            return {"mesh": " x ".join(f"{n}={s}" for n, s in zip(p.axis_names, p.mesh_shape)),
-                    **{f"degree {k}": v for k, v in p.degrees.items()},
-                    "schedule": f"{pipe.schedule} v={pipe.virtual_stages} m={pipe.microbatches}"
-                    if pipe else "none",
-                    **{f"technique {k}": v for k, v in p.techniques.items()},
-                    "step ms": round(p.predicted.get("step_time_s", 0.0) * 1e3, 3),
-                    "peak MiB / device": round(p.predicted.get("peak_memory_bytes", 0.0) / 2**20, 1),
-                    **{f"{k} per step": v for k, v in sorted(p.collective_counts().items())}}
+        """What differs between this plan and ``other`` (:func:`autopar.report.tables.compare`)."""
+        from autopar.report.tables import compare
 
-        a, b = summary(self), summary(other)
-        rows = [[k, a.get(k, "-"), b.get(k, "-")] for k in dict.fromkeys([*a, *b])
-                if a.get(k, "-") != b.get(k, "-")]
-        parts = [tabulate(rows, headers=["", "A", "B"]) if rows else "same setup and predictions"]
-        moved = [[n, ", ".join(self.params[n]), ", ".join(other.params[n])]
-                 for n in self.params if n in other.params and self.params[n] != other.params[n]]
-        if moved:
-            parts += ["", f"parameters placed differently ({len(moved)})",
-                      tabulate(moved, headers=["name", "A", "B"])]
-        return "\n".join(parts)
+        return compare(self, other)
 
     def __str__(self) -> str:
-        head = [
-            ["mesh", " x ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.mesh_shape))
-             + f" ({self.topology})"],
-            ["degrees", ", ".join(f"{k}={v}" for k, v in self.degrees.items())],
-            ["predicted step time", f"{self.predicted.get('step_time_s', 0) * 1e3:.3f} ms"],
-            ["  compute / comm", f"{self.predicted.get('compute_s', 0) * 1e3:.3f} / "
-                                 f"{self.predicted.get('comm_s', 0) * 1e3:.3f} ms"],
-            ["peak memory / device", f"{self.predicted.get('peak_memory_bytes', 0) / 2**20:.1f} MiB"],
-            *([["model FLOPs / MFU", f"{self.predicted['model_flops'] / 1e12:.4g} TFLOP per step, "
-                                     f"MFU {self.predicted['mfu']:.1%}"]]
-              if "mfu" in self.predicted else []),
-            ["solver", f"{self.solver.get('status')} ({self.solver.get('backend')}, gap "
-                       f"{self.solver.get('gap', 0):.2g}, {self.solver.get('solve_time_s', 0):.2f} s)"],
-        ]
-        if self.techniques:
-            head += [["techniques", ", ".join(f"{k}={v}" for k, v in self.techniques.items())]]
-        if self.pipeline is not None:
-            pipe = self.pipeline
-            head += [["pipeline", f"{pipe.schedule}, {pipe.num_stages} stages ({pipe.virtual_stages} "
-                                  f"per rank), {pipe.microbatches} microbatches of "
-                                  f"{pipe.microbatch_size}"],
-                     ["  idle", f"{pipe.predicted.get('bubble_fraction', 0):.1%} of the step, "
-                                f"mean over pipeline ranks"]]
-        parts = ["autopar plan", tabulate(head, tablefmt="simple"), "", self._breakdown_table()]
-        if self.pipeline is not None:
-            parts += ["", "pipeline stages", self._stage_table()]
-        if self.nodes:
-            many = sum(1 for n in self.nodes.values() if n.op not in ("", "placeholder", "getitem")) > 40
-            parts += ["", "operators" + (" (one line per layer; plan.operator_table(expand=True) "
-                                         "lists each)" if many else ""),
-                      self.operator_table(expand=not many)]
-        if self.params:
-            prm = [[name, "[" + ", ".join(p) + "]"] for name, p in self.params.items()]
-            parts += ["", "parameters", tabulate(prm, headers=["name", "placement per axis"])]
-        counts: Counter = Counter((c.layer or "-", c.phase, c.kind, c.axis) for c in self.collectives)
-        nbytes: Counter = Counter()
-        for c in self.collectives:
-            nbytes[(c.layer or "-", c.phase, c.kind, c.axis)] += c.bytes
-        rows = [[*k, v, nbytes[k]] for k, v in counts.items()]
-        if rows or self.params:
-            parts += ["", "collectives per step",
-                      tabulate(rows, headers=["layer", "phase", "kind", "axis", "count", "bytes"])
-                      if rows else "(none)"]
-        alts = [[a.get("setup", a.get("degrees")), f"{a['step_time_s'] * 1e3:.3f}"]
-                for a in self.alternatives if "step_time_s" in a]
-        if alts:
-            parts += ["", "alternatives", tabulate(alts, headers=["setup", "predicted step ms"])]
-        if self.warnings:
-            parts += ["", "warnings"] + [f"- {w}" for w in self.warnings]
-        return "\n".join(parts)
+        from autopar.report.tables import render
+
+        return render(self)
