@@ -36,7 +36,7 @@ from autopar.config import Config
 from autopar.errors import PlanError
 from autopar.plan_context import attach, context_of
 from autopar.mesh import Mesh
-from autopar.capture.layers import block_prefix
+from autopar.capture.layers import identical_blocks
 from autopar.plan import Plan
 from autopar.solver.ilp import InfeasibleMemoryError
 from autopar.planning.pipeline import ModelFacts, PipelineSetup, build_pipeline_plan
@@ -92,8 +92,7 @@ def plan_model(model: nn.Module, mesh: Mesh, example_inputs: Any, config: Config
 
 
 def _blocks(model: nn.Module) -> int:
-    prefix = block_prefix([n for n, _ in model.named_parameters(remove_duplicate=False)])
-    return len(model.get_submodule(prefix)) if prefix else 1
+    return identical_blocks(model)[1] or 1
 
 
 def _first_line(e: Exception) -> str:

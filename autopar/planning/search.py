@@ -36,7 +36,9 @@ from autopar.cost_models.training_step import (
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
 from autopar.capture.remat import is_random
-from autopar.capture.layers import is_backward, block_fingerprint, block_prefix, layer_units
+from autopar.capture.layers import (
+    block_fingerprint, block_prefix, identical_blocks, is_backward, layer_units,
+)
 from autopar.planning.pipeline import batch_size, chosen_comm, unflatten_inputs
 from autopar.planning.candidates import Candidate
 from autopar.planning.solve import solve_space, unpinned_space
@@ -359,13 +361,12 @@ def search_unsupported(model: nn.Module, example_inputs: Any, mesh: Mesh,
     if config.tp is not None and config.tp not in tp_degrees(mesh.size, node):
         return (f"tp={config.tp} on nodes of {node} devices (the search forms tp groups inside "
                 f"a node, or of whole nodes up to {TP_ACROSS_NODES_MAX} devices)")
-    prefix = block_prefix([n for n, _ in model.named_parameters(remove_duplicate=False)])
+    prefix, count, kinds = identical_blocks(model)
     if prefix is None:
         return f"{type(model).__name__} has no list of repeated blocks"
-    blocks = model.get_submodule(prefix)
-    if not isinstance(blocks, (nn.ModuleList, nn.Sequential)) or len(blocks) < 2:
+    if count < 2:
         return f"{prefix!r} is not a list of two or more blocks"
-    if len({block_fingerprint(b) for b in blocks}) > 1:
+    if kinds > 1:
         return f"the blocks of {prefix!r} differ"
     try:
         batch_size(example_inputs)
