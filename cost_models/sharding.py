@@ -27,7 +27,8 @@ from autopar.strategies.space import (
     Placements, Strategy, StrategySpace, tensor_inputs, boundary_placements,
 )
 
-__all__ = ["SpaceCosts", "price_space", "reshard_time", "state_bytes_per_element"]
+__all__ = ["SpaceCosts", "price_space", "recomputed_bytes", "reshard_time",
+           "state_bytes_per_element"]
 
 # Ops that only alias or re-describe memory: no compute, no traffic.
 _FREE = {"getitem", "detach", "t", "view", "_unsafe_view", "transpose", "permute", "expand",
@@ -196,9 +197,7 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
                                        for s in ns.strategies]) * (2.0 if again else 1.0)
         compute[name] = cache[key]
         if again:
-            outs = tuple(i for i, v in enumerate(_val_list(n.meta.get("val")))
-                         if isinstance(v, torch.Tensor)) if _alias_root(n)[0] is n else ()
-            recomputed[name] = _memory(n, ns.strategies, mesh_shape, False, False, outs, optimizer)
+            recomputed[name] = recomputed_bytes(n, ns.strategies, mesh_shape)
         mkey = ("m", id(ns.strategies), sig, name in params, name in tied, saved.get(name))
         if mkey not in cache:
             cache[mkey] = _memory(n, ns.strategies, mesh_shape, name in params, name in tied,
@@ -312,6 +311,15 @@ def _saved_for_backward(traced: TracedGraph, recompute: frozenset[str] = frozens
             for a in n.all_input_nodes:
                 read(a)
     return {k: tuple(sorted(v)) for k, v in saved.items()}
+
+
+def recomputed_bytes(n: fx.Node, strategies: Sequence[Strategy],
+                     mesh_shape: tuple[int, ...]) -> np.ndarray:
+    """Per strategy, the bytes a recomputed node's outputs occupy on one rank while its block's
+    backward runs (nothing for a view or ``getitem``: its base holds the memory)."""
+    outs = tuple(i for i, v in enumerate(_val_list(n.meta.get("val")))
+                 if isinstance(v, torch.Tensor)) if _alias_root(n)[0] is n else ()
+    return _memory(n, strategies, mesh_shape, False, False, outs, "sgd")
 
 
 def _alias_root(a: fx.Node) -> tuple[fx.Node, int]:

@@ -50,6 +50,8 @@ class UnitCosts:
     ``attention_forward_s`` / ``attention_bytes``: the attention core's share ([SEL]);
     ``random_bytes``: the values of random ops (dropout), which no recomputation re-runs (the
     runtime never replays a draw), so they stay saved under every policy.
+    ``recompute_peak_bytes``: per policy, the bytes the unit's recomputed values occupy at once
+    while its backward runs (held for one unit at a time, not per microbatch).
     """
 
     forward_s: float
@@ -62,6 +64,11 @@ class UnitCosts:
     attention_forward_s: float = 0.0
     attention_bytes: float = 0.0
     random_bytes: float = 0.0
+    recompute_peak_bytes: tuple[tuple[str, float], ...] = ()
+
+    def peak(self, policy: str) -> float:
+        """The recomputed values' bytes under ``policy`` (0 for ``"none"``)."""
+        return dict(self.recompute_peak_bytes).get(policy, 0.0)
 
 
 @dataclass(frozen=True)
@@ -213,9 +220,11 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
     chunk = max(f + b for f, b in zip(fw, bw))
     pipe = m * max(busy) + (p - 1) * chunk
     flight = _flight(setup.schedule, p, v, m)
-    zero_scale = _zero_state_scale(lc, setup)
     memory = [0.0] * p
-    stage_memory = [state[j] * zero_scale + act[j] * flight[j] for j in range(stages)]
+    # a stage holding blocks also holds one block's recomputed values during its backward
+    peak = lc.block.peak(setup.recompute)
+    stage_memory = [_state_memory(lc, setup, state[j], elems[j]) + act[j] * flight[j]
+                    + (counts[j] > 0) * peak for j in range(stages)]
     for j in range(stages):
         memory[j % p] += stage_memory[j]
     dp_s, tied_s, opt_s = _step_end(lc, setup, max(rank(elems)), topology)
@@ -233,12 +242,13 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
 def _sync_per_microbatch(lc: LayerCosts, setup: Setup, elems: list[float], fw: list[float],
                          bw: list[float], topology: Topology) -> tuple[list[float], list[float]]:
     """Stage times when every microbatch reduces the stage's gradients over dp in its backward
-    (all-reduce; ZeRO-1: reduce-scatter, with the parameters all-gathered in every forward),
-    each overlapping the stage's compute (the stage takes the longer of the two). Optimistic
-    against the runtime, which issues a ZeRO gather where the parameter is used and runs every
-    collective on one stream (the per-operator plan's overlap replay prices that); pricing it
-    so here steers the search to setups whose stages then do not fit per operator (the stage
-    memory model is coarser than the per-operator one): both are left to part 2."""
+    (all-reduce; ZeRO-1: reduce-scatter, with the parameters all-gathered in every forward), as
+    the runtime runs them (:mod:`autopar.passes.overlap`, priced per operator by
+    :mod:`autopar.cost_models.overlap`): a ZeRO parameter is gathered where it is used and
+    waited for at once, so the gathers add to the forward; the gradient reductions are issued
+    when their gradients exist and hide behind the rest of the backward, unless tensor
+    parallelism's collectives, needed at once, queue behind them on the rank's one
+    communication channel (tp > 1), when they add to the backward too."""
     out_f, out_b = [], []
     for f, b, n in zip(fw, bw, elems):
         nbytes = n * lc.param_itemsize
@@ -248,8 +258,8 @@ def _sync_per_microbatch(lc: LayerCosts, setup: Setup, elems: list[float], fw: l
         else:
             gather = 0.0
             reduce = axis_collective_time("all_reduce", nbytes, setup.dp, setup.tp, topology)
-        out_f.append(max(f, gather))
-        out_b.append(max(b, reduce))
+        out_f.append(f + gather)
+        out_b.append(b + reduce if setup.tp > 1 else max(b, reduce))
     return out_f, out_b
 
 
@@ -292,16 +302,24 @@ def _comm_per_stage(lc: LayerCosts, counts: tuple[int, ...], recompute: str) -> 
     return out
 
 
-def _zero_state_scale(lc: LayerCosts, setup: Setup) -> float:
-    """Share of the training state a rank keeps under ZeRO-1: the optimizer part over dp
-    ([ZERO] sec. 5.1; Megatron's distributed optimizer: 6 + 12/d of 18 bytes in mixed precision)."""
+def _state_memory(lc: LayerCosts, setup: Setup, state: float, elements: float) -> float:
+    """Bytes of training state a rank keeps for a stage holding ``state`` bytes of parameters,
+    gradients and optimizer states (``elements`` parameter elements) without ZeRO.
+
+    ZeRO-1 as Megatron-LM's distributed optimizer runs it (``grad_sync="step"``): the optimizer
+    part over dp, 6 + 12/d of 18 bytes in mixed precision ([ZERO] sec. 5.1). As autopar's
+    runtime runs it (``grad_sync="microbatch"``): every parameter stored sharded over dp with its
+    gradient and optimizer states (a ``Shard`` DTensor, as FSDP2), plus the copy gathered for the
+    step's compute (priced so per operator: :mod:`autopar.cost_models.sharding`)."""
     if not setup.zero or setup.dp == 1:
-        return 1.0
+        return state
+    if setup.grad_sync == "microbatch":
+        return state / setup.dp + elements * lc.param_itemsize
     if lc.param_itemsize >= 4:
         total, opt = (16, 8) if lc.optimizer == "adam" else (8, 0)
     else:
         total, opt = (18, 12) if lc.optimizer == "adam" else (10, 4)
-    return (total - opt + opt / setup.dp) / total
+    return state * (total - opt + opt / setup.dp) / total
 
 
 def model_flops_megatron(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:

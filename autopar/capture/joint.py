@@ -333,12 +333,14 @@ def strip_input_grads(gm: fx.GraphModule, keep: int = 0) -> None:
 
 def build_traced(
     gm: fx.GraphModule, wrapper: nn.Module, in_spec: Any, is_fake: bool, elapsed: float,
-    stage: Any = None,
+    stage: Any = None, prefix: str | None = None,
 ) -> TracedGraph:
     """Read descriptors off the joint graph into a :class:`TracedGraph`.
 
     ``stage`` (a :class:`autopar.capture.stages.StageGraph`) marks a pipeline stage: its first
     ``num_boundary`` inputs are activations, and unless it is the last its outputs are too.
+    ``prefix``: the module list of the repeated blocks, when known (a stage holding one block
+    cannot show it); else found from the parameter names (:func:`block_prefix`).
     """
     nb = stage.num_boundary if stage is not None else 0
     has_loss = stage is None or stage.is_last
@@ -370,7 +372,7 @@ def build_traced(
     if len(input_grad) != len(boundary):
         raise CaptureError(f"pipeline stage {stage.index}: gradients of {len(input_grad)} of its "
                            f"{len(boundary)} boundary activations were traced; each must require grad.")
-    node_layer, layers = _layers(gm, params)
+    node_layer, layers = _layers(gm, params, prefix)
     return TracedGraph(
         gm=gm, params=tuple(params), inputs=tuple(inputs), buffers=tuple(buffers),
         tangent_nodes=tuple(tangents),
@@ -417,9 +419,10 @@ def _short(target: str) -> str:
     return target[len(_WRAP):] if target.startswith(_WRAP) else target
 
 
-def _layers(gm: fx.GraphModule, params: list[ParamInfo]) -> tuple[dict[str, str], tuple[Layer, ...]]:
+def _layers(gm: fx.GraphModule, params: list[ParamInfo], prefix: str | None = None
+            ) -> tuple[dict[str, str], tuple[Layer, ...]]:
     """Assign every node to a layer (``prefix.N`` of the repeated module, or ``""``)."""
-    prefix = block_prefix([p.name for p in params])
+    prefix = prefix or block_prefix([p.name for p in params])
     pat = re.compile(rf"^{re.escape(prefix)}\.(\d+)(\.|$)") if prefix else None
     param_layer = {}
     for p in params:

@@ -146,6 +146,7 @@ def capture_stages(fwd: ForwardGraph, stage_of_unit: Sequence[int], mb_inputs: S
     if fwd.fake_mode is not None:
         flat = to_fake(flat, fwd.fake_mode, model_device(fwd.gm))
     is_fake = model_is_fake(fwd.gm)
+    prefix = fwd.units[1].rsplit(".", 1)[0] if len(fwd.units) > 2 else None
     boundary: list[torch.Tensor] = []
     for st in stages:
         start = time.perf_counter()
@@ -160,8 +161,9 @@ def capture_stages(fwd: ForwardGraph, stage_of_unit: Sequence[int], mb_inputs: S
         gm = joint.graph_module
         strip_input_grads(gm, keep=st.num_boundary)
         strip_assertions(gm)
-        traced = build_traced(gm, st.gm, fwd.in_spec, is_fake,
-                        time.perf_counter() - start, stage=st)
+        # a stage of one block cannot show which module list repeats: the model's tells it
+        traced = build_traced(gm, st.gm, fwd.in_spec, is_fake, time.perf_counter() - start,
+                              stage=st, prefix=prefix)
         out.append((st, traced))
         boundary = [tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(True), o) for o in outs]
     return out

@@ -122,17 +122,23 @@ def _plan_by_search(model: nn.Module, mesh: Mesh, example_inputs: Any, config: C
     whole = [traced]
     done: list[tuple[Plan, StepCost, float]] = []
     degrees: set[tuple[int, int, int]] = set()
+    budget = _budget(config, mesh)
+    excess = 1.0  # the most the per-operator memory exceeded the search's, in failed setups
     for cost in result.ranked:
         st = cost.setup
         if len(failed) + len(done) >= REALIZE_TRIES or (done and not small) \
                 or len(degrees) >= COMPARED_DEGREES:
             break
-        if (st.dp, st.tp, st.pp) in degrees:
+        if (st.dp, st.tp, st.pp) in degrees or max(cost.rank_memory_bytes) * excess > budget:
             continue
         t0 = time.perf_counter()
         try:
             plan = _realize(cost, model, mesh, example_inputs, config, cost_passes, layers, whole)
         except PlanError as e:  # InfeasibleMemoryError included
+            if isinstance(e, InfeasibleMemoryError) and e.budget_bytes > 0:
+                # the search's memory model is coarser than the per-operator one: skip the
+                # setups that would miss the budget by as much
+                excess = max(excess, e.required_bytes / e.budget_bytes)
             failed.append(f"{st.describe()}: {_first_line(e)}")
             if progress:
                 progress(f"setup {st.describe()} cannot be placed per operator: {_first_line(e)}")
@@ -150,7 +156,7 @@ def _plan_by_search(model: nn.Module, mesh: Mesh, example_inputs: Any, config: C
         f"the {len(failed)} best setups of the search fit the search's memory model but none "
         f"could be placed per operator:\n  " + "\n  ".join(failed)
         + "\nRaise Config.memory_bytes, use more devices or a smaller batch.",
-        required_bytes=0.0, budget_bytes=_budget(config, mesh))
+        required_bytes=0.0, budget_bytes=budget)
 
 
 def _budget(config: Config, mesh: Mesh) -> float:
@@ -187,7 +193,8 @@ def _realize(cost: StepCost, model: nn.Module, mesh: Mesh, example_inputs: Any, 
     stage_of_block = [j for j, n in enumerate(cost.blocks_per_stage) for _ in range(n)]
     stage_of_unit = (0, *stage_of_block, st.pp * st.virtual_stages - 1)
     setup = PipelineSetup(st.pp, cand, st.microbatches, st.schedule, st.virtual_stages,
-                          stage_of_unit, cost.step_time_s, max(cost.rank_memory_bytes))
+                          stage_of_unit, cost.step_time_s, max(cost.rank_memory_bytes),
+                          tuple(cost.stage_memory_bytes))
     args, kwargs = normalize_inputs(example_inputs)
     shapes = tuple(tuple(x.shape) for x in tree_flatten((args, kwargs))[0]
                    if isinstance(x, torch.Tensor))

@@ -64,6 +64,21 @@ class PipelineSetup:
     stage_of_unit: tuple[int, ...]
     predicted_s: float
     memory_bytes: float
+    # each stage's predicted memory, when the search knows it: a rank's budget is split over
+    # its v stages in these proportions (else evenly)
+    stage_memory_bytes: tuple[float, ...] = ()
+
+    def stage_budgets(self, budget: float | None) -> list[float | None]:
+        """The memory each stage may use of its rank's ``budget``: in proportion to the
+        stage's predicted memory among its rank's stages, or ``budget / v``."""
+        stages = self.pp * self.virtual_stages
+        if budget is None:
+            return [None] * stages
+        mem = self.stage_memory_bytes
+        if len(mem) != stages or min(mem, default=0.0) <= 0:
+            return [budget / self.virtual_stages] * stages
+        rank = [sum(mem[j] for j in range(r, stages, self.pp)) for r in range(self.pp)]
+        return [budget * mem[j] / rank[j % self.pp] for j in range(stages)]
 
 
 def batch_size(example_inputs: Any) -> int:
@@ -388,24 +403,36 @@ def build_pipeline_plan(model: Any, example_inputs: Any, facts: ModelFacts, mesh
     plans: list[Plan] = []
     placed: dict[str, tuple[str, ...]] = {}  # a tied weight takes the first stage's placement
     flight = in_flight(setup.schedule, setup.pp, setup.virtual_stages, setup.microbatches)
-    v = setup.virtual_stages
     shape_of = [stage_key(traced, {}) for _, traced in stages]
     most = {k: max(f for k2, f in zip(shape_of, flight) if k2 == k) for k in shape_of}
+    # a group is solved for the stages holding its most microbatches in flight (their budget);
+    # the ranks' sums are checked once every stage is placed
+    budgets = setup.stage_budgets(budget)
+    tightest = {k: min(b for k2, b, f in zip(shape_of, budgets, flight) if k2 == k and f == most[k])
+                for k in shape_of}
     solved: dict[str, tuple[Plan, TracedGraph, int]] = {}
     for (st, traced), shape in zip(stages, shape_of):
         fixed = {p.name: placed[fwd.canonical.get(p.name, p.name)] for p in traced.params
                  if fwd.canonical.get(p.name, p.name) in placed}
         key = stage_key(traced, fixed)
         if key not in solved:
-            # the stage's share of its rank's memory: the device split evenly over its v stages
+            # the stage's share of its rank's memory (PipelineSetup.stage_budgets)
             plan = solve_candidate(traced, mesh, config, setup.cand, cost_passes,
-                                   budget / v if budget is not None else None, stage=st.index,
-                                   fixed=fixed, activation_scale=most[shape])
+                                   tightest[shape],
+                                   stage=st.index, fixed=fixed, activation_scale=most[shape])
             solved[key] = (plan, traced, most[shape])
         plan = renamed_stage_plan(*solved[key], traced, st.index, flight[st.index])
         for p in traced.params:
             placed.setdefault(fwd.canonical.get(p.name, p.name), plan.params[p.name])
         plans.append(plan)
+    rank = _rank_memory(plans, setup, setup.pp)
+    if budget is not None and max(rank) > budget * (1 + 1e-9):
+        r = max(range(setup.pp), key=rank.__getitem__)
+        raise InfeasibleMemoryError(
+            f"pipeline rank {r} of {setup.pp} needs {format_bytes(rank[r])} over its "
+            f"{len(plans) // setup.pp} stage(s), over the {format_bytes(budget)} budget (each "
+            f"stage fits its share; their sum does not). Raise Config.memory_bytes or use more "
+            f"pipeline stages.", required_bytes=rank[r], budget_bytes=budget)
     return _assemble(model, facts, mesh, config, setup, fwd, stages, plans,
                      time.perf_counter() - t0, len(solved))
 

@@ -29,13 +29,13 @@ import torch.nn as nn
 from autopar.capture import model_fingerprint
 from autopar.config import Config
 from autopar.cost_models.compute import graph_flops
-from autopar.cost_models.sharding import state_bytes_per_element
+from autopar.cost_models.sharding import recomputed_bytes, state_bytes_per_element
 from autopar.cost_models.training_step import (
     RECOMPUTE, LayerCosts, Setup, StepCost, UnitCosts, price_setup,
 )
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
-from autopar.capture.remat import is_random
+from autopar.capture.remat import is_random, recompute_nodes
 from autopar.capture.layers import (
     block_fingerprint, block_prefix, identical_blocks, is_backward, layer_units,
 )
@@ -216,13 +216,33 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
             a["attn_b"] += costs.memory[n.name][i]
     for name, in_backward, t in chosen_comm(space, costs, choice, backward):
         acc[unit_of.get(name, len(units) - 1)]["bc" if in_backward else "fc"] += t
-    unit = lambda a: UnitCosts(a["f"] + a["fc"], a["b"] + a["bc"], a["fc"], a["bc"],  # noqa: E731
-                               a["state"], a["act"], a["elems"], a["attn_f"], a["attn_b"],
-                               a["rand"])
+    peaks = _recompute_peaks(traced, space, choice, unit_of)
+    unit = lambda a, u: UnitCosts(  # noqa: E731
+        a["f"] + a["fc"], a["b"] + a["bc"], a["fc"], a["bc"], a["state"], a["act"], a["elems"],
+        a["attn_f"], a["attn_b"], a["rand"], tuple((p, v.get(u, 0.0)) for p, v in peaks.items()))
     boundary = _boundary_bytes(fwd)
     itemsize = traced.params[0].dtype.itemsize if traced.params else 4
-    return LayerCosts(unit(acc[0]), unit(acc[2]), unit(acc[-1]), num_blocks, tied_state, tied_elems,
+    return LayerCosts(unit(acc[0], 0), unit(acc[2], 2), unit(acc[-1], len(units) - 1), num_blocks,
+                      tied_state, tied_elems,
                       boundary, boundary / seq_shards, itemsize, optimizer)
+
+
+def _recompute_peaks(traced: Any, space: Any, choice: dict[str, int],
+                     unit_of: dict[str, int]) -> dict[str, dict[int, float]]:
+    """Per recomputation policy and unit, the bytes of the unit's recomputed values under the
+    chosen strategies: what one block's backward holds at once (as the per-operator model adds
+    it, :func:`autopar.planning.solve.solve_space`)."""
+    mesh_shape = tuple(space.mesh_shape)
+    out: dict[str, dict[int, float]] = {}
+    for policy in RECOMPUTE[1:]:
+        acc: dict[int, float] = {}
+        for name in recompute_nodes(traced, policy):
+            if name in choice and name in unit_of:
+                nbytes = recomputed_bytes(traced.node(name), space.nodes[name].strategies,
+                                          mesh_shape)[choice[name]]
+                acc[unit_of[name]] = acc.get(unit_of[name], 0.0) + float(nbytes)
+        out[policy] = acc
+    return out
 
 
 def _seq_len(traced: Any) -> int | None:

@@ -43,7 +43,8 @@ def solve_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate
 
     ``fixed`` pins parameters (by name) to a placement, e.g. a tied weight already placed by an
     earlier pipeline stage. ``activation_scale`` multiplies the memory of saved activations: a
-    pipeline stage holds that many microbatches in flight. ``sequence_parallel`` True makes
+    pipeline stage holds that many microbatches in flight (the incoming gradients, consumed at
+    once, are not multiplied). ``sequence_parallel`` True makes
     every layer norm take its input sharded on the sequence dim (dim 1) over the ``tp`` axis
     (Korthikanti et al., MLSys'23, sec. 4.2.2), False makes it take it replicated there; None
     leaves the choice to the ILP. ``base_space``: the unpinned space of this graph and mesh,
@@ -68,9 +69,11 @@ def solve_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate
     costs = run_cost_passes(price_space(traced, space, mesh.topology, config.optimizer, recompute),
                             space, mesh.topology, cost_passes)
     if activation_scale != 1:
-        params = {p.node for p in traced.params}
+        # parameters are held once; a gradient coming in from the next stage (a tangent) is
+        # consumed by its microbatch's backward, so one is held at a time
+        once = {p.node for p in traced.params} | set(traced.tangent_nodes)
         costs = dataclasses.replace(costs, memory={
-            n: m if n in params else m * activation_scale for n, m in costs.memory.items()})
+            n: m if n in once else m * activation_scale for n, m in costs.memory.items()})
     costs = _with_recompute_peak(traced, costs)
     return space, costs, solve_intra_op(traced, space, costs, budget, config.solver_time_limit_s)
 

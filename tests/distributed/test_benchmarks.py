@@ -34,6 +34,7 @@ def _check_runtime(out: Path, compiled: bool) -> None:
             assert sum(rank["torch"]["bytes"].values()) > 0  # the hand-written one communicates
 
 
+@pytest.mark.slow  # 23 s; the collectives counted equal the plan's in test_equivalence too
 def test_runtime_benchmark_runs_at_tiny_size(tmp_path):
     out = tmp_path / "runtime.json"
     text = _run("runtime_vs_torch.py", "--size", "tiny", "--repeats", "2", "--warmup", "1",
@@ -50,6 +51,7 @@ def test_runtime_benchmark_runs_compiled_at_tiny_size(tmp_path):
     _check_runtime(out, compiled=True)
 
 
+@pytest.mark.slow  # 25 s; the cache itself is tested in tests/unit/test_plan_cache.py
 def test_startup_benchmark_reads_the_plan_from_the_cache_the_second_time():
     text = _run("startup.py", "--nproc", "2", "--no-compile")
     rows = {line.split()[0]: line.split() for line in text.splitlines()

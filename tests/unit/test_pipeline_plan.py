@@ -247,3 +247,22 @@ def test_a_budget_no_stage_split_meets_names_the_stage_and_the_excess():
     with pytest.raises(autopar.InfeasibleMemoryError) as err:
         autopar.plan(model, mesh, inputs, config=autopar.Config(memory_bytes=6e5, **config))
     assert "the 2 pipeline ranks together (2 x 586 KiB) cannot hold the model" in str(err.value)
+
+
+def test_a_stage_of_one_block_recomputes_as_a_stage_of_several():
+    # A stage holding one block cannot show which module list repeats from its own parameter
+    # names; it takes the model's. Before, such a stage had no layers, so recomputation (and its
+    # price) silently did nothing there while the search counted it.
+    from autopar.capture.remat import recompute_nodes
+    from autopar.capture.stages import capture_stages, capture_with_forward
+
+    model, inputs = build("gpt", layers=4)
+    _, fwd = capture_with_forward(model, inputs)
+    one = capture_stages(fwd, (0, 0, 1, 2, 3, 3), list(inputs))
+    two = capture_stages(fwd, (0, 0, 0, 1, 1, 1), list(inputs))
+    for policy in ("selective", "full"):
+        per_block = len(recompute_nodes(two[0][1], policy)) // 2
+        assert per_block > 0
+        for k, (_, traced) in enumerate(one):
+            assert f"blocks.{k}" in set(traced.node_layer.values())
+            assert len(recompute_nodes(traced, policy)) == per_block, (policy, k)

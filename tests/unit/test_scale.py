@@ -85,6 +85,8 @@ GPT3 = textwrap.dedent("""
                       "stages_have_nodes": all(bool(s.nodes) for s in stages),
                       "round_trip": again == plan and again.digest() == plan.digest(),
                       "alternatives": len(plan.alternatives),
+                      "step_s": plan.predicted["step_time_s"] + plan.predicted["optimizer_s"],
+                      "search_step_s": plan.predicted["search_step_time_s"],
                       "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
 """)
 
@@ -100,3 +102,7 @@ def test_gpt3_175b_on_1024_gpus_gets_a_runnable_plan():
     assert r["path"] == "setup search + per-operator ILPs"
     assert r["placed"] and r["stages_have_nodes"] and r["round_trip"] and r["alternatives"] > 0
     assert r["rss"] < 2 * 2**30
+    # the per-operator prediction of the chosen setup is the search's price of it: the two
+    # models differ only in detail (the per-operator overlap replay, each stage's own ILP under
+    # its memory share); measured 3.1% apart (47.7 s vs 49.2 s)
+    assert abs(r["step_s"] - r["search_step_s"]) <= 0.10 * r["search_step_s"], r
