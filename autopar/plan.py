@@ -3,8 +3,10 @@ and explanations of a plan are in :mod:`autopar.report`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -12,7 +14,8 @@ from typing import Any, Sequence
 
 from autopar.errors import PlanError
 
-__all__ = ["Collective", "NodePlan", "PipelinePlan", "Plan", "PLAN_FORMAT"]
+__all__ = ["Collective", "NodePlan", "PipelinePlan", "PipelinePrediction", "Plan", "PLAN_FORMAT",
+           "Prediction"]
 
 PLAN_FORMAT = 2  # 2: pipeline plans (Plan.pipeline, Collective.stage); format 1 files still load
 
@@ -20,6 +23,110 @@ PLAN_FORMAT = 2  # 2: pipeline plans (Plan.pipeline, Collective.stage); format 1
 def _alternative(a: dict[str, Any]) -> dict[str, Any]:
     """An alternative as saved, with its JSON lists back to tuples."""
     return {k: tuple(v) if isinstance(v, list) else v for k, v in a.items()}
+
+
+class _Fields(Mapping):
+    """Read-only mapping view of a frozen dataclass's set fields, so that a prediction reads as
+    ``plan.predicted["step_time_s"]`` and saves under the same JSON keys as the dicts it
+    replaces. Fields left ``None`` are absent; ``extra`` holds keys of older plan files."""
+
+    def __getitem__(self, key: str) -> Any:
+        if key != "extra" and key in self._names():
+            value = getattr(self, key)
+            if value is not None:
+                return value
+        return dict(self.extra)[key]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from (k for k in self._names() if k != "extra" and getattr(self, k) is not None)
+        yield from (k for k, _ in self.extra)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    @classmethod
+    def _names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def of(cls, data: Mapping[str, Any], lenient: bool = False) -> Any:
+        """``data`` (a mapping of field names) as this type. Unknown keys raise
+        :class:`PlanError`, or with ``lenient`` (a plan file of an older autopar) are kept in
+        ``extra``."""
+        if isinstance(data, cls):
+            return data
+        names = set(cls._names()) - {"extra"}
+        unknown = [k for k in data if k not in names]
+        if unknown and not lenient:
+            raise PlanError(f"{cls.__name__} has no field(s) {unknown}; its fields are "
+                            f"{sorted(names)}.")
+        known = {k: _plain(v) for k, v in data.items() if k in names}
+        return cls(**known, extra=tuple((k, _plain(data[k])) for k in unknown))
+
+
+def _plain(v: Any) -> Any:
+    """A JSON-able value: numpy scalars as Python numbers, lists as tuples."""
+    if isinstance(v, (list, tuple)):
+        return tuple(_plain(x) for x in v)
+    return v.item() if hasattr(v, "item") and not isinstance(v, (int, float)) else v
+
+
+@dataclass(frozen=True, eq=True)
+class Prediction(_Fields):
+    """The cost model's prediction of one plan's training step, per device (also a read-only
+    mapping of its set fields, as the dict it replaces: ``plan.predicted["step_time_s"]``).
+
+    ``step_time_s``: forward and backward of one step as ``pmodel.step()`` runs them, without
+    the optimizer's update (``optimizer_s``); ``compute_s`` / ``comm_s``: the compute and the
+    collectives in it (overlapped, so they need not add up); ``forward_s``: its forward part;
+    ``peak_memory_bytes`` and its ``state_bytes`` (parameters, gradients, optimizer states);
+    ``ilp_objective_s``: the intra-operator ILP's objective; ``model_flops`` / ``mfu``: the
+    model's FLOPs per step and the utilisation they give; ``bubble_fraction``: a pipeline's idle
+    share; ``search_step_time_s`` / ``search_peak_memory_bytes``: the setup search's closed-form
+    price of the chosen setup (with the optimizer), next to the per-operator one.
+    """
+
+    step_time_s: float
+    compute_s: float | None = None
+    comm_s: float | None = None
+    optimizer_s: float | None = None
+    peak_memory_bytes: float | None = None
+    forward_s: float | None = None
+    state_bytes: float | None = None
+    ilp_objective_s: float | None = None
+    model_flops: float | None = None
+    mfu: float | None = None
+    bubble_fraction: float | None = None
+    search_step_time_s: float | None = None
+    search_peak_memory_bytes: float | None = None
+    extra: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True, eq=True)
+class PipelinePrediction(_Fields):
+    """The schedule's part of a pipelined plan's prediction (a read-only mapping too).
+
+    ``step_time_s`` and ``bubble_fraction`` of the simulated schedule; per stage
+    ``stage_time_s`` (forward and backward of one microbatch) and ``stage_memory_bytes``; per
+    pipeline rank ``peak_memory_bytes``; ``p2p_s``: one boundary send; ``weight_fraction``: the
+    share of a backward computing weight gradients (zero-bubble); ``search_estimate_s``: the
+    setup's price before its stages were solved.
+    """
+
+    step_time_s: float
+    bubble_fraction: float | None = None
+    stage_time_s: tuple[float, ...] | None = None
+    peak_memory_bytes: tuple[float, ...] | None = None
+    stage_memory_bytes: tuple[float, ...] | None = None
+    p2p_s: float | None = None
+    weight_fraction: float | None = None
+    search_estimate_s: float | None = None
+    extra: tuple[tuple[str, Any], ...] = ()
+
+
+def _json_fields(p: Mapping[str, Any]) -> dict[str, Any]:
+    """A prediction's set fields as JSON values (tuples as lists)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in p.items()}
 
 
 @dataclass(frozen=True)
@@ -97,8 +204,11 @@ class PipelinePlan:
     units: tuple[str, ...]
     stage_of_unit: tuple[int, ...]
     stages: tuple["Plan", ...] = field(repr=False)
-    predicted: dict[str, Any] = field(default_factory=dict)
+    predicted: PipelinePrediction = field(default_factory=lambda: PipelinePrediction(0.0))
     cut_solver: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "predicted", PipelinePrediction.of(self.predicted))
 
     @property
     def num_stages(self) -> int:
@@ -115,7 +225,8 @@ class PipelinePlan:
         return cls(d["schedule"], int(d["microbatches"]), int(d["microbatch_size"]),
                    int(d["virtual_stages"]), tuple(d["units"]), tuple(d["stage_of_unit"]),
                    tuple(Plan.from_dict({**s, "format": PLAN_FORMAT}) for s in d["stages"]),
-                   dict(d.get("predicted", {})), dict(d.get("cut_solver", {})))
+                   PipelinePrediction.of(d.get("predicted") or {"step_time_s": 0.0}, lenient=True),
+                   dict(d.get("cut_solver", {})))
 
 
 @dataclass(frozen=True)
@@ -158,7 +269,7 @@ class Plan:
     output_placements: tuple[tuple[str, ...] | None, ...]
     nodes: dict[str, NodePlan] = field(repr=False)
     collectives: tuple[Collective, ...] = field(repr=False)
-    predicted: dict[str, float]
+    predicted: Prediction
     solver: dict[str, Any]
     warnings: tuple[str, ...]
     topology: str
@@ -168,6 +279,9 @@ class Plan:
     pipeline: PipelinePlan | None = None
     techniques: dict[str, Any] = field(default_factory=dict)
     grad_buckets: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "predicted", Prediction.of(self.predicted))
 
     # ---- pictures ----------------------------------------------------------------------------
     def to_chrome_trace(self, path: str | Path) -> Path:
@@ -201,6 +315,10 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form (``format`` versioned)."""
         d = asdict(self)
+        d["predicted"] = _json_fields(self.predicted)
+        if self.pipeline is not None:
+            d["pipeline"]["predicted"] = _json_fields(self.pipeline.predicted)
+            d["pipeline"]["stages"] = [s.to_dict() for s in self.pipeline.stages]
         d["format"] = PLAN_FORMAT
         return d
 
@@ -227,7 +345,7 @@ class Plan:
                 output_placements=tuple(t(o) for o in d["output_placements"]),
                 nodes={k: NodePlan.from_dict(v) for k, v in d["nodes"].items()},
                 collectives=tuple(Collective(**c) for c in d["collectives"]),
-                predicted=dict(d["predicted"]), solver=dict(d["solver"]),
+                predicted=Prediction.of(d["predicted"], lenient=True), solver=dict(d["solver"]),
                 warnings=tuple(d["warnings"]), topology=d["topology"], config=dict(d["config"]),
                 input_shapes=tuple(tuple(s) for s in d.get("input_shapes", ())),
                 alternatives=tuple(_alternative(a) for a in d.get("alternatives", ())),

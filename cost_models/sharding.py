@@ -10,6 +10,7 @@ backward, at its local size.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -21,6 +22,7 @@ from torch.distributed.tensor import Replicate
 from autopar.cost_models.comm import axis_collective_time
 from autopar.cost_models.compute import flops_of_node, op_time
 from autopar.cost_models.topology import Topology
+from autopar.capture.layers import aten_ops, is_op
 from autopar.graph import TracedGraph
 from autopar.strategies.reshard import local_shape, reshard_steps
 from autopar.strategies.space import (
@@ -31,9 +33,9 @@ __all__ = ["SpaceCosts", "price_space", "recomputed_bytes", "reshard_time",
            "state_bytes_per_element"]
 
 # Ops that only alias or re-describe memory: no compute, no traffic.
-_FREE = {"getitem", "detach", "t", "view", "_unsafe_view", "transpose", "permute", "expand",
-         "unsqueeze", "squeeze", "alias", "split", "slice", "select", "as_strided", "unbind",
-         "split_with_sizes", "reshape"}
+_FREE = aten_ops("detach", "t", "view", "_unsafe_view", "transpose", "permute", "expand",
+                 "unsqueeze", "squeeze", "alias", "split", "slice", "select", "as_strided",
+                 "unbind", "split_with_sizes", "reshape") | {operator.getitem}
 
 
 @dataclass(frozen=True)
@@ -125,8 +127,7 @@ def _meta_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
 
 def _compute_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: Topology,
                   fused: frozenset = frozenset()) -> float:
-    name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
-    if name in _FREE:
+    if is_op(n, _FREE):
         return 0.0
     inputs = tensor_inputs(n)
     local_in = {}
@@ -216,16 +217,15 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
 
 # Ops a fusing compiler (inductor; Megatron-LM's fused kernels) merges with the pointwise ops
 # around them, besides those torch tags pointwise.
-_FUSIBLE = {"native_dropout", "_softmax", "_softmax_backward_data", "native_layer_norm",
-            "native_layer_norm_backward", "_log_softmax", "_log_softmax_backward_data", "sum",
-            "_to_copy"}
+_FUSIBLE = aten_ops("native_dropout", "_softmax", "_softmax_backward_data", "native_layer_norm",
+                    "native_layer_norm_backward", "_log_softmax", "_log_softmax_backward_data",
+                    "sum", "_to_copy")
 
 
 def _fusible(n: fx.Node) -> bool:
     if n.op != "call_function":
         return False
-    name = getattr(n.target, "__name__", "").split(".")[0]
-    return name in _FUSIBLE or torch.Tag.pointwise in getattr(n.target, "tags", ())
+    return is_op(n, _FUSIBLE) or torch.Tag.pointwise in getattr(n.target, "tags", ())
 
 
 def _fused_edges(traced: TracedGraph) -> dict[str, frozenset]:
@@ -251,8 +251,7 @@ def _leaf_readers(n: fx.Node) -> list[fx.Node]:
     """The nodes that read ``n``'s memory, looking through views and getitems."""
     out = []
     for u in n.users:
-        name = getattr(u.target, "__name__", "").split(".")[0] if u.op == "call_function" else ""
-        out += _leaf_readers(u) if name in _FREE else [u]
+        out += _leaf_readers(u) if is_op(u, _FREE) else [u]
     return out
 
 
@@ -327,13 +326,11 @@ def _alias_root(a: fx.Node) -> tuple[fx.Node, int]:
     of the views, detaches and getitems that lead to it."""
     idx = 0
     while a.op == "call_function":
-        name = getattr(a.target, "__name__", "").split(".")[0]
-        if name not in _FREE or not a.all_input_nodes:
+        if not is_op(a, _FREE) or not a.all_input_nodes:
             return a, idx
-        if name == "getitem":
+        if a.target is operator.getitem:
             src = a.args[0]
-            src_name = getattr(src.target, "__name__", "").split(".")[0]
-            if src.op == "call_function" and src_name not in _FREE:
+            if src.op == "call_function" and not is_op(src, _FREE):
                 return src, a.args[1]
             a, idx = src, 0
             continue

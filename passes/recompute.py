@@ -28,7 +28,7 @@ def recompute_pass(gm: fx.GraphModule) -> fx.GraphModule:
     """
     graph = gm.graph
     tagged = {n for n in graph.nodes if n.meta.get(TAG) and is_forward(n) and not is_random(n)
-              and not is_comm(n) and "wait_tensor" not in str(n.target)}
+              and not is_comm(n)}
     copies: dict[fx.Node, fx.Node] = {}
 
     def ensure(n: fx.Node, before: fx.Node) -> fx.Node:

@@ -28,7 +28,7 @@ from autopar._torch_private import tree_flatten, tree_map_only
 from autopar import _torch_private as private
 from autopar._torch_private import FakeTensor, FakeTensorMode
 from autopar.errors import CaptureError, InputMismatchError
-from autopar.capture.layers import block_prefix, module_paths
+from autopar.capture.layers import aten_ops, block_prefix, is_op, module_paths
 from autopar.graph import InputInfo, Layer, ParamInfo, TracedGraph
 
 __all__ = ["LossModule", "build_traced", "capture", "capture_with_export", "export_program",
@@ -297,15 +297,15 @@ def _user_frame(e: BaseException) -> str:
     return f" at {f.filename}:{f.lineno} in {f.name} ({(f.line or '').strip()})"
 
 
-_ASSERTIONS = ("_assert_tensor_metadata", "_assert_scalar", "_assert_async", "sym_constrain_range",
-               "sym_constrain_range_for_size", "_functional_assert_async")
+_ASSERTIONS = aten_ops("_assert_tensor_metadata", "_assert_scalar", "_assert_async",
+                       "sym_constrain_range", "sym_constrain_range_for_size",
+                       "_functional_assert_async")
 
 
 def strip_assertions(gm: fx.GraphModule) -> None:
     """Drop export's metadata assertions (no outputs, no effect on numbers, no sharding rule)."""
     for n in list(gm.graph.nodes):
-        name = getattr(n.target, "__name__", "").split(".")[0]
-        if n.op == "call_function" and name in _ASSERTIONS and not n.users:
+        if is_op(n, _ASSERTIONS) and not n.users:
             gm.graph.erase_node(n)
     gm.recompile()
 

@@ -17,10 +17,10 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar._torch_private import OpOverload, OpOverloadPacket
+from autopar._torch_private import OpOverload
 
 __all__ = ["PRE", "POST", "WRAP", "aten_ops", "block_fingerprint", "block_prefix", "identical_blocks",
-           "is_backward", "is_op", "layer_units", "module_paths", "node_phase", "op_name"]
+           "is_backward", "is_op", "layer_units", "module_paths", "node_phase"]
 
 PRE = "pre"
 POST = "post"
@@ -64,17 +64,6 @@ def is_op(n: fx.Node, ops: frozenset) -> bool:
         return False
     target = n.target
     return target in ops or (isinstance(target, OpOverload) and target.overloadpacket in ops)
-
-
-def op_name(n: fx.Node) -> str:
-    """The name of ``n``'s op without overload or namespace (``native_layer_norm`` for
-    ``aten.native_layer_norm.default``), ``""`` for a node that calls no op."""
-    target = n.target
-    if isinstance(target, OpOverload):
-        return target._opname
-    if isinstance(target, OpOverloadPacket):
-        return target._qualified_op_name.split("::")[-1]
-    return getattr(target, "__name__", "").split(".")[0] if n.op == "call_function" else ""
 
 
 def block_prefix(param_names: Sequence[str]) -> str | None:

@@ -23,6 +23,7 @@ out on the lowered per-rank program.
 
 from __future__ import annotations
 
+import operator
 from typing import Iterable
 
 import torch
@@ -31,7 +32,7 @@ import torch.fx as fx
 from autopar.capture.layers import aten_ops, is_backward, is_op
 from autopar.graph import TracedGraph
 
-__all__ = ["POLICIES", "TAG", "is_comm", "is_forward", "is_random", "recompute_nodes"]
+__all__ = ["POLICIES", "TAG", "is_comm", "is_forward", "is_random", "is_wait", "recompute_nodes"]
 
 POLICIES = ("none", "selective", "full")
 TAG = "recompute"  # the metadata key torch's tracing copies from a node to the nodes it produces
@@ -39,14 +40,17 @@ TAG = "recompute"  # the metadata key torch's tracing copies from a node to the 
 _RANDOM = aten_ops("native_dropout", "bernoulli", "rand", "randn", "rand_like", "randn_like",
                    "randint", "randint_like", "randperm", "normal", "uniform", "multinomial",
                    "dropout")
+_WAIT = frozenset({torch.ops._c10d_functional.wait_tensor})
 _SOFTMAX = aten_ops("_softmax", "softmax")
-_ATTENTION = ("_scaled_dot_product", "scaled_dot_product")
-_ALIAS = {"getitem", "view", "_unsafe_view", "t", "transpose", "permute", "expand", "detach",
-          "alias", "unsqueeze", "squeeze", "reshape", "slice", "select", "split", "unbind"}
-
-
-def _name(n: fx.Node) -> str:
-    return getattr(n.target, "__name__", str(n.target)).split(".")[0]
+_ATTENTION = aten_ops("scaled_dot_product_attention", "_scaled_dot_product_attention_math",
+                      "_scaled_dot_product_flash_attention",
+                      "_scaled_dot_product_flash_attention_for_cpu",
+                      "_scaled_dot_product_efficient_attention",
+                      "_scaled_dot_product_cudnn_attention",
+                      "_scaled_dot_product_fused_attention_overrideable")
+_ALIAS = {operator.getitem} | aten_ops("view", "_unsafe_view", "t", "transpose", "permute",
+                                       "expand", "detach", "alias", "unsqueeze", "squeeze",
+                                       "reshape", "slice", "select", "split", "unbind")
 
 
 def is_random(n: fx.Node) -> bool:
@@ -56,12 +60,17 @@ def is_random(n: fx.Node) -> bool:
         return False
     if is_op(n, _RANDOM) or bool(getattr(n.target, "is_random", False)):
         return True
-    return _name(n) in _ALIAS and bool(n.all_input_nodes) and is_random(n.all_input_nodes[0])
+    return is_op(n, _ALIAS) and bool(n.all_input_nodes) and is_random(n.all_input_nodes[0])
 
 
 def is_comm(n: fx.Node) -> bool:
-    """Whether ``n`` is a functional collective of a lowered program."""
-    return n.op == "call_function" and "_c10d_functional" in str(n.target)
+    """Whether ``n`` is a functional collective of a lowered program (or a collective's wait)."""
+    return n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional"
+
+
+def is_wait(n: fx.Node) -> bool:
+    """Whether ``n`` waits for a functional collective (``_c10d_functional.wait_tensor``)."""
+    return is_op(n, _WAIT)
 
 
 def is_forward(n: fx.Node) -> bool:
@@ -102,7 +111,7 @@ def _attention_core(fwd: list[fx.Node], layer: dict[str, str]) -> set[str]:
     (``QK^T``) through scaling and masking to the softmax and what follows it up to the matmul
     with ``V`` (not included): the values of the softmax's shape, through views."""
     fwd_set = set(fwd)
-    picked = {n.name for n in fwd if _name(n).startswith(_ATTENTION)}
+    picked = {n.name for n in fwd if is_op(n, _ATTENTION)}
     for sm in (n for n in fwd if is_op(n, _SOFTMAX)):
         shape, size = _shape(sm), _numel(sm)
 
@@ -110,7 +119,7 @@ def _attention_core(fwd: list[fx.Node], layer: dict[str, str]) -> set[str]:
             """Same block, same size, and the softmax's shape (or a view, or the scores matmul)."""
             return (m in fwd_set and layer[m.name] == layer[sm.name] and _numel(m) == size
                     and not is_random(m) and m.name not in picked
-                    and (_shape(m) == shape or _name(m) in _ALIAS or is_op(m, _MATMUL)))
+                    and (_shape(m) == shape or is_op(m, _ALIAS) or is_op(m, _MATMUL)))
 
         picked.add(sm.name)
         up, down = [sm], [sm]
@@ -139,7 +148,7 @@ def _with_aliases(nodes: Iterable[fx.Node], picked: set[str]) -> set[str]:
     """Add the views and getitems of picked nodes: a saved view would keep its base alive."""
     out = set(picked)
     for n in nodes:
-        if is_forward(n) and n.name not in out and _name(n) in _ALIAS and \
+        if is_forward(n) and n.name not in out and is_op(n, _ALIAS) and \
                 n.all_input_nodes and n.all_input_nodes[0].name in out:
             out.add(n.name)
     return out

@@ -17,12 +17,12 @@ import torch
 import torch.fx as fx
 
 from autopar import _torch_private as private
+from autopar.capture.remat import is_wait
 from autopar.runtime.faults import collective_failures
 
 __all__ = ["split_forward_backward", "split_weight_backward", "WeightSplit", "JointFunction",
            "GradSink", "LazyCompiled", "Labelled"]
 
-_WAIT = "wait_tensor"
 
 
 def split_forward_backward(local: fx.GraphModule, placeholder_names: Sequence[str],
@@ -105,7 +105,7 @@ def split_weight_backward(bwd: fx.GraphModule, input_positions: Sequence[int]) -
     in_pos = tuple(i for i in input_positions if outs[i] is not None)
     first = _ancestors([outs[i] for i in in_pos])
     for n in list(first):  # a collective's wait stays with the collective
-        first.update(u for u in n.users if getattr(u.target, "__name__", "").startswith(_WAIT))
+        first.update(u for u in n.users if is_wait(u))
     w_roots = [o for i, o in enumerate(outs) if o is not None and i not in in_pos]
     second = _ancestors(w_roots)
     order = [n for n in bwd.graph.nodes if n.op != "output"]

@@ -40,7 +40,7 @@ def _nbytes(t: Any) -> int:
 
 
 # op name -> (kind, bytes of the op from its arguments)
-_OPS: dict[str, tuple[str, Callable[[tuple], int]]] = {
+_BY_NAME: dict[str, tuple[str, Callable[[tuple], int]]] = {
     # functional collectives (autopar's lowered programs, DTensor)
     "all_reduce": ("all_reduce", lambda a: _nbytes(a[0])),
     "all_reduce_": ("all_reduce", lambda a: _nbytes(a[0])),
@@ -74,6 +74,11 @@ _OPS: dict[str, tuple[str, Callable[[tuple], int]]] = {
 }
 
 
+# keyed on the op packets (every overload) of both namespaces that this torch release has
+_OPS = {getattr(ns, name): entry for name, entry in _BY_NAME.items()
+        for ns in (torch.ops.c10d, torch.ops._c10d_functional) if hasattr(ns, name)}
+
+
 class CommMeter(TorchDispatchMode):
     """Counts the collectives dispatched while active: ``counts`` and ``bytes`` by kind, on
     this rank (see the module docstring). Barriers and waits are not counted."""
@@ -84,12 +89,11 @@ class CommMeter(TorchDispatchMode):
         self.bytes: Counter = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func.namespace in ("c10d", "_c10d_functional"):
-            entry = _OPS.get(func._opname)
-            if entry is not None:
-                kind, size = entry
-                self.counts[kind] += 1
-                self.bytes[kind] += int(size(args))
+        entry = _OPS.get(getattr(func, "overloadpacket", None))
+        if entry is not None:
+            kind, size = entry
+            self.counts[kind] += 1
+            self.bytes[kind] += int(size(args))
         return func(*args, **(kwargs or {}))
 
     @property

@@ -20,6 +20,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from autopar import _torch_private as private
+from autopar.capture.layers import aten_ops, is_op
 from autopar._torch_private import (
     DTensorSpec,
     OpSchema,
@@ -181,7 +182,8 @@ def run_local(op: Any, args: tuple, out_placements: list[tuple], mesh: Any, out_
             for c, p, v in zip(chunks, out_placements, vals)]
 
 
-_PASS_THROUGH = ("view", "_unsafe_view", "reshape", "t", "transpose", "addmm", "mm", "add", "clone")
+_PASS_THROUGH = aten_ops("view", "_unsafe_view", "reshape", "t", "transpose", "addmm", "mm", "add",
+                         "clone")
 
 
 def fused_params(gm: Any, param_nodes: set[str]) -> dict[str, tuple[int, int]]:
@@ -211,6 +213,6 @@ def fused_params(gm: Any, param_nodes: set[str]) -> dict[str, tuple[int, int]]:
                 dims = [d for d, s in enumerate(cur.meta["val"].shape) if s == length]
                 if len(dims) == 1:
                     found[cur.name] = (dims[0], len(parts))
-            elif cur.op == "call_function" and getattr(cur.target, "__name__", "").split(".")[0] in _PASS_THROUGH:
+            elif is_op(cur, _PASS_THROUGH):
                 stack.extend(cur.all_input_nodes)
     return found

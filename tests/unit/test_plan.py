@@ -313,3 +313,29 @@ def test_alternatives_name_their_logical_mesh(free_search):
     assert len(set(meshes.values())) == len(meshes)
     for shape, names in meshes.values():
         assert len(shape) == len(names) and int(torch.tensor(shape).prod()) == 4
+
+
+def test_prediction_is_a_typed_record_read_and_saved_as_the_dict_it_replaces(megatron, tmp_path):
+    import dataclasses
+
+    from autopar.plan import Prediction
+
+    *_, plan = megatron
+    p = plan.predicted
+    assert isinstance(p, Prediction)
+    # typed fields, and the mapping of the set ones (what plans saved before hold)
+    assert p.step_time_s == p["step_time_s"] > 0 and p.get("bubble_fraction") is None
+    assert "step_time_s" in p and "bubble_fraction" not in p
+    saved = json.loads(plan.to_json())["predicted"]
+    assert set(saved) == set(p) and None not in saved.values()
+    assert {"step_time_s", "compute_s", "comm_s", "peak_memory_bytes", "optimizer_s"} <= set(saved)
+    # a key no field holds is an error where code makes a prediction...
+    with pytest.raises(autopar.PlanError, match="no field"):
+        dataclasses.replace(plan, predicted={**p, "step_tiem_s": 1.0})
+    # ...and kept, shown and saved again, where a file from an older autopar has it
+    d = plan.to_dict()
+    d["predicted"]["tp_comm_s"] = 0.25
+    old = Plan.from_dict(d)
+    assert old.predicted["tp_comm_s"] == 0.25 and old.predicted.step_time_s == p.step_time_s
+    old.save(tmp_path / "old.json")
+    assert Plan.load(tmp_path / "old.json") == old
