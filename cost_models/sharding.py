@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Partial, Replicate
 
 from autopar.cost_models.comm import axis_collective_time
 from autopar.cost_models.compute import flops_of_node, op_time
@@ -29,7 +29,7 @@ from autopar.strategies.space import (
     Placements, Strategy, StrategySpace, tensor_inputs, boundary_placements,
 )
 
-__all__ = ["SpaceCosts", "price_space", "recomputed_bytes", "reshard_time",
+__all__ = ["SpaceCosts", "deferred_gradient_matrix", "price_space", "recomputed_bytes", "reshard_time",
            "state_bytes_per_element"]
 
 # Ops that only alias or re-describe memory: no compute, no traffic.
@@ -281,6 +281,31 @@ def _edge_matrix(src: Sequence[Strategy], idx: int, dst: Sequence[Strategy], k: 
     small = np.array([[price(first_src[a], first_dst[b], shape, item)
                        for b in du] for a in su]).reshape(len(su), len(du))
     return small[np.ix_(si.ravel(), di.ravel())]
+
+
+def deferred_gradient_matrix(src: Sequence[Strategy], idx: int, params: Sequence[Strategy],
+                             val: torch.Tensor, mesh_shape: tuple[int, ...], topo: Topology,
+                             dp_axes: Sequence[int], share: float) -> np.ndarray:
+    """[gradient strategy, parameter strategy] seconds of moving a parameter's gradient to the
+    parameter's placement when the reduction over ``dp_axes`` is deferred: the gradient goes to
+    its placement with the partial sums on those axes kept (where the parameter is replicated
+    there), every run, and from there to the parameter's placement once every ``1 / share``
+    runs (a pipeline stage's microbatches), priced at ``share`` of its time."""
+    shape, item = tuple(val.shape), val.element_size()
+    price = _pricer(mesh_shape, topo)
+    cache: dict[tuple, float] = {}
+    out = np.zeros((len(src), len(params)))
+    for a, s in enumerate(src):
+        for b, t in enumerate(params):
+            key = (s.outputs[idx], t.outputs[0])
+            if key not in cache:
+                got, want = key
+                kept = tuple(g if (axis in dp_axes and isinstance(g, Partial)
+                                   and isinstance(w, Replicate)) else w
+                             for axis, (g, w) in enumerate(zip(got, want)))
+                cache[key] = price(got, kept, shape, item) + share * price(kept, want, shape, item)
+            out[a, b] = cache[key]
+    return out
 
 
 def _saved_for_backward(traced: TracedGraph, recompute: frozenset[str] = frozenset()

@@ -108,8 +108,9 @@ class Setup:
     sequence_parallel: bool
     even_split: bool = False  # same blocks on every stage (Megatron-LM) instead of balanced times
     # when a pipeline's data-parallel gradient reduction runs: "step" (once, after the last
-    # microbatch: Megatron-LM) or "microbatch" (in every microbatch's backward: autopar's
-    # pipeline runtime today, which also gathers ZeRO-1 parameters in every forward)
+    # microbatch: Megatron-LM, and autopar's pipeline runtime without ZeRO) or "microbatch" (in
+    # every microbatch's backward: autopar's runtime with ZeRO-1, which also gathers the
+    # parameters in every forward)
     grad_sync: str = "step"
 
     def describe(self) -> str:

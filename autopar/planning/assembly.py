@@ -25,7 +25,7 @@ from autopar.planning.records import (
 from autopar.strategies.space import StrategySpace, boundary_placements
 
 from autopar.capture.layers import node_phase
-__all__ = ['BUCKET_CAPS', 'build_plan', 'traced_flops', 'utilization']
+__all__ = ['BUCKET_CAPS', 'build_plan', 'deferred_gradient', 'traced_flops', 'utilization']
 
 
 from autopar.planning.candidates import Candidate
@@ -56,7 +56,13 @@ def _axis_roles(traced: TracedGraph, space: StrategySpace, res: IntraOpResult,
 
 
 def build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate,
-                space: StrategySpace, costs: SpaceCosts, res: IntraOpResult) -> Plan:
+                space: StrategySpace, costs: SpaceCosts, res: IntraOpResult,
+                defer_axes: tuple[int, ...] = ()) -> Plan:
+    """The Plan of one solved intra-operator ILP. ``defer_axes``: mesh axes over which a
+    parameter's gradient, where the program computes it as a partial sum and the parameter is
+    replicated there, is left unreduced (its output placement keeps ``P(sum)``): a pipeline
+    stage's runtime sums such gradients over the step's microbatches and reduces them once
+    (:func:`deferred_gradient`)."""
     chosen = {name: space.nodes[name].strategies[i] for name, i in res.choice.items()}
     txt = lambda pl: tuple(to_str(p) for p in pl) if pl is not None else None  # noqa: E731
     nodes = {name: NodePlan(tuple(txt(o) for o in s.outputs), tuple(txt(i) for i in s.inputs))
@@ -79,7 +85,9 @@ def build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate,
         elif i in boundary:
             outputs.append(edge)
         else:
-            outputs.append(nodes[param_of_grad[i].node].outputs[0])
+            outputs.append(deferred_gradient(nodes[param_of_grad[i].node].outputs[0],
+                                             nodes[a.name].outputs[0] if a.name in nodes else None,
+                                             defer_axes))
     node_compute = {n: float(costs.compute[n][i]) for n, i in res.choice.items()}
     step_s, cap, buckets, comm = _communication(traced, cand, mesh, config, nodes, outputs,
                                                 set(param_of_grad), node_compute)
@@ -120,6 +128,18 @@ def build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate,
         input_shapes=tuple(i.shape for i in traced.inputs),
         techniques=techniques,
     )
+
+
+def deferred_gradient(param: tuple[str, ...], grad: tuple[str, ...] | None,
+                      axes: tuple[int, ...]) -> tuple[str, ...]:
+    """The output placement of a parameter's gradient: the parameter's placement, except on
+    ``axes`` where the parameter is replicated and the gradient is computed as a partial sum
+    (``P(sum)``), which it keeps there (reduced later, once a step)."""
+    out = list(param)
+    for axis in axes:
+        if grad is not None and grad[axis].startswith("P") and param[axis] == "R":
+            out[axis] = grad[axis]
+    return tuple(out)
 
 
 BUCKET_CAPS = (25 * 2**20, 4 * 2**20, 2**20)  # tried when Config.bucket_bytes is None

@@ -35,6 +35,7 @@ from autopar.plan import Collective, PipelinePlan, Plan
 from autopar.solver.ilp import InfeasibleMemoryError, format_bytes
 from autopar.planning.assembly import traced_flops
 from autopar.planning.candidates import Candidate, mesh_candidates
+from autopar.planning.collectives import step_end_reductions
 from autopar.planning.solve import solve_candidate, solve_space
 from autopar.planning.records import param_shards
 from autopar.solver.stage_cuts import LayerCost, solve_cuts
@@ -418,8 +419,10 @@ def build_pipeline_plan(model: Any, example_inputs: Any, facts: ModelFacts, mesh
         if key not in solved:
             # the stage's share of its rank's memory (PipelineSetup.stage_budgets)
             plan = solve_candidate(traced, mesh, config, setup.cand, cost_passes,
-                                   tightest[shape],
-                                   stage=st.index, fixed=fixed, activation_scale=most[shape])
+                                   tightest[shape], stage=st.index, fixed=fixed,
+                                   activation_scale=most[shape],
+                                   defer_grad_sync=defers_grad_sync(setup.schedule, config),
+                                   microbatches=setup.microbatches)
             solved[key] = (plan, traced, most[shape])
         plan = renamed_stage_plan(*solved[key], traced, st.index, flight[st.index])
         for p in traced.params:
@@ -435,6 +438,15 @@ def build_pipeline_plan(model: Any, example_inputs: Any, facts: ModelFacts, mesh
             f"pipeline stages.", required_bytes=rank[r], budget_bytes=budget)
     return _assemble(model, facts, mesh, config, setup, fwd, stages, plans,
                      time.perf_counter() - t0, len(solved))
+
+
+def defers_grad_sync(schedule: str, config: Config) -> bool:
+    """Whether a pipeline's stages reduce their data-parallel gradients once a step, after
+    their last microbatch (summed locally until then), rather than in every microbatch's
+    backward: always, except with ZeRO (whose parameters' gradients are reduce-scattered where
+    they are computed) and the zero-bubble schedule (whose weight step hands the gradients to
+    autograd)."""
+    return schedule != "zero-bubble" and not config.zero
 
 
 def stage_key(traced: TracedGraph, fixed: dict[str, tuple[str, ...]]) -> str:
@@ -515,13 +527,16 @@ def _assemble(model: Any, facts: ModelFacts, mesh: Mesh, config: Config, setup: 
         tied_s += axis_collective_time("all_reduce", nbytes, pp, stride, mesh.topology)
     collectives.append(Collective("all_reduce", "pp", 4, "forward", "", "loss", None))
     collectives += _point_to_point(stages, cand, m)
+    reductions, reduce_s = step_end_reductions(stages, plans, pp, cand, mesh)
+    collectives += reductions
     memory = _rank_memory(plans, setup, pp)
     inputs = _input_placements(len(facts.input_shapes), stages, plans)
     pipe = PipelinePlan(
         schedule=setup.schedule, microbatches=m, microbatch_size=facts.input_shapes[0][0] // m,
         virtual_stages=setup.virtual_stages, units=fwd.units, stage_of_unit=setup.stage_of_unit,
         stages=tuple(plans),
-        predicted={"step_time_s": sim.step_time_s + tied_s, "bubble_fraction": sim.bubble_fraction,
+        predicted={"step_time_s": sim.step_time_s + tied_s + reduce_s,
+                   "bubble_fraction": sim.bubble_fraction,
                    "stage_time_s": [f + b for f, b in zip(fw, bw)], "peak_memory_bytes": memory,
                    "stage_memory_bytes": [p.predicted["peak_memory_bytes"] for p in plans],
                    "p2p_s": p2p, "weight_fraction": _WEIGHT_FRACTION,
@@ -537,7 +552,7 @@ def _assemble(model: Any, facts: ModelFacts, mesh: Mesh, config: Config, setup: 
                for r in range(pp)) * m
     optimizer = max(sum(p.predicted["optimizer_s"] for j, p in enumerate(plans) if j % pp == r)
                     for r in range(pp))
-    step = sim.step_time_s + tied_s
+    step = sim.step_time_s + tied_s + reduce_s
     return Plan(
         model_fingerprint=facts.fingerprint, mesh_shape=(pp, *cand.shape),
         axis_names=("pp", *cand.names), degrees=degrees, params=params, inputs=inputs,
@@ -545,7 +560,7 @@ def _assemble(model: Any, facts: ModelFacts, mesh: Mesh, config: Config, setup: 
         predicted={"model_flops": facts.flops,
                    "mfu": mfu(facts.flops, step + optimizer, pp * stride, mesh.topology,
                               facts.flops_dtype),
-                   "step_time_s": step, "compute_s": compute, "comm_s": comm + tied_s,
+                   "step_time_s": step, "compute_s": compute, "comm_s": comm + tied_s + reduce_s,
                    "optimizer_s": optimizer, "peak_memory_bytes": max(memory),
                    "bubble_fraction": sim.bubble_fraction},
         solver={"status": "optimal" if all(p.solver["status"] == "optimal" for p in plans) else "feasible",

@@ -305,8 +305,10 @@ def candidate_setups(num_devices: int, gpus_per_node: int, batch: int, num_block
                         for zero in (0, 1) if dp > 1 else (0,):
                             for sp in (False, True) if tp > 1 else (False,):
                                 if _allowed(config, recompute=rc, zero=zero, sequence_parallel=sp):
+                                    # the runtime reduces a pipeline's gradients once a
+                                    # step, except ZeRO's (planning.pipeline.defers_grad_sync)
                                     yield Setup(dp, tp, pp, b, m, schedule, v, rc, zero, sp,
-                                                grad_sync="microbatch")
+                                                grad_sync="microbatch" if zero else "step")
 
 
 # the largest tensor-parallel group the search forms across nodes: Megatron-LM's largest tp
@@ -351,8 +353,9 @@ def _only_when_needed(ranked: list[StepCost]) -> list[StepCost]:
     memory the job does not need (ZeRO-1's optimizer step is priced 1/dp: that alone is not a
     reason to shard)."""
     def key(setup: Setup) -> Setup:
-        """The setup with the stage split normalised (an even-split variant is the same twin)."""
-        return dataclasses.replace(setup, even_split=False)
+        """The setup with the stage split and the gradient-sync mode normalised (an even-split
+        variant is the same twin; the mode follows from ZeRO)."""
+        return dataclasses.replace(setup, even_split=False, grad_sync="step")
 
     fits = {key(c.setup) for c in ranked}
 

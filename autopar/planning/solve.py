@@ -11,7 +11,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar.config import Config
 from autopar.cost_models.passes import run_cost_passes
-from autopar.cost_models.sharding import SpaceCosts, price_space
+from autopar.cost_models.sharding import SpaceCosts, deferred_gradient_matrix, price_space
 from autopar.errors import PlanError
 from autopar.graph import TracedGraph
 from autopar.mesh import Mesh, planning_device_mesh
@@ -37,14 +37,17 @@ from autopar.planning.candidates import Candidate
 def solve_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate,
                 cost_passes: Sequence[Callable[..., SpaceCosts]], budget: float | None,
                 fixed: dict[str, tuple[str, ...]] | None = None, activation_scale: int = 1,
-                sequence_parallel: bool | None = None, base_space: StrategySpace | None = None
-                ) -> tuple[StrategySpace, SpaceCosts, IntraOpResult]:
+                sequence_parallel: bool | None = None, base_space: StrategySpace | None = None,
+                gradient_share: float = 1.0) -> tuple[StrategySpace, SpaceCosts, IntraOpResult]:
     """Strategy space, its prices and the intra-operator ILP's choice on the logical mesh.
 
     ``fixed`` pins parameters (by name) to a placement, e.g. a tied weight already placed by an
     earlier pipeline stage. ``activation_scale`` multiplies the memory of saved activations: a
     pipeline stage holds that many microbatches in flight (the incoming gradients, consumed at
-    once, are not multiplied). ``sequence_parallel`` True makes
+    once, are not multiplied). ``gradient_share``: the share of the moves of the parameters'
+    gradients to their placements that one run of the graph pays (``1/m`` for a pipeline stage
+    that reduces its gradients over dp once a step over its ``m`` microbatches; the moves over
+    the other axes are paid every run). ``sequence_parallel`` True makes
     every layer norm take its input sharded on the sequence dim (dim 1) over the ``tp`` axis
     (Korthikanti et al., MLSys'23, sec. 4.2.2), False makes it take it replicated there; None
     leaves the choice to the ILP. ``base_space``: the unpinned space of this graph and mesh,
@@ -74,8 +77,26 @@ def solve_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate
         once = {p.node for p in traced.params} | set(traced.tangent_nodes)
         costs = dataclasses.replace(costs, memory={
             n: m if n in once else m * activation_scale for n, m in costs.memory.items()})
+    if gradient_share != 1.0 and cand.dp_axes:
+        costs = _deferred_gradients(traced, space, costs, mesh, cand, gradient_share)
     costs = _with_recompute_peak(traced, costs)
     return space, costs, solve_intra_op(traced, space, costs, budget, config.solver_time_limit_s)
+
+
+def _deferred_gradients(traced: TracedGraph, space: StrategySpace, costs: SpaceCosts,
+                        mesh: Mesh, cand: Candidate, share: float) -> SpaceCosts:
+    """``costs`` with the moves of the parameters' gradients priced as a pipeline stage runs
+    them: the reduction over the dp axes once a step, ``share`` of it per microbatch
+    (:func:`~autopar.cost_models.sharding.deferred_gradient_matrix`)."""
+    outs = next(n for n in traced.gm.graph.nodes if n.op == "output").args[0]
+    moved = {}
+    for i, (value, param, m) in costs.outputs.items():
+        if param is not None:
+            m = deferred_gradient_matrix(space.nodes[value[0]].strategies, value[1],
+                                         space.nodes[param].strategies, outs[i].meta["val"],
+                                         tuple(cand.shape), mesh.topology, cand.dp_axes, share)
+        moved[i] = (value, param, m)
+    return dataclasses.replace(costs, outputs=moved)
 
 
 def unpinned_space(traced: TracedGraph, cand: Candidate, config: Config) -> StrategySpace:
@@ -173,18 +194,23 @@ def _keep(space: StrategySpace, node: str, pred: Callable[[Any], bool], error: s
 def solve_candidate(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate,
                     cost_passes: Sequence[Callable[..., SpaceCosts]], budget: float | None,
                     stage: int | None = None, fixed: dict[str, tuple[str, ...]] | None = None,
-                    activation_scale: int = 1) -> Plan:
+                    activation_scale: int = 1, defer_grad_sync: bool = False,
+                    microbatches: int = 1) -> Plan:
     """Solve the intra-operator ILP of ``traced`` on the logical mesh ``cand``.
 
     Raises :class:`PlanError` when the graph cannot be placed on it and
     :class:`InfeasibleMemoryError` when nothing fits ``budget``. ``stage`` tags the collectives
-    of a pipeline stage.
+    of a pipeline stage. ``defer_grad_sync``: leave the data-parallel gradient reductions out of
+    the program (a pipeline stage reduces its gradients once a step, after its microbatches:
+    :func:`~autopar.planning.assembly.deferred_gradient`), once for its ``microbatches``.
     """
     space, costs, res = solve_space(traced, mesh, config, cand, cost_passes, budget, fixed,
-                                    activation_scale)
+                                    activation_scale,
+                                    gradient_share=1 / microbatches if defer_grad_sync else 1.0)
     grads = {p.grad_output_index for p in traced.params if p.grad_output_index is not None}
     res = dataclasses.replace(res, choice=reduce_at_outputs(traced.gm, space, res.choice, grads))
-    plan = build_plan(traced, mesh, config, cand, space, costs, res)
+    plan = build_plan(traced, mesh, config, cand, space, costs, res,
+                      defer_axes=cand.dp_axes if defer_grad_sync else ())
     attach(plan, ExplainContext(traced, space, costs, res.choice, budget,
                                 ilp_groups(traced, space)[0]))
     if stage is not None:

@@ -211,6 +211,15 @@ class PipelineModule(StateDictMixin, nn.Module):
                 st, traced, local, self._params, canonical, self._feeder,
                 pipe.schedule == "zero-bubble", buffers, compile, self.startup)
         self._traced = {st.index: traced for st, traced, _ in stages}
+        # per stage of this rank, the parameters whose gradients the stage leaves partial over
+        # dp (reduced once a step, after the schedule): name -> the gradients' placements
+        self._partial: dict[int, dict[str, tuple]] = {}
+        for j in self._stage_modules:
+            splan = pipe.stages[j]
+            self._partial[j] = {
+                canonical.get(p.name, p.name): placements_of(splan.output_placements[p.grad_output_index])
+                for p in self._traced[j].params if p.grad_output_index is not None
+                and tuple(splan.output_placements[p.grad_output_index]) != tuple(splan.params[p.name])}
         self._tied = self._tied_params(stages, canonical)
         self._held, self._owner = self._params, self._owners(stages, canonical)
         self._state = model_state(model, set(self._owner))
@@ -352,12 +361,22 @@ class PipelineModule(StateDictMixin, nn.Module):
 
     def _set_sunk_grads(self) -> None:
         """Add the gradients the stages summed locally over the step's microbatches
-        (:class:`GradSink`) to the DTensor parameters' ``grad``."""
+        (:class:`GradSink`) to the DTensor parameters' ``grad``; those a stage left partial
+        over dp are reduced here, once a step (one all-reduce per stage and parameter, in the
+        stages' order: the plan lists the same)."""
         total: dict[str, torch.Tensor] = {}
-        for stage in self._stage_modules.values():
-            if stage.sink is not None:
-                for name, g in stage.sink.take().items():
-                    total[name] = g if name not in total else total[name] + g
+        for j in sorted(self._stage_modules):
+            stage = self._stage_modules[j]
+            if stage.sink is None:
+                continue
+            for name, g in stage.sink.take().items():
+                param = self._params[name]
+                partial = self._partial[j].get(name)
+                if partial is not None:
+                    g = DTensor.from_local(g, self._submesh, partial, run_check=False,
+                                           shape=param.shape, stride=param.stride()
+                                           ).redistribute(self._submesh, param.placements).to_local()
+                total[name] = g if name not in total else total[name] + g
         for name, g in total.items():
             param = self._params[name]
             fresh = DTensor.from_local(g, self._submesh, param.placements, run_check=False,

@@ -278,7 +278,10 @@ class _Builder:
             for c in self.candidates(self.value(a)):
                 for p in c:
                     if isinstance(p, _StridedShard):
-                        return tuple(p for _ in self.mesh_shape)
+                        # a plain shard next to the strided one, so that a rule expanding the
+                        # shard types it sees also pairs a batch-sharded axis with a strided one
+                        return (Shard(0),) * (len(self.mesh_shape) > 1) + tuple(
+                            p for _ in self.mesh_shape[1:]) if len(self.mesh_shape) > 1 else (p,)
         return None
 
     def _schema(self, n: fx.Node, lead: Placements | None = None,

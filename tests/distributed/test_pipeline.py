@@ -26,8 +26,13 @@ CHECKS = {
     4: [f"{MODEL},pp=2,tp=2,schedule=1f1b", f"{MODEL},pp=2,dp=2,schedule=1f1b",
         # part 4's recomputation and ZeRO-1 inside pipeline stages (the tied weight is sharded
         # over dp on both of its stages)
-        f"{MODEL},pp=2,dp=2,schedule=1f1b,zero=1,recompute=full"],
+        f"{MODEL},pp=2,dp=2,schedule=1f1b,zero=1,recompute=full",
+        # 4 and 8 microbatches of a model wide enough that its stages split the batch over dp
+        # at both: the dp gradient reductions of a step stay as many
+        *(f"gpt:layers=2,dim=128,seq=32,batch={b},microbatch_size=4,pp=2,dp=2,zero=0,schedule=1f1b,topo=a100-dgx"
+          for b in (16, 32))],
 }
+DP_M4, DP_M8 = CHECKS[4][3], CHECKS[4][4]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2proc", "4proc"])
@@ -68,7 +73,8 @@ def test_plan_is_the_configured_pipeline(world):
         r = _ok(results[check])
         assert r["degrees"]["pp"] == 2 and r["mesh_shape"][0] == 2, (check, r)
         schedule = check.split("schedule=")[1].split(",")[0]
-        assert r["schedule"] == schedule and r["microbatches"] == 4, (check, r)
+        batch, size = (int(check.split(f"{k}=")[1].split(",")[0]) for k in ("batch", "microbatch_size"))
+        assert r["schedule"] == schedule and r["microbatches"] == batch // size, (check, r)
         v = int(check.split("virtual_stages=")[1].split(",")[0]) if "virtual_stages=" in check else 1
         assert r["virtual_stages"] == v
         stages = r["stage_of_unit"]
@@ -113,3 +119,18 @@ def test_profile_step_sets_measured_against_predicted_times_and_comm(world):
         assert r["comm"] and all(pc == mc and pb == mb for pc, mc, pb, mb in r["comm"].values()), r["table"]
         assert r["grads_cleared"] and "predicted ms" in r["table"]
 
+
+def test_pipeline_reduces_data_parallel_gradients_once_a_step(world):
+    # pp=2 x dp=2 at 4 and at 8 microbatches: each stage sums its gradients over the step's
+    # microbatches and reduces them over dp once, after the schedule, so the step's all-reduces
+    # (counted at run time on every rank, equal to the plan's by the test above) do not grow
+    # with the microbatches; sends and receives do (one pair per microbatch and boundary)
+    n, results = world
+    if n != 4:
+        pytest.skip("dp=2 x pp=2 needs 4 processes")
+    m4, m8 = _ok(results[DP_M4]), _ok(results[DP_M8])
+    assert (m4["microbatches"], m8["microbatches"]) == (4, 8)
+    assert m4["runtime_counts"]["all_reduce"] == m8["runtime_counts"]["all_reduce"], (m4, m8)
+    assert m8["runtime_counts"]["send"] == 2 * m4["runtime_counts"]["send"]
+    # the reductions are the plan's step-end ones: one per parameter of this rank's stage
+    assert m4["plan_step_end"] > 0 and m4["plan_step_end"] == m8["plan_step_end"]

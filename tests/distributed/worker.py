@@ -189,6 +189,10 @@ def _pipeline_record(pm, ref, inputs, ref_loss, setup_s: float) -> dict:
         "stage_of_unit": list(pipe.stage_of_unit), "units": list(pipe.units),
         "mesh_shape": list(plan.mesh_shape), "setup_s": setup_s,
         "predicted_step_s": plan.predicted["step_time_s"],
+        # dp collectives the plan lists for this rank's stages once a step (after the schedule)
+        "plan_step_end": sum(1 for c in plan.collectives if c.axis == "dp" and c.stage is not None
+                             and c.stage % plan.degrees["pp"] == pm.pp_rank
+                             and c.kind == "all_reduce"),
     }
 
 

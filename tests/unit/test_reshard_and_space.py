@@ -269,3 +269,20 @@ def test_every_strategy_shards_evenly(traced, mesh):
         wte = _options(space, traced, "wte.weight")  # [130, 64]: 130 splits in 2, not in 4
         assert (Shard(0), Replicate()) in wte and (Shard(1), Shard(1)) in wte
         assert (Shard(0), Shard(0)) not in wte
+
+
+def test_fused_qkv_is_strided_over_tp_while_the_batch_is_sharded_over_dp():
+    # On a (dp, tp) mesh the fused QKV projection must be able to take its weight strided over
+    # tp (q, k and v rows on each rank, head-aligned) with its input batch-sharded over dp: the
+    # Megatron layout under data parallelism. Before, only a replicated or strided input paired
+    # with the strided weight, so every dp x tp plan gathered q, k and v.
+    model, inputs = build("gpt", layers=2, batch=4, dim=64, heads=4)
+    traced = capture(model, inputs)
+    with planning_device_mesh((2, 2), ("dp", "tp")) as dm:
+        space = build_space(traced, dm, ("dp", "tp"), (0,), "replicate")
+    qkv = next(p for p in traced.params if p.name == "blocks.1.qkv.weight")
+    linear = next(u for t in traced.node(qkv.node).users for u in t.users
+                  if str(u.target).startswith("aten.addmm"))
+    pairs = {tuple(map(to_str, pl)) for s in space.nodes[linear.name].strategies
+             for pl in [s.inputs[1]] if any("SS" in to_str(p) for p in s.inputs[2])}
+    assert ("S(0)", "R") in pairs, pairs
