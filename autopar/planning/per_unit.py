@@ -102,7 +102,9 @@ def _make_plan(traced: TracedGraph, mesh: Mesh, config: Config,
         raise PlanError(f"Config(pp={config.pp}) needs the model: plan with autopar.plan(model, "
                         f"mesh, example_inputs) or autopar.parallelize(...).")
     if not results and not infeasible:
-        raise PlanError("no mesh candidate can place the model:\n" + "\n".join(unplaceable))
+        raise PlanError("no mesh candidate can place the model:\n" + "\n".join(
+            unplaceable or [f"no (dp, tp, pp) setup of {mesh.size} devices matches {config}; "
+                            f"relax the degrees set in the Config"]))
     if not results:
         cand, closest = min(infeasible, key=lambda x: x[1].required_bytes)
         need = closest.required_bytes

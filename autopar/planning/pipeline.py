@@ -102,6 +102,18 @@ def _microbatch_counts(batch: int, pp: int, dp: int, config: Config) -> list[int
     return (preferred or [max(valid)] if valid else [])[:_MAX_MICROBATCH_CANDIDATES]
 
 
+def _no_microbatch_count(batch: int, dp: int, config: Config) -> str:
+    """Why no microbatch count splits ``batch`` over ``dp`` replicas under ``config``."""
+    b = config.microbatch_size
+    if b is None:
+        return f"no microbatch count splits the batch of {batch} evenly over dp={dp} replicas"
+    fits = [k * dp for k in range(1, batch // dp + 1) if batch % (k * dp) == 0]
+    hint = (f"use microbatch_size={dp} for one sample per replica" if dp in fits
+            else f"choose one of {fits}")
+    return (f"Config(microbatch_size={b}) counts the samples of a microbatch over all dp={dp} "
+            f"replicas: it must divide the batch ({batch}) and be a multiple of dp; {hint}")
+
+
 def _schedules(pp: int, units: int, config: Config) -> list[tuple[str, int]]:
     names = [config.schedule] if config.schedule else list(SCHEDULES)
     out = []
@@ -200,7 +212,10 @@ def search_pipeline(model: Any, example_inputs: Any, mesh: Mesh, config: Config,
             continue
         for cand in cands:
             dp = math.prod(cand.shape[a] for a in cand.dp_axes)
-            for m in _microbatch_counts(batch, pp, dp, config):
+            counts = _microbatch_counts(batch, pp, dp, config)
+            if not counts:
+                failures.append(_no_microbatch_count(batch, dp, config))
+            for m in counts:
                 try:
                     setups += _search_point(model, example_inputs, mesh, config, cost_passes, budget,
                                             pp, cand, m, cache, infeasible)

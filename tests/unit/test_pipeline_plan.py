@@ -266,3 +266,16 @@ def test_a_stage_of_one_block_recomputes_as_a_stage_of_several():
         for k, (_, traced) in enumerate(one):
             assert f"blocks.{k}" in set(traced.node_layer.values())
             assert len(recompute_nodes(traced, policy)) == per_block, (policy, k)
+
+
+def test_a_microbatch_smaller_than_the_replicas_is_refused_with_the_fix():
+    # Config.microbatch_size counts samples over all dp replicas: 1 sample cannot be split over
+    # dp=2 (before, the error ended at "no mesh candidate can place the model:" with nothing after)
+    model, inputs = build("gpt", layers=4, batch=8)
+    mesh = autopar.Mesh.virtual("cpu-gloo", gpus_per_node=4)
+    config = autopar.Config(pp=2, dp=2, tp=1, schedule="1f1b", microbatch_size=1)
+    with pytest.raises(autopar.PlanError, match=r"microbatch_size=1\).*dp=2.*use microbatch_size=2"):
+        autopar.plan(model, mesh, inputs, config=config)
+    plan = autopar.plan(model, mesh, inputs, config=autopar.Config(
+        pp=2, dp=2, tp=1, schedule="1f1b", microbatch_size=2))
+    assert plan.pipeline.microbatches == 4 and plan.techniques["replica_microbatch_size"] == 1
