@@ -3,6 +3,7 @@ step's collectives and gradient buckets, the predicted step, FLOPs and MFU."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from torch.distributed.tensor import Replicate
@@ -38,20 +39,25 @@ def _axis_roles(traced: TracedGraph, space: StrategySpace, res: IntraOpResult,
     parallel (the batch is split, or nothing is); any other axis is tensor parallel. Also warns
     about axes on which nothing at all is split."""
     dp, tp, notes = 1, 1, []
+    inputs = {i.node for i in traced.inputs}
     for axis, size in enumerate(cand.shape):
         params_rep = axis in cand.dp_axes or all(
             isinstance(space.nodes[p.node].strategies[res.choice[p.node]].outputs[0][axis], Replicate)
             for p in traced.params)
+        # (a user input sharded on the axis splits no work by itself: only ops and parameters)
         used = any(
             out is not None and not isinstance(out[axis], Replicate)
-            for name, i in res.choice.items() for out in space.nodes[name].strategies[i].outputs)
+            for name, i in res.choice.items() if name not in inputs
+            for out in space.nodes[name].strategies[i].outputs)
         if params_rep:
             dp *= size
         else:
             tp *= size
         if not used:
             notes.append(f"mesh axis {cand.names[axis]!r} ({size} devices) splits nothing: every "
-                         f"device on it repeats the same work (the model is too small to gain)")
+                         f"device on it repeats the same work (the model is too small to gain); "
+                         f"{cand.names[axis]}=1 on {math.prod(cand.shape) // size} device(s) "
+                         f"would cost the same")
     return {"dp": dp, "tp": tp, "pp": 1}, notes
 
 

@@ -87,8 +87,21 @@ def plan_model(model: nn.Module, mesh: Mesh, example_inputs: Any, config: Config
             traced = capture(model, example_inputs, config.mixed_precision)
         plan = make_plan(traced, mesh, config, cost_passes, progress, model, example_inputs)
         plan = _replace(plan, solver={**plan.solver, "path": f"per-unit ILPs ({reason})"})
+    _check_forced(plan, config)
     return _replace(plan, model_fingerprint=model_fingerprint(model, example_inputs),
                     solver={**plan.solver, "planning_time_s": time.perf_counter() - t0})
+
+
+def _check_forced(plan: Plan, config: Config) -> None:
+    """Refuse a plan that drops a technique the config forces on (sequence parallelism: the
+    model may have no layer norm for it to shard)."""
+    if config.sequence_parallel and not plan.techniques.get("sequence_parallel"):
+        raise PlanError(
+            "Config(sequence_parallel=True) cannot hold for this model and mesh: autopar's "
+            "sequence parallelism runs the layer norms (aten.native_layer_norm) on inputs "
+            "sharded on the sequence dim over tp, and the plan has none that does (the model "
+            "normalises with other ops, e.g. an RMSNorm written out, or no tp > 1 was chosen). "
+            "Use sequence_parallel=None or False.")
 
 
 def _blocks(model: nn.Module) -> int:
@@ -230,9 +243,10 @@ def _record_search(plan: Plan, cost: StepCost, result: SearchResult, failed: lis
     if failed:
         warnings.append(f"{len(failed)} better-ranked setup(s) could not be placed per operator "
                         f"and were skipped: " + "; ".join(failed))
+    # recompute, zero and sequence_parallel as the placements apply them (plan.techniques), not
+    # as the setup asked: a setting the model gives nothing to is recorded off, with a warning
     techniques = {**plan.techniques, "microbatch_size": st.microbatch_size * st.dp,
-                  "replica_microbatch_size": st.microbatch_size, "microbatches": st.microbatches, "recompute": st.recompute, "zero": st.zero,
-                  "sequence_parallel": st.sequence_parallel}
+                  "replica_microbatch_size": st.microbatch_size, "microbatches": st.microbatches}
     solver = {**plan.solver, "path": "setup search + per-operator ILPs",
               "setup": st.describe(), "setups_evaluated": result.evaluated,
               "setups_pruned_memory": len(result.pruned), "layer_solves": result.layer_solves,

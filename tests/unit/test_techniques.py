@@ -226,3 +226,25 @@ def test_a_setting_that_changes_nothing_is_recorded_as_off():
     assert mlp_bf16.techniques["mixed_precision"] == "bf16-autocast"
     with pytest.raises(autopar.PlanError, match="autocast"):  # pipeline stages do not run it yet
         autopar.plan(model, mesh, inputs, config=autopar.Config(pp=2, mixed_precision="bf16"))
+
+
+def test_forced_sequence_parallelism_is_honoured_or_refused_and_an_idle_axis_is_named():
+    # Hugging Face Llama normalises with an RMSNorm written out (no aten.native_layer_norm), so
+    # autopar's sequence parallelism has nothing to shard: forced, it is refused (before, the
+    # plan said sequence_parallel=True and sharded nothing, silently)
+    mesh = autopar.Mesh.virtual("cpu-gloo", gpus_per_node=2)
+    llama, llama_inputs = build("llama", layers=2, dim=64, heads=4, batch=4)
+    with pytest.raises(autopar.PlanError, match="sequence_parallel=True.*cannot hold"):
+        autopar.plan(llama, mesh, llama_inputs,
+                     config=autopar.Config(tp=2, dp=1, pp=1, sequence_parallel=True))
+    # tp=2 forced on a model too small to gain: every op replicated over the axis, which the
+    # plan says, naming what would cost the same
+    plan = autopar.plan(llama, mesh, llama_inputs, config=autopar.Config(tp=2, dp=1, pp=1))
+    assert not plan.techniques["sequence_parallel"]
+    assert any("'tp' (2 devices) splits nothing" in w and "tp=1 on 1 device" in w
+               for w in plan.warnings), plan.warnings
+    # the plain GPT has layer norms: forced sequence parallelism holds
+    gpt, gpt_inputs = build("gpt", layers=2, dim=64, heads=4, batch=4)
+    plan = autopar.plan(gpt, mesh, gpt_inputs,
+                        config=autopar.Config(tp=2, dp=1, pp=1, sequence_parallel=True))
+    assert plan.techniques["sequence_parallel"]
