@@ -29,7 +29,7 @@ from autopar.strategies.space import (
     Placements, Strategy, StrategySpace, tensor_inputs, boundary_placements,
 )
 
-__all__ = ["SpaceCosts", "deferred_gradient_matrix", "price_space", "recomputed_bytes", "reshard_time",
+__all__ = ["SpaceCosts", "deferred_gradient_matrix", "deferred_placement", "price_space", "recomputed_bytes", "reshard_time",
            "state_bytes_per_element"]
 
 # Ops that only alias or re-describe memory: no compute, no traffic.
@@ -283,6 +283,15 @@ def _edge_matrix(src: Sequence[Strategy], idx: int, dst: Sequence[Strategy], k: 
     return small[np.ix_(si.ravel(), di.ravel())]
 
 
+def deferred_placement(grad: Placements, param: Placements, dp_axes: Sequence[int]
+                       ) -> Placements:
+    """Where a parameter's gradient goes when its reduction over ``dp_axes`` is deferred: the
+    parameter's placement, except on those of ``dp_axes`` where the parameter is replicated and
+    the gradient is a partial sum, which it stays (reduced later, once a step)."""
+    return tuple(g if axis in dp_axes and isinstance(g, Partial) and isinstance(w, Replicate)
+                 else w for axis, (g, w) in enumerate(zip(grad, param)))
+
+
 def deferred_gradient_matrix(src: Sequence[Strategy], idx: int, params: Sequence[Strategy],
                              val: torch.Tensor, mesh_shape: tuple[int, ...], topo: Topology,
                              dp_axes: Sequence[int], share: float) -> np.ndarray:
@@ -300,9 +309,7 @@ def deferred_gradient_matrix(src: Sequence[Strategy], idx: int, params: Sequence
             key = (s.outputs[idx], t.outputs[0])
             if key not in cache:
                 got, want = key
-                kept = tuple(g if (axis in dp_axes and isinstance(g, Partial)
-                                   and isinstance(w, Replicate)) else w
-                             for axis, (g, w) in enumerate(zip(got, want)))
+                kept = deferred_placement(got, want, dp_axes)
                 cache[key] = price(got, kept, shape, item) + share * price(kept, want, shape, item)
             out[a, b] = cache[key]
     return out

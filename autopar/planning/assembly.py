@@ -11,11 +11,11 @@ from torch.distributed.tensor import Replicate
 from autopar.config import Config
 from autopar.cost_models.compute import graph_flops, mfu
 from autopar.cost_models.overlap import overlapped_step_time
-from autopar.cost_models.sharding import SpaceCosts
+from autopar.cost_models.sharding import SpaceCosts, deferred_placement
 from autopar.cost_models.training_step import optimizer_step_time
 from autopar.graph import TracedGraph
 from autopar.mesh import Mesh
-from autopar.placements import to_str
+from autopar.placements import from_str, to_str
 from autopar.plan import NodePlan, Plan
 from autopar.planning.buckets import gradient_buckets
 from autopar.planning.collectives import step_collectives
@@ -138,14 +138,13 @@ def build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate,
 
 def deferred_gradient(param: tuple[str, ...], grad: tuple[str, ...] | None,
                       axes: tuple[int, ...]) -> tuple[str, ...]:
-    """The output placement of a parameter's gradient: the parameter's placement, except on
-    ``axes`` where the parameter is replicated and the gradient is computed as a partial sum
-    (``P(sum)``), which it keeps there (reduced later, once a step)."""
-    out = list(param)
-    for axis in axes:
-        if grad is not None and grad[axis].startswith("P") and param[axis] == "R":
-            out[axis] = grad[axis]
-    return tuple(out)
+    """The output placement (text form) of a parameter's gradient computed as ``grad``:
+    :func:`~autopar.cost_models.sharding.deferred_placement` over ``axes`` (none: the
+    parameter's own placement)."""
+    if grad is None or not axes:
+        return param
+    return tuple(map(to_str, deferred_placement(tuple(map(from_str, grad)),
+                                                tuple(map(from_str, param)), axes)))
 
 
 BUCKET_CAPS = (25 * 2**20, 4 * 2**20, 2**20)  # tried when Config.bucket_bytes is None

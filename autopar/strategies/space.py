@@ -280,8 +280,8 @@ class _Builder:
                     if isinstance(p, _StridedShard):
                         # a plain shard next to the strided one, so that a rule expanding the
                         # shard types it sees also pairs a batch-sharded axis with a strided one
-                        return (Shard(0),) * (len(self.mesh_shape) > 1) + tuple(
-                            p for _ in self.mesh_shape[1:]) if len(self.mesh_shape) > 1 else (p,)
+                        rest = (p,) * (len(self.mesh_shape) - 1)
+                        return (Shard(0), *rest) if rest else (p,)
         return None
 
     def _schema(self, n: fx.Node, lead: Placements | None = None,
