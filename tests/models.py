@@ -100,6 +100,34 @@ def hf_llama(vocab: int = 128, dim: int = 64, heads: int = 4, layers: int = 2, s
     return model
 
 
+# encoder-decoder families of transformers, each from a tiny config (dropouts off); the labels
+# are the input ids, shifted into decoder inputs by the model itself (``shift_tokens_right``)
+SEQ2SEQ = ("t5", "bart", "pegasus", "marian", "mbart")
+
+
+def hf_seq2seq(kind: str, vocab: int = 128, dim: int = 64, heads: int = 4, layers: int = 2,
+               seq: int = 32) -> nn.Module:
+    """A transformers encoder-decoder model (``SEQ2SEQ``) from a small config."""
+    import transformers as tf
+
+    if kind == "t5":
+        cfg = tf.T5Config(vocab_size=vocab, d_model=dim, d_kv=dim // heads, d_ff=2 * dim,
+                          num_layers=layers, num_heads=heads, dropout_rate=0.0,
+                          decoder_start_token_id=0, pad_token_id=0)
+        return tf.T5ForConditionalGeneration(cfg)
+    names = {"bart": ("BartConfig", "BartForConditionalGeneration"),
+             "pegasus": ("PegasusConfig", "PegasusForConditionalGeneration"),
+             "marian": ("MarianConfig", "MarianMTModel"),
+             "mbart": ("MBartConfig", "MBartForConditionalGeneration")}[kind]
+    cfg = getattr(tf, names[0])(
+        vocab_size=vocab, d_model=dim, encoder_layers=layers, decoder_layers=layers,
+        encoder_attention_heads=heads, decoder_attention_heads=heads, encoder_ffn_dim=2 * dim,
+        decoder_ffn_dim=2 * dim, max_position_embeddings=seq, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, pad_token_id=1, decoder_start_token_id=2, bos_token_id=0,
+        eos_token_id=2)
+    return getattr(tf, names[1])(cfg)
+
+
 def build(kind: str, seed: int = 0, **kw: int) -> tuple[nn.Module, object]:
     """A model of ``kind`` with deterministic weights and a matching example batch."""
     torch.manual_seed(seed)
@@ -111,7 +139,10 @@ def build(kind: str, seed: int = 0, **kw: int) -> tuple[nn.Module, object]:
         return model, inputs
     batch = kw.pop("batch", 4)
     seq = kw.pop("seq", 16)
-    model = {"gpt": GPT, "gpt2": hf_gpt2, "llama": hf_llama}[kind](seq=seq, **kw)
+    if kind in SEQ2SEQ:
+        model = hf_seq2seq(kind, seq=seq, **kw)
+    else:
+        model = {"gpt": GPT, "gpt2": hf_gpt2, "llama": hf_llama}[kind](seq=seq, **kw)
     g = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, 128, (batch, seq), generator=g)
     if kind == "gpt":

@@ -100,3 +100,31 @@ class CheckServer:
 @pytest.fixture(scope="session")
 def results_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("distributed")
+
+
+# Tolerances of a check against one process (records from grads.compare_on_every_rank, per rank
+# and per parameter, each gradient relative to that parameter's own largest one-process value).
+# fp32: the parallel program sums the same products in another order (shards, microbatches,
+# tied-weight parts): a few ulp (2**-24 = 6e-8) per sum, a few sums deep; 1e-5 leaves ~15x
+# margin over the largest error seen (6.6e-7, gpt tp=2 with sequence parallelism).
+FP32_TOL = (1e-5, 1e-5)
+# bf16 autocast against a one-process bf16 autocast run: 8 significant bits (unit roundoff
+# 2**-8 = 0.39%); sharding moves where partial sums are rounded to bf16, a few roundings deep:
+# 1% on the loss, 3% per parameter (seen: 0.006% and 0.56%).
+BF16_TOL = (1e-2, 3e-2)
+
+
+def assert_matches_one_process(record: dict, tolerance: tuple[float, float] = FP32_TOL,
+                               what: object = "", autograd: bool = True) -> None:
+    """The loss on every rank and every rank's gradient shards, per parameter, within
+    ``tolerance`` = (loss, gradient) of one process; every held parameter got a gradient.
+    ``autograd``: also the same plan through forward + ``loss.backward()`` (flat plans)."""
+    assert "error" not in record, record.get("error", "") + "\n" + record.get("trace", "")
+    loss_tol, grad_tol = tolerance
+    prefixes = ("", "autograd_") if autograd and "autograd_grad_rel" in record else ("",)
+    for prefix in prefixes:
+        assert record[f"{prefix}loss_err"] <= loss_tol, (what, prefix, record[f"{prefix}loss_err"])
+        assert record[f"{prefix}grad_rel"] <= grad_tol, (what, prefix, record[f"{prefix}grad_rel"],
+                                                         record[f"{prefix}grad_worst"])
+        assert not record[f"{prefix}grad_missing"], (what, prefix, record[f"{prefix}grad_missing"])
+        assert record[f"{prefix}grad_checked"] == record["ref_n_params"], (what, prefix, record)
