@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -99,8 +100,8 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: Any = None, *,
     t1 = time.perf_counter()
     startup["capture_s"] = t1 - t0
     if plan is None:
-        the_plan, startup["plan_cache"] = _cached_plan(traced, mesh, config, cost_passes, model,
-                                                       example_inputs, plan_cache)
+        the_plan, startup["plan_cache"] = _plan_once(traced, mesh, config, cost_passes, model,
+                                                     example_inputs, plan_cache)
     else:
         startup["plan_cache"] = "given"
         the_plan = plan
@@ -127,6 +128,44 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: Any = None, *,
     startup["lower_s"] = time.perf_counter() - t2
     pmodel.startup.update(startup)
     return pmodel
+
+
+def _plan_once(traced: Any, mesh: Mesh, config: Config, cost_passes: Sequence, model: nn.Module,
+               example_inputs: Any, setting: bool | str | Path | None) -> tuple[Plan, str]:
+    """Plan on rank 0 and send the plan to every rank (in a job of more than one process).
+
+    One planner instead of one per rank: the others do not compete with it for the CPU, and a
+    solver time limit cannot end differently on different ranks. The ranks first check that
+    they would plan the same problem (same model, inputs, mesh, topology, config and cost
+    passes); if rank 0 fails, every rank raises its error."""
+    from autopar import errors, plan_cache
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return _cached_plan(traced, mesh, config, cost_passes, model, example_inputs, setting)
+    keys: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(keys, plan_cache.plan_key(traced, mesh, config, cost_passes))
+    differ = [r for r, k in enumerate(keys) if k != keys[0]]
+    if differ:
+        raise PlanError(f"ranks {differ} would plan another problem than rank 0 (model, inputs, "
+                        f"mesh, topology, Config or cost passes differ). Give every rank the same "
+                        f"ones, or load one saved plan everywhere with parallelize(..., plan=...).")
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            fresh, how = _cached_plan(traced, mesh, config, cost_passes, model, example_inputs, setting)
+            box = [(fresh.to_json(), how)]
+        except Exception as e:
+            box = [(None, (type(e).__name__, str(e)))]
+            dist.broadcast_object_list(box, src=0)
+            raise
+    dist.broadcast_object_list(box, src=0)
+    text, how = box[0]
+    if text is None:
+        name, message = how
+        kind = getattr(errors, name, None)
+        kind = kind if isinstance(kind, type) and issubclass(kind, errors.AutoparError) else PlanError
+        raise kind(f"rank 0 could not plan ({name}): {message}")
+    return Plan.from_dict(json.loads(text)), how
 
 
 def _cached_plan(traced: Any, mesh: Mesh, config: Config, cost_passes: Sequence, model: nn.Module,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import operator
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -169,18 +170,32 @@ class _Interpreter:
             return _run_replicated(n, args, kwargs, self.mesh)
         if n.target in _VIEWS:
             return _local_view(n, args[0], placements_of(choice.outputs[0]), self.mesh)
+        if n.target in _NEW_FACTORIES:
+            return _local_factory(n, args, kwargs, placements_of(choice.outputs[0]), self.mesh)
         out = n.target(*args, **kwargs)
         return self._check(n, out, choice.outputs)
 
     def _check(self, n: fx.Node, out: Any, planned: tuple) -> Any:
+        """``out`` in the plan's placements. Where DTensor's dispatch chose another placement
+        than the plan (a rule whose choice the plan could not foresee), the output is moved to
+        the plan's with the cheapest legal steps, and a warning names the node and the move: the
+        program runs, with a collective more than the plan counts."""
         outs = out if isinstance(out, (tuple, list)) else [out]
         fixed = list(outs)
         for i, (o, p) in enumerate(zip(outs, planned)):
             if isinstance(o, DTensor) and p is not None and tuple(o.placements) != placements_of(p):
-                raise RuntimeError(
-                    f"internal: DTensor placed {n.name} ({n.target}) output {i} as "
-                    f"{tuple(o.placements)}, the plan says {p}. Please report this with the model.")
-        return out if isinstance(out, (tuple, list)) else fixed[0]
+                dst = placements_of(p)
+                steps = reshard_steps(tuple(o.placements), dst, tuple(o.shape), o.element_size(),
+                                      tuple(self.mesh.shape))
+                warnings.warn(
+                    f"lowering {n.name} ({n.target}): DTensor placed output {i} as "
+                    f"{tuple(o.placements)}, the plan as {p}; moved to the plan's placement with "
+                    f"{[s.kind for s in steps]}, which the plan's collectives do not count. "
+                    f"Please report this with the model.", RuntimeWarning, stacklevel=2)
+                fixed[i] = reshard(o, dst, self.mesh)
+        if not isinstance(out, (tuple, list)):
+            return fixed[0]
+        return out if all(a is b for a, b in zip(fixed, outs)) else type(out)(fixed)
 
     def _outputs(self, n: fx.Node, env: dict, moved: dict,
                  buckets: "GradientBuckets") -> list[torch.Tensor | None]:
@@ -330,6 +345,34 @@ def _local_view(n: fx.Node, x: DTensor, out_placements: tuple, mesh: Any) -> DTe
     local = torch.ops.aten.reshape.default(x.to_local(), list(shape))
     return DTensor.from_local(local, mesh, out_placements, run_check=False,
                               shape=out.shape, stride=out.stride())
+
+
+# ``Tensor.new_*``: a new tensor whose values do not depend on the input's (only its dtype and
+# device); ``new_empty_strided`` is left to DTensor (its strides are global)
+_NEW_FACTORIES = (torch.ops.aten.new_zeros.default, torch.ops.aten.new_ones.default,
+                  torch.ops.aten.new_full.default, torch.ops.aten.new_empty.default)
+
+
+def _local_factory(n: fx.Node, args: Any, kwargs: dict, out_placements: tuple, mesh: Any) -> DTensor:
+    """A ``new_*`` op made locally in the planned output placement (no communication).
+
+    DTensor's rule offers a replicated output or the input's placement, and its dispatch picks
+    the input's whenever that is sharded, whichever the plan chose (an encoder-decoder's
+    ``shift_tokens_right`` makes its ``new_zeros`` from batch-sharded ids). The values do not
+    depend on the input, so the local block of the planned placement is made directly; a
+    ``Partial`` output holds only for zeros (and uninitialised memory), whose sum is zeros.
+    """
+    partial = [p for p in out_placements if isinstance(p, Partial)]
+    if partial and n.target not in (torch.ops.aten.new_zeros.default, torch.ops.aten.new_empty.default):
+        raise RuntimeError(f"internal: {n.name} ({n.target}) planned as {out_placements}: a "
+                           f"Partial output of a filled tensor would sum its fill value over the "
+                           f"ranks. Please report this with the model.")
+    out = n.meta["val"]
+    shape = local_shape(out.shape, out_placements, tuple(mesh.shape))
+    x = args[0].to_local() if isinstance(args[0], DTensor) else args[0]
+    local = n.target(x, list(shape), *args[2:], **kwargs)
+    return DTensor.from_local(local, mesh, out_placements, run_check=False, shape=out.shape,
+                              stride=out.stride())
 
 
 def _run_replicated(n: fx.Node, args: Any, kwargs: dict, mesh: Any) -> Any:

@@ -36,8 +36,8 @@ def _axis_roles(traced: TracedGraph, space: StrategySpace, res: IntraOpResult,
                 cand: Candidate) -> tuple[dict[str, int], list[str]]:
     """Degrees from what the solver chose: a data-parallel axis of the candidate (parameters
     replicated on it, or ZeRO-sharded) or an axis on which every parameter is replicated is data
-    parallel (the batch is split, or nothing is); any other axis is tensor parallel. Also warns
-    about axes on which nothing at all is split."""
+    parallel (the batch is split); any other axis is tensor parallel. An axis on which nothing at
+    all is split keeps its name's role, and is warned about."""
     dp, tp, notes = 1, 1, []
     inputs = {i.node for i in traced.inputs}
     for axis, size in enumerate(cand.shape):
@@ -49,7 +49,9 @@ def _axis_roles(traced: TracedGraph, space: StrategySpace, res: IntraOpResult,
             out is not None and not isinstance(out[axis], Replicate)
             for name, i in res.choice.items() if name not in inputs
             for out in space.nodes[name].strategies[i].outputs)
-        if params_rep:
+        # an axis that splits nothing keeps the role its name gives (a forced tp=2 stays tp=2,
+        # with the warning below), not "data parallel" for its replicated parameters
+        if params_rep and (used or cand.names[axis] != "tp"):
             dp *= size
         else:
             tp *= size

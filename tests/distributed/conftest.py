@@ -20,6 +20,7 @@ os.environ["AUTOPAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-test-cache-")
 atexit.register(shutil.rmtree, os.environ["AUTOPAR_CACHE_DIR"], ignore_errors=True)
 
 WORKER = Path(__file__).with_name("worker.py")
+sys.path.insert(0, str(WORKER.parents[1]))  # tests/models.py, as in the workers
 
 
 def run_worker(nproc: int, checks: list[str], tmp: Path, timeout: int = 900) -> dict:

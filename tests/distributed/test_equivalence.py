@@ -42,6 +42,10 @@ TECHNIQUES = {2: [c for c in MEMORY if "bf16" not in c],
 BF16 = [MEMORY_BY_TECHNIQUE["bf16"]]
 BF16_CURVE = "gpt:dp=2,mixed_precision=bf16,curve=1"
 BF16_COMBINED = "gpt:dp=2,tp=2,mixed_precision=bf16,zero=1,recompute=full,sequence_parallel=1"
+# Encoder-decoder models of transformers with the planner free: on this machine's CPU costs (T5:
+# its shift_tokens_right's new_zeros from batch-sharded ids), and with the slow-compute costs
+# that shard them (BART: dp x the rest); every family on 2 and 4 processes in test_slow.py.
+SEQ2SEQ = ["t5:topo=cpu-gloo", "bart:"]
 # Large batch, narrow layers, solver free -> data parallelism.
 DATA_PARALLEL = {n: f"gpt:dim=64,batch={128 * n},seq=128,topo=a100-dgx" for n in (2, 4)}
 
@@ -70,7 +74,7 @@ EXAMPLES = ["example:gpt2", "example:llama", "example:gpt", "example:gpt-resume"
 def _checks(n: int) -> list[str]:
     # Megatron's layout on 4 processes runs with -m slow (test_slow.py): 2 already finds it
     checks = [f"{m}:{mesh}" for m, mesh in _pairs(n)] + (MEGATRON[n] if n == 2 else []) + TECHNIQUES[n]
-    checks += [DATA_PARALLEL[n], SEQUENCE_PARALLEL, *BF16, BF16_CURVE, "errors", "self_check", *EXAMPLES] \
+    checks += [DATA_PARALLEL[n], SEQUENCE_PARALLEL, *BF16, BF16_CURVE, "errors", "self_check", *SEQ2SEQ, *EXAMPLES] \
         if n == 2 else []
     return checks
 
@@ -93,6 +97,14 @@ def test_loss_and_gradients_match_single_process(world):
         assert_matches_one_process(r, FP32_TOL, (model, mesh))
         # tied parameters appear once, as in the original model
         assert r["n_params"] == r["ref_n_params"], (model, r)
+
+
+def test_encoder_decoder_models_match_one_process(world):
+    n, results = world
+    if n != 2:
+        pytest.skip("on 2 processes here; every family on 2 and 4 in test_slow.py")
+    for check in SEQ2SEQ:
+        assert_matches_one_process(results[check], FP32_TOL, check)
 
 
 def test_the_comparison_sees_every_rank_and_small_gradients(world):
@@ -271,6 +283,9 @@ def test_bad_input_in_a_job_gets_clear_errors(world):
         assert "ranks [1]" in msg and "rank 0 vs rank 1" in msg, msg
         assert "mesh: tp=2 vs None, dp=None vs 2" in msg and "config: dp=None vs 2, tp=2 vs None" \
             in msg and "node placements of" in msg, msg
+    # parallelize plans on rank 0 only, after checking that every rank asks for the same plan
+    for msg in r["problems_differ"]:
+        assert "ranks [1] would plan another problem than rank 0" in msg, msg
 
 
 def test_training_examples_run_and_learn(world):

@@ -45,3 +45,13 @@ def test_free_mesh_gpt_and_hugging_face_models_on_four_processes(results_dir):
         assert "error" not in r, r.get("trace")
         assert_matches_one_process(r, FP32_TOL, check)
         check_comm_equals_plan(check, r)
+
+
+def test_every_encoder_decoder_family_matches_one_process_on_two_and_four_processes(results_dir):
+    from models import SEQ2SEQ
+
+    for n in (2, 4):
+        checks = [f"{kind}:" for kind in SEQ2SEQ] + ["t5:topo=cpu-gloo", "mbart:topo=a100-dgx"]
+        for check, r in run_worker(n, checks, results_dir).items():
+            assert_matches_one_process(r, FP32_TOL, (n, check))
+            assert r["runtime_counts"] == r["plan_counts"], (n, check, r)

@@ -1,7 +1,7 @@
 """Runs many parallel-vs-single-process checks in one torchrun job (one process group for all).
 
 Usage: torchrun --nproc_per_node=N worker.py OUT.json CHECK [CHECK ...]
-A CHECK is ``kind:key=value,key=value`` (kind in mlp, gpt, gpt2, llama; keys: dp, tp, pp,
+A CHECK is ``kind:key=value,key=value`` (kind in mlp, gpt, gpt2, llama, t5, bart, pegasus, marian, mbart; keys: dp, tp, pp,
 schedule, virtual_stages, microbatch_size, recompute, zero, sequence_parallel (0/1),
 mixed_precision for the Config, dim/batch/seq/layers/heads/explicit (attention)/tied for the model, topo for the topology
 preset; memory=1 also measures the peak memory of a step, curve=1 records a 20-step loss curve
@@ -271,6 +271,16 @@ def run_errors() -> dict:
     every: list = [None] * world
     dist.all_gather_object(every, mine)
     out["plans_differ"] = every
+    # ranks that would plan differently (another Config): every rank stops before planning
+    try:
+        autopar.parallelize(model, autopar.Mesh.from_torchrun(), inputs,
+                            config=autopar.Config(tp=world) if dist.get_rank() == 0 else
+                            autopar.Config(dp=world))
+        mine = "no error"
+    except autopar.PlanError as e:
+        mine = str(e)
+    dist.all_gather_object(every, mine)
+    out["problems_differ"] = every
     ids, tgt = inputs
     for name, bad in (("shape", (ids[:, :8], tgt[:, :8])), ("dtype", (ids.int(), tgt)),
                       ("arity", (ids,))):
