@@ -199,7 +199,7 @@ def _pipelined(model: nn.Module, example_inputs: Any, traced: Any, the_plan: Pla
     from autopar.planning.pipeline import forward_for_plan
 
     pipe = the_plan.pipeline
-    fwd, stages = forward_for_plan(model, example_inputs, pipe)
+    fwd, stages = forward_for_plan(model, example_inputs, the_plan)
     submesh = dm[tuple(the_plan.axis_names[1:])]
     pp, rank = the_plan.degrees["pp"], dm.get_local_rank("pp")
     built = []

@@ -129,13 +129,18 @@ def export_forward(model: nn.Module, example_inputs: Any, ep: Any = None) -> For
     return ForwardGraph(gm, units, unit_of, canonical, fake_mode, spec)
 
 
-def capture_stages(fwd: ForwardGraph, stage_of_unit: Sequence[int], mb_inputs: Sequence[Any]
-                   ) -> list[tuple[StageGraph, TracedGraph]]:
+def capture_stages(fwd: ForwardGraph, stage_of_unit: Sequence[int], mb_inputs: Sequence[Any],
+                   autocast: torch.dtype | None = None) -> list[tuple[StageGraph, TracedGraph]]:
     """Split ``fwd`` by ``stage_of_unit`` and trace every stage's joint graph.
 
     ``mb_inputs`` are one microbatch's flattened inputs (as the graph was exported for). The
     boundary activations are produced by running the stages in order on them (under the fake
     mode of ``fwd`` if it has one, the inputs made fake in it by :func:`autopar.capture.to_fake`).
+    ``autocast``: trace each stage under ``torch.autocast`` of that dtype, as
+    :func:`autopar.capture.capture` traces a whole model (the forward graph is exported in
+    fp32; its aten ops meet autocast when each stage is traced, so the casts are in the stage's
+    joint graph, fp32 parameters stay the master weights and gradients leave in fp32). A
+    boundary value crosses in the dtype its stage computed it in.
     """
     num_stages = max(stage_of_unit) + 1
     stage_of = node_stages(fwd.gm, fwd.unit_of, stage_of_unit)
@@ -148,15 +153,19 @@ def capture_stages(fwd: ForwardGraph, stage_of_unit: Sequence[int], mb_inputs: S
     is_fake = model_is_fake(fwd.gm)
     prefix = fwd.units[1].rsplit(".", 1)[0] if len(fwd.units) > 2 else None
     boundary: list[torch.Tensor] = []
+    device = model_device(fwd.gm).type
+    cast = (lambda: torch.autocast(device, dtype=autocast)) if autocast is not None \
+        else contextlib.nullcontext  # noqa: E731
     for st in stages:
         start = time.perf_counter()
         args = tuple(boundary) + tuple(flat[i] for i in st.user_inputs)
         with ctx, contextlib.ExitStack() as stack:
+            stack.enter_context(cast())
             try:
                 joint = private.export_joint(st.gm, args, stack)
             except Exception as e:
                 raise CaptureError(f"tracing pipeline stage {st.index} failed: {first_line(e)}") from e
-        with ctx, torch.no_grad():
+        with ctx, torch.no_grad(), cast():
             outs = st.gm(*args)
         gm = joint.graph_module
         strip_input_grads(gm, keep=st.num_boundary)

@@ -93,8 +93,11 @@ def plan_model(model: nn.Module, mesh: Mesh, example_inputs: Any, config: Config
 
 
 def _check_forced(plan: Plan, config: Config) -> None:
-    """Refuse a plan that drops a technique the config forces on (sequence parallelism: the
-    model may have no layer norm for it to shard)."""
+    """Refuse a plan that drops a setting the config forces: every field set holds in the plan
+    or planning stops and says why (sequence parallelism: the model may have no layer norm for
+    it to shard; pipeline settings: the plan may have no pipeline). ``recompute`` and ``zero``
+    that change nothing on this model and mesh are recorded as off with a warning
+    (:func:`autopar.planning.records.applied_techniques`)."""
     if config.sequence_parallel and not plan.techniques.get("sequence_parallel"):
         raise PlanError(
             "Config(sequence_parallel=True) cannot hold for this model and mesh: autopar's "
@@ -102,6 +105,34 @@ def _check_forced(plan: Plan, config: Config) -> None:
             "sharded on the sequence dim over tp, and the plan has none that does (the model "
             "normalises with other ops, e.g. an RMSNorm written out, or no tp > 1 was chosen). "
             "Use sequence_parallel=None or False.")
+    pipe = plan.pipeline
+    asked = {k: getattr(config, k) for k in ("schedule", "virtual_stages", "microbatch_size")
+             if getattr(config, k) is not None}
+    if pipe is None:
+        batch = plan.techniques.get("microbatch_size")
+        asked = {k: v for k, v in asked.items() if not (k == "virtual_stages" and v == 1)
+                 and not (k == "microbatch_size" and v == batch)}
+        if asked:
+            given = ", ".join(f"{k}={v!r}" for k, v in asked.items())
+            raise PlanError(f"Config({given}) describes a pipeline, and the plan has none (pp=1 "
+                            f"runs the whole batch at once). Set Config.pp > 1 for a pipelined "
+                            f"plan, or leave {', '.join(asked)} None.")
+        held = {}
+    else:
+        held = {"schedule": pipe.schedule, "virtual_stages": pipe.virtual_stages,
+                "microbatch_size": plan.techniques.get("microbatch_size", pipe.microbatch_size)}
+    held |= {k: plan.degrees.get(k) for k in ("dp", "tp", "pp")}
+    held["bucket_bytes"] = plan.techniques.get("bucket_bytes")
+    if config.mixed_precision == "bf16":
+        held["mixed_precision"] = "bf16" if plan.techniques.get("mixed_precision") == "bf16-autocast" \
+            else plan.techniques.get("mixed_precision")
+    dropped = [f"{k}={getattr(config, k)!r} (the plan has {held[k]!r})" for k in held
+               if getattr(config, k) is not None and held[k] is not None and held[k] != getattr(config, k)]
+    if config.sequence_parallel is False and plan.techniques.get("sequence_parallel"):
+        dropped.append("sequence_parallel=False (the plan shards the layer norms on the sequence)")
+    if dropped:
+        raise PlanError(f"internal: the plan does not hold Config {'; '.join(dropped)}. Please "
+                        f"report this with the model; meanwhile plan with the field left None.")
 
 
 def _blocks(model: nn.Module) -> int:

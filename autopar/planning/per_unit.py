@@ -39,10 +39,6 @@ def make_plan(traced: TracedGraph, mesh: Mesh, config: Config,
     (when the config leaves ``pp`` free) comes after them, without them (set them explicitly
     for a pipelined plan that recomputes or shards the optimizer).
     """
-    if config.mixed_precision == "bf16" and config.pp not in (None, 1):
-        raise PlanError(f"Config(mixed_precision='bf16', pp={config.pp}): pipeline stages do "
-                        f"not run under autocast yet; use pp=1 (or None), or build the model "
-                        f"in bf16 and leave mixed_precision None.")
     combos = memory_techniques(config)
     if len(combos) == 1:
         return _make_plan(traced, mesh, combos[0], cost_passes, progress, model, example_inputs)
@@ -132,8 +128,6 @@ def _search_pipelines(config: Config, mesh: Mesh, flat_plans: list[Plan], fallba
     tensor and data parallelism over the node's links beat a pipeline bubble and the search
     (a trace per microbatch size) is skipped."""
     if mesh.size == 1 or config.pp == 1:
-        return False
-    if config.mixed_precision == "bf16":  # refused with pp > 1 by make_plan
         return False
     return config.pp is not None or (fallback and not flat_plans) or mesh.nodes > 1
 

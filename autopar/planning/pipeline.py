@@ -348,12 +348,12 @@ _LAST_MODEL: list[Any] = []  # a weak reference to the model the cache was made 
 
 
 def _traced_stages(model: Any, example_inputs: Any, microbatches: int,
-                   stage_of_unit: tuple[int, ...]) -> tuple[ForwardGraph, list]:
+                   stage_of_unit: tuple[int, ...], autocast: bool) -> tuple[ForwardGraph, list]:
     import weakref
 
     shapes = tuple(tuple(x.shape) for x in microbatch_inputs(example_inputs, 1)[0][0]
                    if hasattr(x, "shape"))
-    key = (id(model), microbatches, tuple(stage_of_unit), shapes)
+    key = (id(model), microbatches, tuple(stage_of_unit), shapes, autocast)
     same_model = bool(_LAST_MODEL) and _LAST_MODEL[0]() is model
     if key not in _LAST_STAGES or not same_model:
         chunks, _ = microbatch_inputs(example_inputs, microbatches)
@@ -362,15 +362,18 @@ def _traced_stages(model: Any, example_inputs: Any, microbatches: int,
             raise PlanError(f"the model has {len(fwd.units)} layer units {fwd.units}; the plan "
                             f"cuts {len(stage_of_unit)}: re-plan for this model.")
         _LAST_STAGES.clear()
-        _LAST_STAGES[key] = (fwd, capture_stages(fwd, stage_of_unit, chunks[0]))
+        _LAST_STAGES[key] = (fwd, capture_stages(fwd, stage_of_unit, chunks[0],
+                                                 torch.bfloat16 if autocast else None))
         _LAST_MODEL[:] = [weakref.ref(model)]
     return _LAST_STAGES[key]
 
 
-def forward_for_plan(model: Any, example_inputs: Any, pipe: PipelinePlan) -> tuple[ForwardGraph, list]:
-    """The stages of ``pipe`` traced for ``model``: the forward graph and, per stage,
-    ``(StageGraph, TracedGraph)``."""
-    fwd, stages = _traced_stages(model, example_inputs, pipe.microbatches, pipe.stage_of_unit)
+def forward_for_plan(model: Any, example_inputs: Any, plan: Plan) -> tuple[ForwardGraph, list]:
+    """The stages of ``plan.pipeline`` traced for ``model`` (under bf16 autocast when the plan
+    was made with it): the forward graph and, per stage, ``(StageGraph, TracedGraph)``."""
+    pipe = plan.pipeline
+    autocast = plan.techniques.get("mixed_precision") == "bf16-autocast"
+    fwd, stages = _traced_stages(model, example_inputs, pipe.microbatches, pipe.stage_of_unit, autocast)
     if fwd.units != pipe.units:
         raise PlanError(f"the model's layer units {fwd.units} differ from the plan's {pipe.units}; "
                         f"re-plan for this model.")
@@ -415,7 +418,8 @@ def build_pipeline_plan(model: Any, example_inputs: Any, facts: ModelFacts, mesh
     had a faster strategy.
     """
     t0 = time.perf_counter()
-    fwd, stages = _traced_stages(model, example_inputs, setup.microbatches, setup.stage_of_unit)
+    fwd, stages = _traced_stages(model, example_inputs, setup.microbatches, setup.stage_of_unit,
+                                 config.mixed_precision == "bf16")
     plans: list[Plan] = []
     placed: dict[str, tuple[str, ...]] = {}  # a tied weight takes the first stage's placement
     flight = in_flight(setup.schedule, setup.pp, setup.virtual_stages, setup.microbatches)

@@ -42,10 +42,13 @@ TECHNIQUES = {2: [c for c in MEMORY if "bf16" not in c],
 BF16 = [MEMORY_BY_TECHNIQUE["bf16"]]
 BF16_CURVE = "gpt:dp=2,mixed_precision=bf16,curve=1"
 BF16_COMBINED = "gpt:dp=2,tp=2,mixed_precision=bf16,zero=1,recompute=full,sequence_parallel=1"
-# Encoder-decoder models of transformers with the planner free: on this machine's CPU costs (T5:
-# its shift_tokens_right's new_zeros from batch-sharded ids), and with the slow-compute costs
-# that shard them (BART: dp x the rest); every family on 2 and 4 processes in test_slow.py.
-SEQ2SEQ = ["t5:topo=cpu-gloo", "bart:"]
+# An encoder-decoder model of transformers with the planner free, on this machine's CPU costs
+# (T5: its shift_tokens_right's new_zeros from batch-sharded ids); every family on 2 and 4
+# processes, also with the slow-compute costs that shard them, in test_slow.py (suite time).
+SEQ2SEQ = ["t5:topo=cpu-gloo"]
+# Compiled (inductor) programs at the smallest size that exercises each: the MLP with tp, dp and
+# dp x tp, next to the same plans run eagerly in the same job (a pipeline's in test_pipeline.py).
+COMPILED = {2: ["mlp:tp=2,compile=1", "mlp:dp=2,compile=1"], 4: ["mlp:dp=2,tp=2,compile=1"]}
 # Large batch, narrow layers, solver free -> data parallelism.
 DATA_PARALLEL = {n: f"gpt:dim=64,batch={128 * n},seq=128,topo=a100-dgx" for n in (2, 4)}
 
@@ -73,7 +76,8 @@ EXAMPLES = ["example:gpt2", "example:llama", "example:gpt", "example:gpt-resume"
 
 def _checks(n: int) -> list[str]:
     # Megatron's layout on 4 processes runs with -m slow (test_slow.py): 2 already finds it
-    checks = [f"{m}:{mesh}" for m, mesh in _pairs(n)] + (MEGATRON[n] if n == 2 else []) + TECHNIQUES[n]
+    checks = [f"{m}:{mesh}" for m, mesh in _pairs(n)] + (MEGATRON[n] if n == 2 else []) + TECHNIQUES[n] \
+        + COMPILED[n]
     checks += [DATA_PARALLEL[n], SEQUENCE_PARALLEL, *BF16, BF16_CURVE, "errors", "self_check", *SEQ2SEQ, *EXAMPLES] \
         if n == 2 else []
     return checks
@@ -105,6 +109,20 @@ def test_encoder_decoder_models_match_one_process(world):
         pytest.skip("on 2 processes here; every family on 2 and 4 in test_slow.py")
     for check in SEQ2SEQ:
         assert_matches_one_process(results[check], FP32_TOL, check)
+
+
+def test_compiled_programs_equal_one_process_and_the_eager_run(world):
+    n, results = world
+    for check in COMPILED[n]:
+        r = results[check]
+        # inductor may fuse and reorder fp32 arithmetic: the eager program's bound (FP32_TOL)
+        assert_matches_one_process(r, FP32_TOL, check)
+        eager = _ok(results[check.replace(",compile=1", "")])
+        assert abs(r["loss"] - eager["loss"]) <= FP32_TOL[0] * max(1.0, abs(eager["loss"])), (r, eager)
+        # the same collectives as the eager program and the plan (counted at run time; the
+        # compiled graph calls the same functional collectives)
+        check_comm_equals_plan(check, r)
+        assert r["runtime_counts"] == eager["runtime_counts"], (check, r["runtime_counts"])
 
 
 def test_the_comparison_sees_every_rank_and_small_gradients(world):

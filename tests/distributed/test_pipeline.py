@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import FP32_TOL, assert_matches_one_process, run_worker
+from conftest import BF16_TOL, FP32_TOL, assert_matches_one_process, run_worker
 
 MODEL = "gpt:layers=2,batch=8,microbatch_size=2"
 SCHEDULES = {  # schedule -> virtual stages per rank
@@ -21,8 +21,14 @@ SCHEDULES = {  # schedule -> virtual stages per rank
 HF = [f"{kind}:layers=2,batch=8,microbatch_size=2,pp=2,schedule=1f1b" for kind in ("gpt2", "llama")]
 # autopar.profile_step under torch.profiler: a pipelined plan and a flat one (tp=2)
 PROFILES = [f"prof:{MODEL},pp=2,schedule=1f1b", "prof:gpt:tp=2"]
+# bf16 autocast in pipeline stages, against a one-process autocast run
+BF16 = {2: f"{MODEL},pp=2,schedule=1f1b,mixed_precision=bf16",
+        4: f"{MODEL},pp=2,dp=2,schedule=interleaved-1f1b,virtual_stages=2,mixed_precision=bf16"}
+# compiled with inductor: each stage's forward and backward graphs (next to the eager 1f1b run)
+COMPILED = f"{MODEL},pp=2,schedule=1f1b,virtual_stages=1,compile=1"
 CHECKS = {
-    2: [f"{MODEL},pp=2,schedule={s},virtual_stages={v}" for s, v in SCHEDULES.items()] + HF + PROFILES,
+    2: [f"{MODEL},pp=2,schedule={s},virtual_stages={v}" for s, v in SCHEDULES.items()] + HF + PROFILES
+    + [BF16[2], COMPILED],
     4: [f"{MODEL},pp=2,tp=2,schedule=1f1b", f"{MODEL},pp=2,dp=2,schedule=1f1b",
         # part 4's recomputation and ZeRO-1 inside pipeline stages (the tied weight is sharded
         # over dp on both of its stages)
@@ -30,7 +36,7 @@ CHECKS = {
         # 4 and 8 microbatches of a model wide enough that its stages split the batch over dp
         # at both: the dp gradient reductions of a step stay as many
         *(f"gpt:layers=2,dim=128,seq=32,batch={b},microbatch_size=4,pp=2,dp=2,zero=0,schedule=1f1b,topo=a100-dgx"
-          for b in (16, 32))],
+          for b in (16, 32)), BF16[4]],
 }
 DP_M4, DP_M8 = CHECKS[4][3], CHECKS[4][4]
 
@@ -56,8 +62,12 @@ def test_loss_and_every_gradient_match_one_process(world):
     for check in _pipelines(n):
         r = _ok(results[check])
         # fp32; the pipeline sums microbatch gradients (m = 4) and the tied weight's two stage
-        # parts in another order than one process (conftest.FP32_TOL); each rank checks its stages'
-        assert_matches_one_process(r, FP32_TOL, check)
+        # parts in another order than one process (conftest.FP32_TOL); each rank checks its
+        # stages'. bf16 autocast against one process's autocast run (conftest.BF16_TOL)
+        assert_matches_one_process(r, BF16_TOL if "bf16" in check else FP32_TOL, check)
+        if "bf16" in check:  # autocast per stage: bf16 matmuls, fp32 parameters and gradients
+            assert r["techniques"]["mixed_precision"] == "bf16-autocast", (check, r["techniques"])
+            assert r["stage_bf16_ops"] > 0 and r["grad_dtypes"] == ["torch.float32"], (check, r)
         # a second step on the same batch gives the same loss (state is reset between steps)
         assert abs(r["loss_again"] - r["loss"]) <= 1e-6 * max(1.0, abs(r["loss"])), (check, r)
         # every parameter of the model is held by some rank, under its own name
@@ -131,3 +141,14 @@ def test_pipeline_reduces_data_parallel_gradients_once_a_step(world):
     assert m8["runtime_counts"]["send"] == 2 * m4["runtime_counts"]["send"]
     # the reductions are the plan's step-end ones: one per parameter of this rank's stage
     assert m4["plan_step_end"] > 0 and m4["plan_step_end"] == m8["plan_step_end"]
+
+
+def test_compiled_pipeline_equals_one_process_and_the_eager_run(world):
+    n, results = world
+    if n != 2:
+        pytest.skip("compiled on 2 processes")
+    r, eager = _ok(results[COMPILED]), _ok(results[COMPILED.replace(",compile=1", "")])
+    assert_matches_one_process(r, FP32_TOL, COMPILED)  # (inductor reorders fp32 arithmetic)
+    assert abs(r["loss"] - eager["loss"]) <= FP32_TOL[0] * max(1.0, abs(eager["loss"])), (r, eager)
+    assert r["runtime_counts"] == r["plan_counts"] == eager["runtime_counts"], (r, eager)
+    assert r["count_mismatch_ranks"] == 0, r

@@ -136,6 +136,12 @@ def run_check(check: str) -> dict:
     }
 
 
+def _max_over_ranks(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 def _pipeline_record(pm, ref, inputs, ref_loss, setup_s: float) -> dict:
     """Loss and every gradient (each rank checks the parameters it holds) and the collectives
     of one step against the plan's, per pipeline rank."""
@@ -157,7 +163,12 @@ def _pipeline_record(pm, ref, inputs, ref_loss, setup_s: float) -> dict:
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, sorted(names))
     pipe = plan.pipeline
+    bf16_ops = sum(1 for m in pm.modules() if isinstance(m, torch.fx.GraphModule)
+                   for n in m.graph.nodes if n.op == "call_function"
+                   and getattr(n.meta.get("val"), "dtype", None) == torch.bfloat16)
     return grads | {
+        "techniques": dict(plan.techniques), "stage_bf16_ops": int(_max_over_ranks(bf16_ops)),
+        "grad_dtypes": sorted({str(p.grad.dtype) for p in pm.parameters() if p.grad is not None}),
         "loss": loss.item(), "ref_loss": ref_loss.item(), "loss_again": loss2.item(), "degrees": plan.degrees,
         "params_covered": len(set().union(*map(set, gathered))), "ref_n_params": len(ref_grads),
         "held_params": int(held.item()), "runtime_counts": dict(meter.counts), "plan_counts": expected,
@@ -279,6 +290,7 @@ def run_errors() -> dict:
         mine = "no error"
     except autopar.PlanError as e:
         mine = str(e)
+    every = [None] * world
     dist.all_gather_object(every, mine)
     out["problems_differ"] = every
     ids, tgt = inputs

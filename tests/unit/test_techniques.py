@@ -224,8 +224,12 @@ def test_a_setting_that_changes_nothing_is_recorded_as_off():
     mlp_bf16 = autopar.search(model, mesh, inputs, config=autopar.Config(mixed_precision="bf16"))
     assert "autocast" in mlp_bf16.solver["path"]
     assert mlp_bf16.techniques["mixed_precision"] == "bf16-autocast"
-    with pytest.raises(autopar.PlanError, match="autocast"):  # pipeline stages do not run it yet
-        autopar.plan(model, mesh, inputs, config=autopar.Config(pp=2, mixed_precision="bf16"))
+    # pipeline stages are traced under autocast too (run against one process in
+    # tests/distributed/test_pipeline.py)
+    gpt, gpt_inputs = build("gpt", batch=8)
+    piped = autopar.plan(gpt, mesh, gpt_inputs,
+                         config=autopar.Config(pp=2, microbatch_size=2, mixed_precision="bf16"))
+    assert piped.pipeline is not None and piped.techniques["mixed_precision"] == "bf16-autocast"
 
 
 def test_forced_sequence_parallelism_is_honoured_or_refused_and_an_idle_axis_is_named():
@@ -248,3 +252,17 @@ def test_forced_sequence_parallelism_is_honoured_or_refused_and_an_idle_axis_is_
     plan = autopar.plan(gpt, mesh, gpt_inputs,
                         config=autopar.Config(tp=2, dp=1, pp=1, sequence_parallel=True))
     assert plan.techniques["sequence_parallel"]
+
+
+def test_pipeline_settings_without_a_pipeline_are_refused_not_dropped():
+    """Config.schedule / virtual_stages / microbatch_size describe a pipeline: a plan without
+    one (the planner free to choose pp, and choosing 1) stops with the fix, instead of running
+    the whole batch at once under a schedule that was never applied."""
+    model, inputs = build("gpt", batch=8)
+    mesh = autopar.Mesh.virtual("cpu-gloo", gpus_per_node=2)
+    for field, value in (("schedule", "1f1b"), ("microbatch_size", 2), ("virtual_stages", 2)):
+        with pytest.raises(autopar.PlanError, match=f"{field}=.*describes a pipeline.*pp > 1"):
+            autopar.plan(model, mesh, inputs, config=autopar.Config(**{field: value}))
+    # the same settings with a pipeline hold in the plan
+    plan = autopar.plan(model, mesh, inputs, config=autopar.Config(pp=2, schedule="1f1b", microbatch_size=2))
+    assert (plan.pipeline.schedule, plan.pipeline.microbatches) == ("1f1b", 4)
