@@ -121,7 +121,10 @@ def _check_forced(plan: Plan, config: Config) -> None:
     else:
         held = {"schedule": pipe.schedule, "virtual_stages": pipe.virtual_stages,
                 "microbatch_size": plan.techniques.get("microbatch_size", pipe.microbatch_size)}
-    held |= {k: plan.degrees.get(k) for k in ("dp", "tp", "pp")}
+    # a forced degree is the size of the mesh axis of that name (the solver may use a tp axis
+    # to split the batch too: plan.degrees says what each axis does, the mesh what was asked)
+    sizes = dict(zip(plan.axis_names, plan.mesh_shape))
+    held |= {k: sizes.get(k, 1) for k in ("dp", "tp", "pp")}
     held["bucket_bytes"] = plan.techniques.get("bucket_bytes")
     if config.mixed_precision == "bf16":
         held["mixed_precision"] = "bf16" if plan.techniques.get("mixed_precision") == "bf16-autocast" \

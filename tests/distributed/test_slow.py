@@ -55,3 +55,30 @@ def test_every_encoder_decoder_family_matches_one_process_on_two_and_four_proces
         for check, r in run_worker(n, checks, results_dir).items():
             assert_matches_one_process(r, FP32_TOL, (n, check))
             assert r["runtime_counts"] == r["plan_counts"], (n, check, r)
+
+
+def test_every_setup_kind_the_planner_can_emit_runs_and_matches_one_process(results_dir):
+    """One setup of each kind of the planner's own space (setup_space.one_per_kind) on 2 and 4
+    processes: equal to one process on every rank and parameter, collectives as planned. Prints
+    the table of kinds with the largest error seen (docs/validation.md)."""
+    from tabulate import tabulate
+    from setup_space import one_per_kind
+
+    rows, failed = [], []
+    for n in (2, 4):
+        kinds = one_per_kind(n)
+        results = run_worker(n, list(kinds.values()), results_dir, timeout=3600)
+        for kind, check in sorted(kinds.items()):
+            r = results[check]
+            try:
+                assert_matches_one_process(r, BF16_TOL if kind.precision == "bf16" else FP32_TOL, check)
+                assert r["runtime_counts"] == r["plan_counts"], (check, r["runtime_counts"], r["plan_counts"])
+                assert r.get("count_mismatch_ranks", 0) == 0, (check, r)
+            except AssertionError as e:
+                failed.append(f"{n} processes, {check}: {str(e)[:300]}")
+            rows.append([n, *kind.row(), f"{r.get('grad_rel', float('nan')):.1e}",
+                         f"{r.get('loss_err', float('nan')):.1e}", "error" if "error" in r else ""])
+    print("\n" + tabulate(rows, headers=["procs", "schedule", "v", "tp", "dp", "SP", "ZeRO",
+                                          "recompute", "precision", "largest grad error",
+                                          "loss error", ""]))
+    assert not failed, "\n".join(failed)

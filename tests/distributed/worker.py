@@ -103,7 +103,7 @@ def run_check(check: str) -> dict:
             p.grad = None
     setup_s = time.perf_counter() - t0
     if pm.plan.pipeline is not None:
-        return _pipeline_record(pm, ref, inputs, ref_loss, setup_s)
+        return _pipeline_record(pm, model, ref, inputs, ref_loss, setup_s)
     with CommMeter() as meter:
         loss = _call(pm.step, inputs) if not isinstance(inputs, dict) else pm.step(**inputs)
     ref_grads = dict(ref.named_parameters())
@@ -142,7 +142,7 @@ def _max_over_ranks(x: float) -> float:
     return t.item()
 
 
-def _pipeline_record(pm, ref, inputs, ref_loss, setup_s: float) -> dict:
+def _pipeline_record(pm, model, ref, inputs, ref_loss, setup_s: float) -> dict:
     """Loss and every gradient (each rank checks the parameters it holds) and the collectives
     of one step against the plan's, per pipeline rank."""
     step = (lambda: pm.step(**inputs)) if isinstance(inputs, dict) else (lambda: pm.step(*inputs))
@@ -163,8 +163,11 @@ def _pipeline_record(pm, ref, inputs, ref_loss, setup_s: float) -> dict:
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, sorted(names))
     pipe = plan.pipeline
-    bf16_ops = sum(1 for m in pm.modules() if isinstance(m, torch.fx.GraphModule)
-                   for n in m.graph.nodes if n.op == "call_function"
+    # the stages' joint graphs as parallelize traced them (cached in this process)
+    from autopar.planning.pipeline import forward_for_plan
+
+    bf16_ops = sum(1 for _, traced in forward_for_plan(model, inputs, plan)[1]
+                   for n in traced.gm.graph.nodes if n.op == "call_function"
                    and getattr(n.meta.get("val"), "dtype", None) == torch.bfloat16)
     return grads | {
         "techniques": dict(plan.techniques), "stage_bf16_ops": int(_max_over_ranks(bf16_ops)),

@@ -1,0 +1,92 @@
+"""The planner's own setup space at test size, as worker checks (``worker.py``).
+
+The setups come from :func:`autopar.planning.search.candidate_setups`, the enumeration the setup
+search prices (not a copy of it): every (dp, tp, pp), microbatch size, schedule, virtual stages,
+recomputation, ZeRO and sequence parallelism it allows for the test GPT on 2 or 4 devices. The
+per-unit planner also emits the GPipe and zero-bubble schedules (when a Config asks for them):
+each pipelined kind is added with those too. A setup's *kind* is what changes the program (the
+schedule, v > 1, tp > 1, dp > 1, sequence parallelism, ZeRO, recomputation, precision); sizes
+within a kind do not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from autopar import Config
+from autopar.planning.search import candidate_setups
+
+__all__ = ["MODEL", "Kind", "as_check", "kind_of", "one_per_kind", "space"]
+
+# 4 blocks (2 per stage at pp=2, v=2), a batch of 8 (microbatches of 1, 2 or 4 per replica)
+MODEL = "gpt:dim=32,heads=4,layers=4,batch=8,seq=8"
+BATCH, BLOCKS = 8, 4
+# the schedules only the per-unit planner emits, with their chunks per rank
+PER_UNIT_SCHEDULES = {"gpipe": 1, "zero-bubble": 2}
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Kind:
+    """What of a setup changes the program that runs."""
+
+    schedule: str  # "none" without a pipeline
+    interleaved: bool  # v > 1
+    tp: bool
+    dp: bool
+    sequence_parallel: bool
+    zero: int
+    recompute: str
+    precision: str = "fp32"
+
+    def row(self) -> list[str]:
+        """The kind as a table row."""
+        return [self.schedule, "v>1" if self.interleaved else "", "tp" if self.tp else "",
+                "dp" if self.dp else "", "sp" if self.sequence_parallel else "",
+                f"zero{self.zero}" if self.zero else "", self.recompute, self.precision]
+
+
+def space(world: int) -> list:
+    """The setups the planner can choose for the test GPT on ``world`` devices of one node,
+    with the per-unit planner's schedules added to every pipelined one."""
+    setups = list(candidate_setups(world, world, BATCH, BLOCKS, Config()))
+    extra = [dataclasses.replace(s, schedule=name, virtual_stages=v)
+             for s in setups if s.pp > 1 and s.virtual_stages == 1
+             for name, v in PER_UNIT_SCHEDULES.items()]
+    return setups + extra
+
+
+def kind_of(setup, precision: str = "fp32") -> Kind:
+    """The kind of a setup (see the module docstring)."""
+    return Kind(setup.schedule if setup.pp > 1 else "none", setup.virtual_stages > 1,
+                setup.tp > 1, setup.dp > 1, setup.sequence_parallel, setup.zero, setup.recompute,
+                precision)
+
+
+def as_check(setup, precision: str = "fp32", model: str = MODEL) -> str:
+    """The worker check that forces ``setup`` with a Config (``microbatch_size`` counts the
+    samples of a microbatch over all replicas) on ``model`` (4 blocks, a batch of 8)."""
+    fields = [model, f"dp={setup.dp}", f"tp={setup.tp}", f"pp={setup.pp}",
+              f"recompute={setup.recompute}", f"zero={setup.zero}",
+              f"sequence_parallel={int(setup.sequence_parallel)}"]
+    if setup.pp > 1:
+        fields += [f"schedule={setup.schedule}", f"virtual_stages={setup.virtual_stages}",
+                   f"microbatch_size={setup.microbatch_size * setup.dp}"]
+    if precision == "bf16":
+        fields.append("mixed_precision=bf16")
+    return ",".join(fields)
+
+
+def one_per_kind(world: int) -> dict[Kind, str]:
+    """The first setup of each kind (in the enumeration's order) as a worker check, in fp32;
+    and in bf16 autocast the first of each (schedule, v > 1, tp > 1, dp > 1) combination (bf16
+    changes the casts in the program, not how it is split)."""
+    out: dict[Kind, str] = {}
+    for setup in space(world):
+        out.setdefault(kind_of(setup), as_check(setup))
+    shapes: set[tuple] = set()
+    for setup in space(world):
+        k = kind_of(setup, "bf16")
+        if (k.schedule, k.interleaved, k.tp, k.dp) not in shapes:
+            shapes.add((k.schedule, k.interleaved, k.tp, k.dp))
+            out[k] = as_check(setup, "bf16")
+    return out
