@@ -10,6 +10,7 @@ backward, at its local size.
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -24,13 +25,14 @@ from autopar.cost_models.compute import flops_of_node, op_time
 from autopar.cost_models.topology import Topology
 from autopar.capture.layers import aten_ops, is_op
 from autopar.graph import TracedGraph
+from autopar.placements import from_str
 from autopar.strategies.reshard import local_shape, reshard_steps
 from autopar.strategies.space import (
     Placements, Strategy, StrategySpace, tensor_inputs, boundary_placements,
 )
 
-__all__ = ["SpaceCosts", "deferred_gradient_matrix", "deferred_placement", "price_space", "recomputed_bytes", "reshard_time",
-           "state_bytes_per_element"]
+__all__ = ["SpaceCosts", "StepEndBucket", "deferred_gradient_matrix", "deferred_placement", "price_space",
+           "recomputed_bytes", "reshard_time", "state_bytes_per_element", "step_end_buckets"]
 
 # Ops that only alias or re-describe memory: no compute, no traffic.
 _FREE = aten_ops("detach", "t", "view", "_unsafe_view", "transpose", "permute", "expand",
@@ -290,6 +292,48 @@ def deferred_placement(grad: Placements, param: Placements, dp_axes: Sequence[in
     the gradient is a partial sum, which it stays (reduced later, once a step)."""
     return tuple(g if axis in dp_axes and isinstance(g, Partial) and isinstance(w, Replicate)
                  else w for axis, (g, w) in enumerate(zip(grad, param)))
+
+
+@dataclass(frozen=True)
+class StepEndBucket:
+    """Gradients a pipeline stage left partial over one mesh axis (:func:`deferred_placement`),
+    summed over the step's microbatches in one flat buffer and all-reduced together, in place,
+    once the stage's last backward is done. ``params``: the stage's parameter names, in buffer
+    order; ``shapes``: their local shapes; ``dtype``: theirs."""
+
+    axis: int
+    dtype: torch.dtype
+    params: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the buffer (per rank)."""
+        return sum(math.prod(s) for s in self.shapes) * self.dtype.itemsize
+
+
+def step_end_buckets(traced: TracedGraph, output_placements: Sequence[Sequence[str] | None],
+                     params: dict[str, Sequence[str]], mesh_shape: Sequence[int]) -> list[StepEndBucket]:
+    """The buckets of a pipeline stage's deferred gradient reductions, from its plan's text
+    placements (``output_placements``, ``params``): one per (mesh axis, dtype), parameters in
+    the stage's order. The runtime reduces these buffers and the plan lists these collectives:
+    one owner of both. A deferred gradient is a partial sum on one axis where its parameter is
+    replicated; anything else is an internal error."""
+    groups: dict[tuple[int, torch.dtype], list[Any]] = {}
+    for p in traced.params:
+        got = output_placements[p.grad_output_index] if p.grad_output_index is not None else None
+        want = tuple(params[p.name])
+        if got is None or tuple(got) == want:
+            continue
+        axes = [a for a, (g, w) in enumerate(zip(got, want)) if g != w]
+        if len(axes) != 1 or not isinstance(from_str(got[axes[0]]), Partial) or want[axes[0]] != "R":
+            raise ValueError(f"internal: the gradient of {p.name} moves {tuple(got)} -> {want} "
+                             f"after the step, not one all-reduce. Please report this with the model.")
+        groups.setdefault((axes[0], p.dtype), []).append(p)
+    return [StepEndBucket(axis, dtype, tuple(p.name for p in ps),
+                          tuple(local_shape(p.shape, tuple(map(from_str, params[p.name])), tuple(mesh_shape))
+                                for p in ps))
+            for (axis, dtype), ps in groups.items()]
 
 
 def deferred_gradient_matrix(src: Sequence[Strategy], idx: int, params: Sequence[Strategy],

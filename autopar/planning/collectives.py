@@ -13,12 +13,13 @@ import torch.fx as fx
 
 from autopar.cost_models.comm import axis_collective_time
 from autopar.cost_models.overlap import Comm
+from autopar.cost_models.sharding import step_end_buckets
 from autopar.graph import TracedGraph, output_moves
 from autopar.mesh import Mesh
 from autopar.placements import from_str
 from autopar.plan import Collective, NodePlan
 from autopar.capture.layers import node_phase
-from autopar.strategies.reshard import local_shape, reshard_steps
+from autopar.strategies.reshard import reshard_steps
 
 __all__ = ["StepCollectives", "step_collectives", "step_end_reductions"]
 
@@ -129,29 +130,22 @@ def step_collectives(traced: TracedGraph, shape: Sequence[int], names: Sequence[
 
 def step_end_reductions(stages: list, plans: list, pp: int, cand: Any, mesh: Mesh
                         ) -> tuple[list[Collective], float]:
-    """The data-parallel gradient reductions a pipeline runs once a step, after the schedule:
-    one all-reduce per stage and parameter whose gradient the stage left unreduced
-    (:func:`autopar.planning.pipeline.defers_grad_sync`), as the runtime issues them; and the
-    seconds of the busiest pipeline rank's, one after another. ``stages``: ``(StageGraph,
-    TracedGraph)`` pairs, ``plans`` their plans, ``cand`` the stage mesh."""
+    """The data-parallel gradient reductions a pipeline runs once a step: one all-reduce per
+    stage and bucket of the gradients the stage left unreduced
+    (:func:`autopar.cost_models.sharding.step_end_buckets`, the runtime's buckets), issued when
+    the stage's last backward is done; and the seconds of the busiest pipeline rank's, one
+    after another (an upper bound: a rank's earlier stages' buckets overlap its later
+    backward). ``stages``: ``(StageGraph, TracedGraph)`` pairs, ``plans`` their plans, ``cand``
+    the stage mesh."""
     collectives: list[Collective] = []
     seconds = [0.0] * pp
     strides = [math.prod(cand.shape[a + 1:]) for a in range(len(cand.shape))]
     for (st, traced), plan in zip(stages, plans):
-        for p in traced.params:
-            if p.grad_output_index is None:
-                continue
-            got = plan.output_placements[p.grad_output_index]
-            want = plan.params[p.name]
-            if got is None or tuple(got) == tuple(want):
-                continue
-            nbytes = math.prod(local_shape(p.shape, tuple(map(from_str, want)), cand.shape)) \
-                * p.dtype.itemsize
-            for axis, (g, w) in enumerate(zip(got, want)):
-                if g != w:
-                    collectives.append(Collective("all_reduce", cand.names[axis], int(nbytes),
-                                                  "backward", traced.node_layer.get(p.node, ""),
-                                                  p.name, st.index))
-                    seconds[st.index % pp] += axis_collective_time(
-                        "all_reduce", nbytes, cand.shape[axis], strides[axis], mesh.topology)
+        for bucket in step_end_buckets(traced, plan.output_placements, plan.params, cand.shape):
+            collectives.append(Collective("all_reduce", cand.names[bucket.axis], bucket.bytes,
+                                          "backward", "", f"{len(bucket.params)} gradients",
+                                          st.index))
+            seconds[st.index % pp] += axis_collective_time(
+                "all_reduce", bucket.bytes, cand.shape[bucket.axis], strides[bucket.axis],
+                mesh.topology)
     return collectives, max(seconds)

@@ -10,6 +10,7 @@ PyTorch and gradients reach the DTensor parameters through ``DTensor.to_local``.
 from __future__ import annotations
 
 import copy
+import math
 import time
 from typing import Any, Sequence
 
@@ -20,7 +21,7 @@ from autopar import _torch_private as private
 from autopar.capture.remat import is_wait
 from autopar.runtime.faults import collective_failures
 
-__all__ = ["split_forward_backward", "split_weight_backward", "WeightSplit", "JointFunction",
+__all__ = ["split_forward_backward", "split_weight_backward", "WeightSplit", "JointFunction", "FlatBucket",
            "GradSink", "LazyCompiled", "Labelled"]
 
 
@@ -170,22 +171,48 @@ class Labelled(torch.nn.Module):
             return out
 
 
+class FlatBucket:
+    """Gradients a :class:`GradSink` sums in one flat buffer (each a view of it), so that the
+    buffer can be reduced with one collective, in place, once the step's last backward is in.
+    ``names`` / ``shapes``: the gradients (local shapes) in buffer order; ``dtype``: theirs."""
+
+    def __init__(self, names: Sequence[str], shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> None:
+        self.names, self.dtype = tuple(names), dtype
+        self.shapes = tuple(tuple(int(d) for d in s) for s in shapes)
+        sizes = [int(torch.Size(s).numel()) for s in self.shapes]
+        self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.numel = sum(sizes)
+
+
 class GradSink:
     """Gradients of inputs that bypass autograd, summed over calls: a pipeline stage's
     parameters, fed to :class:`JointFunction` as plain local tensors, get their gradients here
     over the microbatches of a step (one plain add each) instead of through autograd into the
-    DTensor parameters (a DTensor dispatch per parameter and microbatch)."""
+    DTensor parameters (a DTensor dispatch per parameter and microbatch).
 
-    def __init__(self) -> None:
+    ``buckets``: gradients summed into flat buffers instead (:class:`FlatBucket`); after
+    ``calls`` backward passes (:meth:`end_backward`; a step's microbatches) each buffer is given
+    to ``on_ready(index, buffer)``, which may reduce it in place while other stages still run
+    their backward."""
+
+    def __init__(self, buckets: Sequence[FlatBucket] = (), calls: int = 0,
+                 on_ready: Any = None) -> None:
         self.grads: dict[str, torch.Tensor] = {}
         self._owned: set[str] = set()
+        self.buckets, self.calls, self.on_ready = tuple(buckets), calls, on_ready
+        self._where = {name: (b, i) for b, bucket in enumerate(self.buckets)
+                       for i, name in enumerate(bucket.names)}
+        self._flat: dict[int, torch.Tensor] = {}
+        self._count = 0
 
     def add(self, name: str, grad: torch.Tensor | None) -> None:
         """Add ``grad`` to the sum of ``name``'s gradients (the first one is kept as given, so
-        the sum is done in place only on a tensor made here)."""
+        the sum is done in place only on a tensor made here; a bucketed one in its buffer)."""
         if grad is None:
             return
-        if name not in self.grads:
+        if name in self._where:
+            self._add_flat(name, grad)
+        elif name not in self.grads:
             self.grads[name] = grad
         elif name in self._owned:
             self.grads[name].add_(grad)
@@ -193,9 +220,29 @@ class GradSink:
             self.grads[name] = self.grads[name] + grad
             self._owned.add(name)
 
+    def _add_flat(self, name: str, grad: torch.Tensor) -> None:
+        b, i = self._where[name]
+        bucket = self.buckets[b]
+        if b not in self._flat:
+            self._flat[b] = torch.zeros(bucket.numel, dtype=bucket.dtype, device=grad.device)
+        if name not in self.grads:
+            start, shape = bucket.offsets[i], bucket.shapes[i]
+            self.grads[name] = self._flat[b][start:start + math.prod(shape)].view(shape)
+        self.grads[name].add_(grad)
+
+    def end_backward(self) -> None:
+        """One backward pass is in; after the step's last, hand each bucket to ``on_ready``."""
+        self._count += 1
+        if self._count == self.calls and self.on_ready is not None:
+            for b in range(len(self.buckets)):
+                if b not in self._flat:  # (no gradient reached it: reduce zeros, as planned)
+                    self._flat[b] = torch.zeros(self.buckets[b].numel, dtype=self.buckets[b].dtype)
+                self.on_ready(b, self._flat[b])
+
     def take(self) -> dict[str, torch.Tensor]:
         """The sums so far, and start again."""
         grads, self.grads, self._owned = self.grads, {}, set()
+        self._flat, self._count = {}, 0
         return grads
 
 
@@ -250,6 +297,7 @@ class JointFunction(torch.autograd.Function):
             for k, name in zip(ctx.grad_slots, names):
                 if k is not None and name is not None:
                     sink.add(name, grads[k])
+            sink.end_backward()
             return (None,) * 7 + tuple(grads[k] if k is not None and name is None else None
                                        for k, name in zip(ctx.grad_slots, names))
         return (None,) * 6 + tuple(grads[k] if k is not None else None for k in ctx.grad_slots)

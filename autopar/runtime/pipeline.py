@@ -37,8 +37,9 @@ from autopar.capture.stages import StageGraph, set_module_attr
 from autopar.plan import Plan
 from autopar.runtime.faults import collective_failures
 from autopar.runtime.state import StateDictMixin, model_state
-from autopar.runtime.autograd import (GradSink, JointFunction, Labelled, LazyCompiled,
+from autopar.runtime.autograd import (FlatBucket, GradSink, JointFunction, Labelled, LazyCompiled,
                                       split_forward_backward, split_weight_backward)
+from autopar.cost_models.sharding import step_end_buckets
 from autopar.strategies.reshard import local_shape
 
 __all__ = ["PipelineModule", "StageModule", "SCHEDULE_CLASSES"]
@@ -211,19 +212,31 @@ class PipelineModule(StateDictMixin, nn.Module):
                 st, traced, local, self._params, canonical, self._feeder,
                 pipe.schedule == "zero-bubble", buffers, compile, self.startup)
         self._traced = {st.index: traced for st, traced, _ in stages}
-        # per stage of this rank, the parameters whose gradients the stage leaves partial over
-        # dp (reduced once a step, after the schedule): name -> the gradients' placements
-        self._partial: dict[int, dict[str, tuple]] = {}
-        for j in self._stage_modules:
-            splan = pipe.stages[j]
-            self._partial[j] = {
-                canonical.get(p.name, p.name): placements_of(splan.output_placements[p.grad_output_index])
-                for p in self._traced[j].params if p.grad_output_index is not None
-                and tuple(splan.output_placements[p.grad_output_index]) != tuple(splan.params[p.name])}
+        # per stage of this rank, the gradients it leaves partial over dp: summed over the
+        # step's microbatches in flat buffers, each all-reduced in place once the stage's last
+        # backward is done, while the other stages still run (the plan lists the same buckets)
+        self._issued: dict[int, dict[int, torch.Tensor]] = {}
+        for j, stage in self._stage_modules.items():
+            if stage.sink is not None:
+                stage.sink = self._bucketed_sink(j, canonical)
         self._tied = self._tied_params(stages, canonical)
         self._held, self._owner = self._params, self._owners(stages, canonical)
         self._state = model_state(model, set(self._owner))
         self._schedule = self._build_schedule(stages)
+
+    def _bucketed_sink(self, j: int, canonical: dict[str, str]) -> GradSink:
+        """Stage ``j``'s gradient sink, its deferred gradients in the plan's step-end buckets."""
+        splan = self.plan.pipeline.stages[j]
+        buckets = step_end_buckets(self._traced[j], splan.output_placements, splan.params,
+                                   tuple(self._submesh.shape))
+        flat = [FlatBucket([canonical.get(n, n) for n in b.params], b.shapes, b.dtype) for b in buckets]
+        groups = [self._submesh.get_group(b.axis).group_name for b in buckets]
+
+        def issue(b: int, buffer: torch.Tensor) -> None:
+            self._issued.setdefault(j, {})[b] = torch.ops._c10d_functional.all_reduce_.default(
+                buffer, "sum", groups[b])
+
+        return GradSink(flat, self.plan.pipeline.microbatches, issue)
 
     def _add_param(self, name: str, original: torch.Tensor, placements: Sequence[str]) -> None:
         if name in self._params:
@@ -347,6 +360,7 @@ class PipelineModule(StateDictMixin, nn.Module):
         for stage in self._stage_modules.values():  # (a step that failed may have left some)
             if stage.sink is not None:
                 stage.sink.take()
+        self._issued.clear()
         if 0 in self._stage_modules:
             self._schedule.step(index, target=index, losses=losses, return_outputs=False)
         else:
@@ -362,20 +376,16 @@ class PipelineModule(StateDictMixin, nn.Module):
     def _set_sunk_grads(self) -> None:
         """Add the gradients the stages summed locally over the step's microbatches
         (:class:`GradSink`) to the DTensor parameters' ``grad``; those a stage left partial
-        over dp are reduced here, once a step (one all-reduce per stage and parameter, in the
-        stages' order: the plan lists the same)."""
+        over dp were all-reduced in their buckets, issued at the stage's last backward: wait
+        for them here (views of the reduced buffers)."""
         total: dict[str, torch.Tensor] = {}
         for j in sorted(self._stage_modules):
             stage = self._stage_modules[j]
             if stage.sink is None:
                 continue
+            for issued in self._issued.pop(j, {}).values():
+                funcol.wait_tensor(issued)
             for name, g in stage.sink.take().items():
-                param = self._params[name]
-                partial = self._partial[j].get(name)
-                if partial is not None:
-                    g = DTensor.from_local(g, self._submesh, partial, run_check=False,
-                                           shape=param.shape, stride=param.stride()
-                                           ).redistribute(self._submesh, param.placements).to_local()
                 total[name] = g if name not in total else total[name] + g
         for name, g in total.items():
             param = self._params[name]
