@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -279,3 +280,33 @@ def test_a_microbatch_smaller_than_the_replicas_is_refused_with_the_fix():
     plan = autopar.plan(model, mesh, inputs, config=autopar.Config(
         pp=2, dp=2, tp=1, schedule="1f1b", microbatch_size=2))
     assert plan.pipeline.microbatches == 4 and plan.techniques["replica_microbatch_size"] == 1
+
+
+def test_step_end_reductions_are_one_bucket_per_stage_whatever_the_microbatches():
+    """A pp=2 x dp=2 plan without ZeRO lists one dp all-reduce per stage, for after its last
+    backward, holding every gradient the stage leaves partial over dp (the runtime's bucket,
+    cost_models.sharding.step_end_buckets), at 2 and at 4 microbatches alike; the stages'
+    programs all-reduce no gradient over dp themselves."""
+    from autopar.cost_models.sharding import step_end_buckets
+    from autopar.planning.pipeline import forward_for_plan
+
+    model, inputs = build("gpt", dim=128, seq=32, batch=16)
+    mesh = autopar.Mesh.virtual("a100-dgx", gpus_per_node=4)
+    ends = []
+    for size in (8, 4):  # 2 and 4 microbatches
+        plan = autopar.plan(model, mesh, inputs, config=autopar.Config(
+            pp=2, dp=2, tp=1, zero=0, schedule="1f1b", microbatch_size=size))
+        dp_reduces = [c for c in plan.collectives if c.axis == "dp" and c.stage is not None
+                      and c.kind == "all_reduce"]
+        assert sorted(c.stage for c in dp_reduces) == [0, 1], dp_reduces
+        _, stages = forward_for_plan(model, inputs, plan)
+        for (st, traced), c in zip(stages, sorted(dp_reduces, key=lambda c: c.stage)):
+            splan = plan.pipeline.stages[st.index]
+            buckets = step_end_buckets(traced, splan.output_placements, splan.params, (2, 1))
+            partial = [p for p in traced.params if p.grad_output_index is not None
+                       and (splan.output_placements[p.grad_output_index] or ("R",))[0].startswith("P")]
+            assert len(buckets) == 1 and buckets[0].params == tuple(p.name for p in partial)
+            assert c.bytes == buckets[0].bytes == sum(4 * math.prod(p.shape) for p in partial) > 0
+            assert c.node == f"{len(partial)} gradients"
+        ends.append(len(dp_reduces))
+    assert ends[0] == ends[1] == 2
