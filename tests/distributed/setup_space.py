@@ -4,7 +4,7 @@ The setups come from :func:`autopar.planning.search.candidate_setups`, the enume
 search prices (not a copy of it): every (dp, tp, pp), microbatch size, schedule, virtual stages,
 recomputation, ZeRO and sequence parallelism it allows for the test GPT on 2 or 4 devices. The
 per-unit planner also emits the GPipe and zero-bubble schedules (when a Config asks for them):
-each pipelined kind is added with those too. A setup's *kind* is what changes the program (the
+each 1F1B setup is added as GPipe too, each interleaved one as zero-bubble (the same stages). A setup's *kind* is what changes the program (the
 schedule, v > 1, tp > 1, dp > 1, sequence parallelism, ZeRO, recomputation, precision); sizes
 within a kind do not.
 """
@@ -21,8 +21,9 @@ __all__ = ["MODEL", "Kind", "as_check", "kind_of", "one_per_kind", "space"]
 # 4 blocks (2 per stage at pp=2, v=2), a batch of 8 (microbatches of 1, 2 or 4 per replica)
 MODEL = "gpt:dim=32,heads=4,layers=4,batch=8,seq=8"
 BATCH, BLOCKS = 8, 4
-# the schedules only the per-unit planner emits, with their chunks per rank
-PER_UNIT_SCHEDULES = {"gpipe": 1, "zero-bubble": 2}
+# the schedules only the per-unit planner emits, each with the searched schedule whose stage
+# layout it shares (one stage per rank, or v > 1 chunks per rank)
+PER_UNIT_SCHEDULES = {"gpipe": "1f1b", "zero-bubble": "interleaved-1f1b"}
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -49,9 +50,9 @@ def space(world: int) -> list:
     """The setups the planner can choose for the test GPT on ``world`` devices of one node,
     with the per-unit planner's schedules added to every pipelined one."""
     setups = list(candidate_setups(world, world, BATCH, BLOCKS, Config()))
-    extra = [dataclasses.replace(s, schedule=name, virtual_stages=v)
-             for s in setups if s.pp > 1 and s.virtual_stages == 1
-             for name, v in PER_UNIT_SCHEDULES.items()]
+    extra = [dataclasses.replace(s, schedule=name)
+             for s in setups if s.pp > 1
+             for name, like in PER_UNIT_SCHEDULES.items() if s.schedule == like]
     return setups + extra
 
 
