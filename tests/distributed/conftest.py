@@ -128,4 +128,4 @@ def assert_matches_one_process(record: dict, tolerance: tuple[float, float] = FP
         assert record[f"{prefix}grad_rel"] <= grad_tol, (what, prefix, record[f"{prefix}grad_rel"],
                                                          record[f"{prefix}grad_worst"])
         assert not record[f"{prefix}grad_missing"], (what, prefix, record[f"{prefix}grad_missing"])
-        assert record[f"{prefix}grad_checked"] == record["ref_n_params"], (what, prefix, record)
+        assert record[f"{prefix}grad_checked"] == record["grad_expected"], (what, prefix, record)

@@ -38,7 +38,8 @@ def _rank_errors(pm, ref_params: dict) -> tuple[dict[str, float], list[str]]:
     floor = FLOOR * max(p.grad.abs().max().item() for p in ref_params.values() if p.grad is not None)
     for name, p in pm.named_parameters():
         if p.grad is None:
-            missing.append(name)
+            if ref_params[name].requires_grad:  # (frozen ones, e.g. sinusoidal tables, have none)
+                missing.append(name)
             continue
         want = ref_params[name].grad
         local, expected = _local_pair(p.grad, want)
@@ -55,7 +56,7 @@ def compare_on_every_rank(pm, ref, loss: torch.Tensor, ref_loss: torch.Tensor, p
     Returns, for rank 0's record: ``{prefix}loss_err`` (largest ``|loss - ref| / max(1, |ref|)``
     over ranks), ``{prefix}grad_rel`` (largest per-parameter error over parameters and ranks),
     ``{prefix}grad_worst`` (``name@rank`` of that error), ``{prefix}grad_checked`` (how many
-    parameter names some rank checked) and ``{prefix}grad_missing`` (``name@rank`` of each
+    parameter names some rank checked; ``grad_expected``: how many the model trains) and ``{prefix}grad_missing`` (``name@rank`` of each
     parameter a rank holds without a gradient).
     """
     errors, missing = _rank_errors(pm, dict(ref.named_parameters()))
@@ -72,4 +73,5 @@ def compare_on_every_rank(pm, ref, loss: torch.Tensor, ref_loss: torch.Tensor, p
     missing_all = {f"{name}@{rank}" for rank, (_, _, m) in enumerate(every) for name in m}
     return {f"{prefix}loss_err": max(e[0] for e in every), f"{prefix}grad_rel": worst,
             f"{prefix}grad_worst": worst_at, f"{prefix}grad_checked": len(checked),
+            "grad_expected": sum(1 for p in ref.parameters() if p.requires_grad),
             f"{prefix}grad_missing": sorted(missing_all)}
