@@ -205,10 +205,37 @@ def will_engine_execute(node: Any) -> bool:
     return bool(torch._C._will_engine_execute_node(node))
 
 
-def memory_tracker() -> Any:
+def memory_tracker(per_module: bool = True) -> Any:
     """A new ``torch.distributed._tools.mem_tracker.MemTracker``: a dispatch mode that follows
     every tensor storage and attributes it (parameter, gradient, activation, temporary,
-    optimizer state) per device, with peak snapshots."""
+    optimizer state) per device, with peak snapshots. ``per_module=False``: without its
+    per-module statistics, which refuse a top-level module called twice in one step (a
+    pipeline stage, once per microbatch): the same totals, with no temporaries apart from the
+    activations (:class:`_NoModules`)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    return MemTracker()
+    tracker = MemTracker()
+    if not per_module:
+        tracker._mod_tracker = _NoModules()
+    return tracker
+
+
+class _NoModules:
+    """Stands in for ``MemTracker``'s ``ModTracker``: no module hooks (no per-module statistics,
+    and no multi-grad hooks, which fail under a zero-bubble schedule's ``autograd.grad`` on
+    inputs alone); every new tensor counts as an activation, totals are unchanged."""
+
+    parents: frozenset = frozenset({"Global"})
+    is_bw = False
+
+    def register_user_hooks(self, *hooks: Any) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def __enter__(self) -> "_NoModules":
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        pass

@@ -63,6 +63,9 @@ __all__ = [
     "check_schedule",
     "action_order",
     "in_flight",
+    "peak_held_bytes",
+    "held_until",
+    "rank_memory",
     "closed_form_bubble",
     "simulate",
 ]
@@ -264,9 +267,11 @@ def action_order(
 
 
 def _peaks(
-    orders: Sequence[Sequence[Action]], stages: int, activation_bytes: Sequence[float] | None
+    orders: Sequence[Sequence[Action]], stages: int, activation_bytes: Sequence[float] | None,
+    ends: tuple[str, ...] = ("B", "BW"),
 ) -> tuple[tuple[int, ...], tuple[float, ...]]:
-    """Per-stage peak in-flight microbatches and per-rank peak activation bytes of ``orders``."""
+    """Per-stage peak in-flight microbatches and per-rank peak activation bytes of ``orders``
+    (a microbatch is in flight from its ``F`` to its action of a kind in ``ends``)."""
     act = [0.0] * stages if activation_bytes is None else [float(a) for a in activation_bytes]
     count = [0] * stages
     peak = [0] * stages
@@ -279,7 +284,7 @@ def _peaks(
                 live += act[stage]
                 peak[stage] = max(peak[stage], count[stage])
                 rank_peak = max(rank_peak, live)
-            elif kind in ("B", "BW"):
+            elif kind in ends:
                 count[stage] -= 1
                 live -= act[stage]
         peak_bytes.append(rank_peak)
@@ -287,15 +292,61 @@ def _peaks(
 
 
 def in_flight(
-    schedule: str, ranks: int, virtual_stages: int, microbatches: int
+    schedule: str, ranks: int, virtual_stages: int, microbatches: int, until: str = "B"
 ) -> tuple[int, ...]:
-    """Per stage, the peak number of microbatches in flight (forward done, input grad not done).
+    """Per stage, the peak number of microbatches in flight (forward done, input grad not done;
+    ``until="W"``: weight grad not done, which zero-bubble runs later than the input grad).
 
     Derived from :func:`action_order` alone. E.g. 1F1B stage ``i`` holds ``min(p - i, m)``
     ([MEG] 2.2), GPipe holds ``m`` ([GPIPE]).
     """
+    if until not in ("B", "W"):
+        raise ValueError(f"in_flight(until={until!r}): use 'B' (input grad) or 'W' (weight grad)")
     orders = action_order(schedule, ranks, virtual_stages, microbatches)
-    return _peaks(orders, ranks * virtual_stages, None)[0]
+    return _peaks(orders, ranks * virtual_stages, None, ends=("W", "BW") if until == "W" else ("B", "BW"))[0]
+
+
+def peak_held_bytes(
+    schedule: str, ranks: int, virtual_stages: int, microbatches: int,
+    per_microbatch_bytes: Sequence[float], until: str = "B",
+) -> tuple[float, ...]:
+    """Per rank, the most bytes its stages' microbatches in flight hold at one time, stage
+    ``s`` holding ``per_microbatch_bytes[s]`` for each (``until`` as in :func:`in_flight`).
+    Less than the sum of the stages' own peaks when those are not at the same time
+    (interleaved and zero-bubble schedules)."""
+    if until not in ("B", "W"):
+        raise ValueError(f"peak_held_bytes(until={until!r}): use 'B' or 'W'")
+    orders = action_order(schedule, ranks, virtual_stages, microbatches)
+    return _peaks(orders, ranks * virtual_stages, per_microbatch_bytes,
+                  ends=("W", "BW") if until == "W" else ("B", "BW"))[1]
+
+
+def held_until(schedule: str) -> str:
+    """Up to which action a microbatch's saved values are held (``until`` of
+    :func:`in_flight`): zero-bubble's weight step (``W``), after the input gradients it sends
+    back; otherwise the (fused) backward (``B``)."""
+    return "W" if schedule == "zero-bubble" else "B"
+
+
+def rank_memory(
+    schedule: str, ranks: int, virtual_stages: int, microbatches: int,
+    peak_bytes: Sequence[float], held_bytes: Sequence[float], per_microbatch_bytes: Sequence[float],
+) -> tuple[float, ...]:
+    """Per rank, the peak memory of its stages, from each stage's own peak, what it holds
+    while another stage of its rank runs (``held_bytes``: training state, gradient sum, receive
+    buffers, and its microbatches in flight at their most) and what each microbatch in flight
+    holds: the held bytes apart from microbatches, plus the most the stages' microbatches hold
+    at one time (:func:`peak_held_bytes`), plus the largest rest of one stage's peak (its
+    working buffers, alive only while it computes; one stage of a rank computes at a time)."""
+    until = held_until(schedule)
+    flight = in_flight(schedule, ranks, virtual_stages, microbatches, until)
+    in_flight_bytes = peak_held_bytes(schedule, ranks, virtual_stages, microbatches,
+                                      per_microbatch_bytes, until)
+    fixed, rest = [0.0] * ranks, [0.0] * ranks
+    for j, (peak, held, per_mb) in enumerate(zip(peak_bytes, held_bytes, per_microbatch_bytes)):
+        fixed[j % ranks] += held - flight[j] * per_mb
+        rest[j % ranks] = max(rest[j % ranks], peak - held)
+    return tuple(f + b + r for f, b, r in zip(fixed, in_flight_bytes, rest))
 
 
 def closed_form_bubble(

@@ -9,7 +9,9 @@ from typing import Any
 from torch.distributed.tensor import Replicate
 
 from autopar.config import Config
+from autopar.capture.remat import recompute_nodes
 from autopar.cost_models.compute import graph_flops, mfu
+from autopar.cost_models.liveness import StageRun, step_memory
 from autopar.cost_models.overlap import overlapped_step_time
 from autopar.cost_models.sharding import SpaceCosts, deferred_placement
 from autopar.cost_models.training_step import optimizer_step_time
@@ -65,12 +67,14 @@ def _axis_roles(traced: TracedGraph, space: StrategySpace, res: IntraOpResult,
 
 def build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate,
                 space: StrategySpace, costs: SpaceCosts, res: IntraOpResult,
-                defer_axes: tuple[int, ...] = ()) -> Plan:
+                defer_axes: tuple[int, ...] = (), stage: StageRun | None = None) -> Plan:
     """The Plan of one solved intra-operator ILP. ``defer_axes``: mesh axes over which a
     parameter's gradient, where the program computes it as a partial sum and the parameter is
     replicated there, is left unreduced (its output placement keeps ``P(sum)``): a pipeline
     stage's runtime sums such gradients over the step's microbatches and reduces them once
-    (:func:`deferred_gradient`)."""
+    (:func:`deferred_gradient`). ``stage``: how the program runs when it is a pipeline stage's.
+    The predicted peak memory is the liveness walk of the program the plan lowers to
+    (:func:`~autopar.cost_models.liveness.step_memory`), not the ILP's sum of saved values."""
     chosen = {name: space.nodes[name].strategies[i] for name, i in res.choice.items()}
     txt = lambda pl: tuple(to_str(p) for p in pl) if pl is not None else None  # noqa: E731
     nodes = {name: NodePlan(tuple(txt(o) for o in s.outputs), tuple(txt(i) for i in s.inputs))
@@ -100,9 +104,10 @@ def build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate,
     step_s, cap, buckets, comm = _communication(traced, cand, mesh, config, nodes, outputs,
                                                 set(param_of_grad), node_compute)
     collectives, comm_s, comm_fwd = comm.collectives, comm.total_s, comm.forward_s
+    held = step_memory(traced, cand.shape, nodes, outputs, buckets,
+                       recompute_nodes(traced, config.recompute or "none"), config.optimizer, stage)
     nodes = describe_nodes(traced, nodes, node_compute, comm.per_node)
     compute_s = float(sum(node_compute.values()))
-    memory = float(sum(costs.memory[n][i] for n, i in res.choice.items()))
     params = {p.node for p in traced.params}
     state = float(sum(costs.memory[n][i] for n, i in res.choice.items() if n in params))
     graph_nodes = {n.name: n for n in traced.gm.graph.nodes}
@@ -125,7 +130,9 @@ def build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate,
         grad_buckets=buckets,
         predicted={"step_time_s": step_s, "compute_s": compute_s, "comm_s": comm_s,
                    "forward_s": compute_fwd + comm_fwd, "state_bytes": state,
-                   "peak_memory_bytes": memory, "ilp_objective_s": sol.objective,
+                   "peak_memory_bytes": held.peak_bytes, "saved_bytes": held.saved_bytes,
+                   "held_bytes": held.held_bytes,
+                   "ilp_objective_s": sol.objective,
                    "optimizer_s": optimizer_step_time(local_elements(traced, nodes, cand),
                                                       config.optimizer, mesh.topology)},
         solver={"status": sol.status, "gap": sol.gap, "backend": sol.backend,

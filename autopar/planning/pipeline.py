@@ -25,7 +25,8 @@ import torch
 from autopar.config import Config
 from autopar.cost_models.comm import axis_collective_time
 from autopar.cost_models.compute import mfu
-from autopar.cost_models.pipeline import SCHEDULES, check_schedule, in_flight, simulate
+from autopar.cost_models.pipeline import (SCHEDULES, check_schedule, held_until, in_flight,
+                                          rank_memory, simulate)
 from autopar.errors import PlanError
 from autopar.plan_context import attach, context_of
 from autopar.graph import TracedGraph
@@ -422,7 +423,9 @@ def build_pipeline_plan(model: Any, example_inputs: Any, facts: ModelFacts, mesh
                                  config.mixed_precision == "bf16")
     plans: list[Plan] = []
     placed: dict[str, tuple[str, ...]] = {}  # a tied weight takes the first stage's placement
-    flight = in_flight(setup.schedule, setup.pp, setup.virtual_stages, setup.microbatches)
+    # zero-bubble holds a microbatch's saved values until its weight step
+    flight = in_flight(setup.schedule, setup.pp, setup.virtual_stages, setup.microbatches,
+                       held_until(setup.schedule))
     shape_of = [stage_key(traced, {}) for _, traced in stages]
     most = {k: max(f for k2, f in zip(shape_of, flight) if k2 == k) for k in shape_of}
     # a group is solved for the stages holding its most microbatches in flight (their budget);
@@ -441,7 +444,8 @@ def build_pipeline_plan(model: Any, example_inputs: Any, facts: ModelFacts, mesh
                                    tightest[shape], stage=st.index, fixed=fixed,
                                    activation_scale=most[shape],
                                    defer_grad_sync=defers_grad_sync(setup.schedule, config),
-                                   microbatches=setup.microbatches)
+                                   microbatches=setup.microbatches,
+                                   split_backward=setup.schedule == "zero-bubble")
             solved[key] = (plan, traced, most[shape])
         plan = renamed_stage_plan(*solved[key], traced, st.index, flight[st.index])
         for p in traced.params:
@@ -507,10 +511,9 @@ def renamed_stage_plan(plan: Plan, traced: TracedGraph, flight: int, other: Trac
     collectives = tuple(dataclasses.replace(c, layer=rename(c.layer), stage=stage)
                         for c in plan.collectives)
     predicted = dict(plan.predicted)
-    if other_flight != flight:
-        state = predicted["state_bytes"]
-        predicted["peak_memory_bytes"] = state + (predicted["peak_memory_bytes"] - state) \
-            * other_flight / flight
+    if other_flight != flight:  # each microbatch in flight holds the saved values
+        for key in ("peak_memory_bytes", "held_bytes"):
+            predicted[key] += (other_flight - flight) * predicted["saved_bytes"]
     out = dataclasses.replace(plan, params=params, nodes=nodes, collectives=collectives,
                               predicted=predicted, model_fingerprint=other.fingerprint())
     ctx = context_of(plan)
@@ -613,12 +616,12 @@ def _point_to_point(stages: list, cand: Candidate, m: int) -> list[Collective]:
 
 
 def _rank_memory(plans: list[Plan], setup: PipelineSetup, pp: int) -> list[float]:
-    """Per pipeline rank: the sum over its stages of training state plus saved activations
-    times the microbatches each holds in flight (the stage plans are priced that way)."""
-    out = [0.0] * pp
-    for j, plan in enumerate(plans):
-        out[j % pp] += plan.predicted["peak_memory_bytes"]
-    return out
+    """Per pipeline rank, the peak of its stages (:func:`~autopar.cost_models.pipeline.
+    rank_memory` on the stage plans' predictions)."""
+    return list(rank_memory(setup.schedule, pp, setup.virtual_stages, setup.microbatches,
+                            [p.predicted["peak_memory_bytes"] for p in plans],
+                            [p.predicted["held_bytes"] for p in plans],
+                            [p.predicted["saved_bytes"] for p in plans]))
 
 
 def _input_placements(num_inputs: int, stages: list, plans: list[Plan]) -> tuple:

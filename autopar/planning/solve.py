@@ -18,6 +18,8 @@ from autopar.mesh import Mesh, planning_device_mesh
 from autopar.placements import to_str
 from autopar.plan import Plan
 from autopar.planning.buckets import reduce_at_outputs
+from autopar.cost_models.liveness import StageRun
+from autopar.solver.ilp import InfeasibleMemoryError, format_bytes
 from autopar.solver.intra_op import IntraOpResult, ilp_groups, solve_intra_op
 from autopar.planning.records import (
     NORMS,
@@ -195,7 +197,7 @@ def solve_candidate(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candi
                     cost_passes: Sequence[Callable[..., SpaceCosts]], budget: float | None,
                     stage: int | None = None, fixed: dict[str, tuple[str, ...]] | None = None,
                     activation_scale: int = 1, defer_grad_sync: bool = False,
-                    microbatches: int = 1) -> Plan:
+                    microbatches: int = 1, split_backward: bool = False) -> Plan:
     """Solve the intra-operator ILP of ``traced`` on the logical mesh ``cand``.
 
     Raises :class:`PlanError` when the graph cannot be placed on it and
@@ -203,20 +205,71 @@ def solve_candidate(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candi
     of a pipeline stage. ``defer_grad_sync``: leave the data-parallel gradient reductions out of
     the program (a pipeline stage reduces its gradients once a step, after its microbatches:
     :func:`~autopar.planning.assembly.deferred_gradient`), once for its ``microbatches``.
+    ``split_backward``: the stage runs its input and weight gradients as two steps
+    (zero-bubble), which changes what it holds (:class:`StageRun`).
     """
-    space, costs, res = solve_space(traced, mesh, config, cand, cost_passes, budget, fixed,
-                                    activation_scale,
-                                    gradient_share=1 / microbatches if defer_grad_sync else 1.0)
-    grads = {p.grad_output_index for p in traced.params if p.grad_output_index is not None}
-    res = dataclasses.replace(res, choice=reduce_at_outputs(traced.gm, space, res.choice, grads))
-    plan = build_plan(traced, mesh, config, cand, space, costs, res,
-                      defer_axes=cand.dp_axes if defer_grad_sync else ())
+    def solve(ilp_budget: float | None) -> tuple:
+        space, costs, res = solve_space(traced, mesh, config, cand, cost_passes, ilp_budget,
+                                        fixed, activation_scale,
+                                        gradient_share=1 / microbatches if defer_grad_sync else 1.0)
+        grads = {p.grad_output_index for p in traced.params if p.grad_output_index is not None}
+        res = dataclasses.replace(res, choice=reduce_at_outputs(traced.gm, space, res.choice, grads))
+        plan = build_plan(traced, mesh, config, cand, space, costs, res,
+                          defer_axes=cand.dp_axes if defer_grad_sync else (),
+                          stage=StageRun(activation_scale, microbatches,
+                                         split_backward=split_backward)
+                          if stage is not None else None)
+        return space, costs, res, plan
+
+    space, costs, res, plan = _within_budget(solve, budget)
     attach(plan, ExplainContext(traced, space, costs, res.choice, budget,
                                 ilp_groups(traced, space)[0]))
     if stage is not None:
         plan = replace_plan(plan, collectives=tuple(dataclasses.replace(c, stage=stage)
                                                 for c in plan.collectives))
     return plan
+
+
+_BUDGET_RETRIES = 3  # ILP solves with a lowered budget when the plan's peak is over the budget
+
+
+def _within_budget(solve: Callable[[float | None], tuple], budget: float | None) -> tuple:
+    """``solve(budget)``'s ``(space, costs, res, plan)``, solved again with the ILP's budget
+    lowered by the excess while the plan's predicted peak (the program's liveness, which holds
+    the backward's buffers beside the saved values the ILP sums) is over ``budget``. Raises
+    :class:`InfeasibleMemoryError` when no plan's peak fits, with the least-memory solution's
+    peak as the program runs as its requirement (a budget of that much plans)."""
+    try:
+        out = solve(budget)
+    except InfeasibleMemoryError as e:
+        if budget is None or e.required_bytes is None:
+            raise
+        try:  # the ILP's least-memory solution, priced as the program's peak
+            least = solve(e.required_bytes * (1 + 1e-6))[3].predicted["peak_memory_bytes"]
+        except InfeasibleMemoryError:
+            raise e from None
+        raise InfeasibleMemoryError(
+            f"{e} As the program runs (the backward's buffers beside the saved values), that "
+            f"plan needs {format_bytes(least)} per device.",
+            required_bytes=max(least, e.required_bytes), budget_bytes=budget) from e
+    ilp_budget = budget
+    for _ in range(_BUDGET_RETRIES if budget is not None else 0):
+        over = out[3].predicted["peak_memory_bytes"] - budget
+        if over <= 1e-9 * budget or ilp_budget - over <= 0:
+            break
+        ilp_budget -= over
+        try:
+            out = solve(ilp_budget)
+        except InfeasibleMemoryError:
+            break
+    peak = out[3].predicted["peak_memory_bytes"]
+    if budget is not None and peak > budget * (1 + 1e-9):
+        raise InfeasibleMemoryError(
+            f"the best plan found needs {format_bytes(peak)} per device at the peak of its step, "
+            f"over the {format_bytes(budget)} budget (its saved values fit; the backward's "
+            f"buffers beside them do not). Raise Config.memory_bytes, use more devices or "
+            f"recomputation.", required_bytes=peak, budget_bytes=budget)
+    return out
 
 
 def replace_plan(plan: Plan, **kw: Any) -> Plan:

@@ -38,14 +38,17 @@ class MemoryReport:
     by_kind: dict[str, int]
 
 
-def measure_peak_memory(step: Callable[[], Any], *track: Any) -> MemoryReport:
+def measure_peak_memory(step: Callable[[], Any], *track: Any,
+                        per_module: bool = True) -> MemoryReport:
     """Run ``step()`` once and return the peak memory of this process's device.
 
     ``track``: modules, optimizers or tensors created before the step whose memory counts from
     the start (the model, its optimizer, the inputs); tensors created during the step are
-    followed automatically. Raises ``ValueError`` if the step touched more than one device.
+    followed automatically. ``per_module=False`` for a step that calls a top-level module more
+    than once (a pipeline's stages, once per microbatch), which the per-module statistics
+    refuse. Raises ``ValueError`` if the step touched more than one device.
     """
-    tracker = private.memory_tracker()
+    tracker = private.memory_tracker(per_module)
     if track:
         tracker.track_external(*track)
     with tracker:

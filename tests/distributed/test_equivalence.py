@@ -24,18 +24,25 @@ MEGATRON = {n: [f"{k}:tp={n},dim=512,batch=2,seq=64,heads=8,topo=a100-dgx" for k
 SEQUENCE_PARALLEL = "gpt:tp=2,sequence_parallel=1,dim=512,batch=2,seq=64,heads=8,topo=a100-dgx"
 # Part 4's techniques, each alone on 2 processes (fp32 unless bf16), where the same run also
 # measures the peak memory of a real step (forward, backward, AdamW) per rank against the plan,
-# on the GPT-2-style model; and combined with dp=2 x tp=2 on 4 processes.
+# on the GPT-2-style model; explicit attention (the softmax's probabilities saved); Llama; each
+# pipeline schedule; and combined with dp=2 x tp=2 (and a pipeline with dp=2) on 4 processes.
 _MEM = "memory=1,dim=256,heads=4,layers=4,batch=8,seq=64"
+_PP = "pp=2,dp=1,tp=1,microbatch_size=2,schedule"
 MEMORY_BY_TECHNIQUE = {
     "none": f"gpt:tp=2,{_MEM}", "selective": f"gpt:tp=2,recompute=selective,{_MEM}",
     "full": f"gpt:tp=2,recompute=full,{_MEM}", "sp": f"gpt:tp=2,sequence_parallel=1,{_MEM}",
     "bf16": f"gpt:tp=2,mixed_precision=bf16,{_MEM}", "dp": f"gpt:dp=2,{_MEM}",
     "zero": f"gpt:dp=2,zero=1,{_MEM}", "hf": f"gpt2:tp=2,{_MEM}",
+    "explicit": f"gpt:tp=2,explicit=1,{_MEM}", "llama": f"llama:tp=2,{_MEM}",
+    "1f1b": f"gpt:{_PP}=1f1b,{_MEM}", "gpipe": f"gpt:{_PP}=gpipe,{_MEM}",
+    "interleaved": f"gpt:{_PP}=interleaved-1f1b,virtual_stages=2,{_MEM}",
+    "zero-bubble": f"gpt:{_PP}=zero-bubble,virtual_stages=2,{_MEM}",
 }
-MEMORY = list(MEMORY_BY_TECHNIQUE.values())
-TECHNIQUES = {2: [c for c in MEMORY if "bf16" not in c],
-              4: ["gpt:dp=2,tp=2,recompute=full,zero=1,sequence_parallel=1",
-                  "gpt2:dp=2,tp=2,recompute=selective,zero=1"]}
+MEMORY = {2: list(MEMORY_BY_TECHNIQUE.values()),
+          4: [f"gpt:dp=2,tp=2,recompute=full,zero=1,sequence_parallel=1,{_MEM}",
+              f"gpt:pp=2,dp=2,tp=1,microbatch_size=2,schedule=1f1b,zero=1,{_MEM}"]}
+TECHNIQUES = {2: [c for c in MEMORY[2] if "bf16" not in c],
+              4: [*MEMORY[4], "gpt2:dp=2,tp=2,recompute=selective,zero=1"]}
 # bf16 autocast against a single-process bf16 autocast run: one step with tp=2 (and its
 # memory), and a 20-step loss curve with dp=2; combined with everything else on 4 processes in
 # test_slow.py.
@@ -244,19 +251,20 @@ def test_bf16_matches_a_single_process_bf16_run(world):
         assert abs(got - ref) <= 0.01 * abs(ref), (c["losses"], c["ref_losses"])
 
 
-def test_predicted_peak_memory_is_within_15_percent_of_the_measured(world):
+def test_predicted_peak_memory_is_never_under_by_3_percent_nor_over_by_15(world):
     n, results = world
-    if n != 2:
-        pytest.skip("memory is measured on 2 processes")
-    for check in MEMORY:
+    for check in MEMORY[n]:
         r = _ok(results[check])
-        # 15% is part 4's bar; the model leaves out the backward's temporaries and counts every
-        # saved activation alive at once (seen: predicted 4-12% under the measurement)
-        for measured in r["measured"]:
-            assert abs(r["predicted"] - measured) <= 0.15 * measured, (check, r)
+        # part 2's bar, per rank (a pipeline's ranks hold different stages): under-prediction
+        # is the unsafe direction for a planner deciding what fits
+        for predicted, measured in zip(r["predicted_per_rank"], r["measured"]):
+            assert -0.03 * measured <= predicted - measured <= 0.15 * measured, (check, r)
+    if n != 2:
+        return
     peak = {k: max(_ok(results[c])["measured"]) for k, c in MEMORY_BY_TECHNIQUE.items()}
     assert peak["full"] < 0.9 * peak["none"] and peak["selective"] <= peak["none"], peak
     assert peak["zero"] < 0.9 * peak["dp"] and peak["bf16"] < peak["none"], peak
+    assert peak["1f1b"] < peak["gpipe"], peak  # 1F1B holds fewer microbatches in flight
 
 
 def test_large_batch_small_hidden_is_data_parallel(world):

@@ -103,7 +103,8 @@ def run_check(check: str) -> dict:
             p.grad = None
     setup_s = time.perf_counter() - t0
     if pm.plan.pipeline is not None:
-        return _pipeline_record(pm, model, ref, inputs, ref_loss, setup_s)
+        record = _pipeline_record(pm, model, ref, inputs, ref_loss, setup_s)
+        return (run_memory(pm, inputs) if memory else {}) | record
     with CommMeter() as meter:
         loss = _call(pm.step, inputs) if not isinstance(inputs, dict) else pm.step(**inputs)
     ref_grads = dict(ref.named_parameters())
@@ -180,6 +181,7 @@ def _pipeline_record(pm, model, ref, inputs, ref_loss, setup_s: float) -> dict:
         "microbatches": pipe.microbatches, "virtual_stages": pipe.virtual_stages,
         "stage_of_unit": list(pipe.stage_of_unit), "units": list(pipe.units),
         "mesh_shape": list(plan.mesh_shape), "setup_s": setup_s,
+        "params": {k: list(v) for k, v in plan.params.items()},
         "predicted_step_s": plan.predicted["step_time_s"],
         # dp collectives the plan lists for this rank's stages once a step (after the schedule)
         "plan_step_end": sum(1 for c in plan.collectives if c.axis == "dp" and c.stage is not None
@@ -190,7 +192,8 @@ def _pipeline_record(pm, model, ref, inputs, ref_loss, setup_s: float) -> dict:
 
 def run_memory(pm, inputs) -> dict:
     """Peak memory of a training step (forward, backward, AdamW step) on every rank, measured
-    with autopar.runtime.memory, against the plan's prediction."""
+    with autopar.runtime.memory, against the plan's prediction for that rank (a pipeline's
+    differs per pipeline rank: the sum over its stages)."""
     from autopar.runtime.memory import measure_peak_memory
 
     opt = torch.optim.AdamW(pm.parameters())
@@ -202,11 +205,15 @@ def run_memory(pm, inputs) -> dict:
 
     step()  # the first step allocates the optimizer state
     report = measure_peak_memory(step, pm, opt, *[x for x in (inputs.values() if isinstance(
-        inputs, dict) else inputs)])
-    peaks = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
-    dist.all_gather(peaks, torch.tensor([float(report.peak_bytes)], dtype=torch.float64))
-    return {"measured": [float(p.item()) for p in peaks], "by_kind_rank0": report.by_kind,
-            "predicted": pm.plan.predicted["peak_memory_bytes"]}
+        inputs, dict) else inputs)], per_module=pm.plan.pipeline is None)
+    plan = pm.plan
+    predicted = plan.predicted["peak_memory_bytes"] if plan.pipeline is None else \
+        plan.pipeline.predicted["peak_memory_bytes"][pm.pp_rank]
+    peaks = [torch.zeros(2, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(peaks, torch.tensor([float(report.peak_bytes), predicted], dtype=torch.float64))
+    return {"measured": [float(p[0]) for p in peaks], "by_kind_rank0": report.by_kind,
+            "predicted_per_rank": [float(p[1]) for p in peaks],
+            "predicted": plan.predicted["peak_memory_bytes"]}
 
 
 def run_curve(kind: str, cfg: dict, mk: dict, topo: str, steps: int = 20) -> dict:
@@ -336,6 +343,7 @@ def run_one(check: str, workdir: str) -> dict:
             record = {"errors": run_errors, "self_check": run_self_check}.get(check, lambda: run_check(check))()
     except Exception as e:  # recorded for the test to report; the job goes on
         record = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
+        print(f"rank {dist.get_rank()}: {check}: {record['trace']}", file=sys.stderr, flush=True)
     record["wall_s"] = time.perf_counter() - t0
     dist.barrier()
     return record

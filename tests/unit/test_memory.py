@@ -3,7 +3,6 @@ it checks: the plan's predicted peak of a GPT step against the measured one."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 import autopar
@@ -29,9 +28,12 @@ def test_measured_peak_of_a_training_step_matches_the_plan():
     assert report.by_kind["optimizer"] >= 2 * n_bytes
     assert report.by_kind["activations"] > 0
     plan = autopar.plan(model, autopar.Mesh.virtual("cpu-gloo", gpus_per_node=1), inputs)
-    # 15% (part 4's bar): the model counts every saved activation alive at the end of the
-    # forward and no backward temporaries (seen: 2.8% under the measurement)
-    assert plan.predicted["peak_memory_bytes"] == pytest.approx(report.peak_bytes, rel=0.15)
+    # part 2's bar: never under by more than 3%, nor over by more than 15% (the liveness walk
+    # of the program follows the eager model's buffers here; the error is printed)
+    error = plan.predicted["peak_memory_bytes"] / report.peak_bytes - 1
+    print(f"predicted {plan.predicted['peak_memory_bytes']:.0f} B, measured {report.peak_bytes} B, "
+          f"error {error:+.2%}")
+    assert -0.03 <= error <= 0.15, error
 
 
 def test_a_step_without_tracked_state_counts_only_what_it_creates():

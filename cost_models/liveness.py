@@ -1,0 +1,455 @@
+"""Peak memory of one rank's training step: a liveness walk of the program the plan lowers to.
+
+The per-node memory the ILP sums (``cost_models.sharding``) counts every saved forward value at
+its producer's placement, alive at the end of the forward. The program that runs
+(``passes.lower`` walking the joint graph with the plan's placements, then
+``passes.recompute`` and ``passes.overlap``) holds other bytes at its peak, measured with
+``autopar.runtime.memory`` on the test GPT (dim 256, 4 layers, tp=2 / dp=2):
+
+- a value read in another placement than its producer's is moved into a new buffer (a
+  collective's output, or a local slice, which DTensor clones); the lowering keeps one moved copy
+  per (value, placement) and the backward reads that copy, so a saved matmul input is held
+  gathered (tp times its sequence-sharded size) and the sharded original is freed after the move;
+- the backward's own buffers (input and weight gradients, gathered gradients) are alive beside
+  the saved values at its start;
+- the step's gradients are program outputs, alive from where they are computed to the end of
+  the step, beside the ``p.grad`` buffers (kept allocated between steps; the runtime adds each
+  output into its ``p.grad`` after the program, one new tensor at a time);
+- a collective is issued right after its input is computed (``passes.overlap``), so its output
+  is alive from there; one collective's output may outlive its last reader (it is freed once
+  its wait has run, which races with what runs next: seen as a 1 MiB difference between runs of
+  the same dp=2 x tp=2 ZeRO step on 4 ranks), so the largest one is added to the peak;
+- with recomputation, a recomputed value's forward copy dies after its last forward reader and
+  its copy is made right before its first backward reader (with the values it needs that are
+  recomputed too); a collective's output is never recomputed but saved (``capture.remat``).
+
+:func:`step_memory` walks the joint graph in program order with these rules and returns the
+peak of the live bytes plus the persistent training state. The joint graph's order is the
+program's, up to the overlap pass moving waits (no memory) and collectives (modelled here).
+Not modelled: buffers inside one op (kernel workspaces), a reshard's short-lived intermediate
+copies (e.g. the flat all-gather output before its ``cat``), and the optimizer's temporaries
+(they are alive after the program, when the activations are freed).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Shard
+
+from autopar.capture.layers import is_backward
+from autopar.capture.remat import is_random
+from autopar.cost_models.sharding import state_bytes_per_element
+from autopar.graph import output_moves
+from autopar.placements import from_str
+from autopar.strategies.reshard import local_shape, reshard_steps
+from autopar.strategies.space import tensor_inputs
+
+__all__ = ["StageRun", "StepMemory", "step_memory", "weight_stash_bytes"]
+
+
+@dataclass(frozen=True)
+class StageRun:
+    """How a pipeline stage runs its program (``autopar.runtime.pipeline``), which changes
+    what it holds. ``in_flight``: microbatches whose forward it has run and whose backward it
+    has not, at most (each further one holds its saved values); ``microbatches``: a step's.
+    The forward and backward are two graphs (``runtime.autograd.JointFunction``): the saved
+    values a backward reads are held until it returns, not freed at their last reader; and
+    over a step's microbatches the stage's gradients are summed into a second copy
+    (``runtime.autograd.GradSink``, or its flat buckets) beside the one the backward makes.
+    ``split_backward`` (zero-bubble, ``runtime.autograd.split_weight_backward``): the input
+    gradients run first and the weight gradients later, so a microbatch in flight (counted up
+    to its weight step) also holds the values the weight step reads from the input step
+    (:func:`weight_stash_bytes`); its weight gradients go to autograd, which adds them into the
+    parameters' gradients (no second copy)."""
+
+    in_flight: int = 1
+    microbatches: int = 1
+    split_backward: bool = False
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Bytes per rank of one training step.
+
+    ``peak_bytes``: ``persistent_bytes`` + the most program buffers alive at once;
+    ``persistent_bytes``: what lives across steps (parameters, gradients and optimizer states of
+    the local shards, inputs and buffers); ``saved_bytes``: the buffers alive from the forward
+    into the backward (what each further microbatch in flight adds in a pipeline);
+    ``held_bytes``: what a pipeline stage holds while another stage of its rank runs (the
+    persistent bytes, the saved values of its microbatches in flight, its gradient sum);
+    ``peak_node``: the joint-graph node at the peak.
+    """
+
+    peak_bytes: float
+    persistent_bytes: float
+    saved_bytes: float
+    held_bytes: float
+    peak_node: str
+
+
+@dataclass
+class _Op:
+    """The buffers one program op writes (one per tensor output). ``recipe``: the references
+    it reads, for a recomputed op (``tagged``); ``copy``: its recomputed copy once made."""
+
+    buffers: list[int]
+    tagged: bool = False
+    recipe: list[tuple[int, int]] = field(default_factory=list)
+    copy: int | None = None
+
+
+class _Walk:
+    """Buffers (bytes, birth, last read) of the lowered program, in joint-graph steps."""
+
+    def __init__(self, traced: Any, mesh_shape: Sequence[int], nodes: dict, tagged: frozenset,
+                 stage: StageRun | None = None):
+        self.traced, self.mesh_shape, self.nodes, self.tagged = traced, tuple(mesh_shape), nodes, tagged
+        self.stage = stage
+        self.size: list[float] = []
+        self.born: list[int] = []
+        self.last: list[int] = []
+        self.ops: list[_Op] = []
+        self.env: dict[str, Any] = {}
+        self.moved: dict[tuple[str, tuple], tuple[int, int]] = {}
+        self.step = 0
+        self.forward_end = -1
+        self.last_collective = 0
+        self.largest_output = 0.0  # of a collective (not a bucket's, reduced in place)
+        self.is_input: set[int] = set()
+        self.placement_cache: dict[tuple[str, ...], tuple] = {}
+
+    # -- buffers and references -------------------------------------------------------------
+    def new_op(self, sizes: Sequence[float], born: int, tagged: bool = False,
+               recipe: Sequence[tuple[int, int]] = ()) -> int:
+        """A new op writing one buffer per entry of ``sizes``, first alive at step ``born``."""
+        ids = []
+        for s in sizes:
+            ids.append(len(self.size))
+            self.size.append(float(s))
+            self.born.append(born)
+            self.last.append(born)
+        self.ops.append(_Op(ids, tagged, list(recipe)))
+        return len(self.ops) - 1
+
+    def read(self, ref: tuple[int, int], at: int, backward: bool) -> None:
+        """Keep the buffer ``ref`` points to alive until step ``at``. A backward read of a
+        recomputed op reads its copy (``passes.recompute`` redirects exactly these reads)."""
+        op_id, idx = ref
+        if backward and self.ops[op_id].tagged:
+            op_id = self.recomputed(op_id, at)
+        b = self.ops[op_id].buffers[idx]
+        self.last[b] = max(self.last[b], at)
+
+    def recomputed(self, op_id: int, at: int) -> int:
+        """The copy of a recomputed op, made at step ``at`` (right before its first backward
+        reader) with its recomputed inputs copied too and its saved inputs read there."""
+        op = self.ops[op_id]
+        if op.copy is None:
+            for r in op.recipe:
+                self.read(r, at, True)
+            op.copy = self.new_op([self.size[b] for b in op.buffers], at)
+        return op.copy
+
+    def placements(self, text: Sequence[str]) -> tuple:
+        key = tuple(text)
+        if key not in self.placement_cache:
+            self.placement_cache[key] = tuple(from_str(t) for t in key)
+        return self.placement_cache[key]
+
+    def local_bytes(self, val: torch.Tensor, placements: Sequence[str]) -> float:
+        """Bytes of ``val``'s local shard under ``placements`` (text form)."""
+        shape = local_shape(tuple(val.shape), self.placements(placements), self.mesh_shape)
+        return float(np.prod(shape, dtype=np.float64)) * val.element_size()
+
+    # -- moves (passes.lower's ``_get``: one moved copy per value and placement) ---------------
+    def move(self, a: fx.Node, dst: Sequence[str], tagged: bool, backward: bool) -> tuple[int, int]:
+        """The reference a consumer reads ``a`` through in placement ``dst``: ``a`` itself, or
+        a new buffer made once per (value, placement) by the reshard steps. ``tagged``: the
+        consumer (whose metadata the move's ops carry) is recomputed, so the move's local ops
+        are too, while its collective's output is saved."""
+        key = (a.name, tuple(dst))
+        if key not in self.moved:
+            self.moved[key] = self._reshard(a, tuple(dst), tagged, backward)
+        return self.moved[key]
+
+    def _reshard(self, a: fx.Node, dst: tuple[str, ...], tagged: bool, backward: bool) -> tuple[int, int]:
+        ref, src = self.env[a.name], self.nodes[a.name].outputs[0]
+        val = a.meta["val"]
+        if src is None or tuple(src) == dst or not isinstance(val, torch.Tensor):
+            return ref
+        steps = reshard_steps(self.placements(src), self.placements(dst), tuple(val.shape),
+                              val.element_size(), self.mesh_shape)
+        comm = [i for i, s in enumerate(steps) if s.kind != "local"]
+        final = self.local_bytes(val, dst)
+        if not comm:  # local slices: DTensor clones the shard (a new buffer at the consumer)
+            out = (self.new_op([final], self.step, tagged, [ref]), 0)
+            self.read(ref, self.step, backward)
+            return out
+        k = comm[-1]
+        issued = self.issue_point(ref, backward)
+        coll = (self.new_op([self._bytes_after(val, steps[k].after)], issued), 0)
+        self.read(ref, issued, backward)
+        self.largest_output = max(self.largest_output, self.size[self.ops[coll[0]].buffers[0]])
+        before = steps[k - 1].after if k else self.placements(src)
+        if k == len(steps) - 1 and not _gathers_inner_dim(steps[k], before):
+            return coll
+        # local ops after the collective (a slice, or the cat of a gather on a dim > 0): a new
+        # buffer at the consumer, recomputed with it; the collective's output is read there
+        out = (self.new_op([final], self.step, tagged, [coll]), 0)
+        self.read(coll, self.step, backward)
+        return out
+
+    def issue_point(self, ref: tuple[int, int], backward: bool) -> int:
+        """The step a collective reading ``ref`` is issued at (``passes.overlap``): right after
+        its input is computed, not before the previous collective (they keep their order) nor
+        out of its part of the step; a program input's (a ZeRO parameter's) stays where used,
+        and so does one reading a value recomputed right before its backward reader."""
+        op = self.ops[ref[0]]
+        if ref[0] in self.is_input or (backward and op.tagged):
+            issued = self.step
+        else:
+            floor = self.forward_end + 1 if backward else 0
+            issued = min(max(self.born[op.buffers[ref[1]]], floor, self.last_collective), self.step)
+        self.last_collective = issued
+        return issued
+
+    def _bytes_after(self, val: torch.Tensor, placements: tuple) -> float:
+        shape = local_shape(tuple(val.shape), placements, self.mesh_shape)
+        return float(np.prod(shape, dtype=np.float64)) * val.element_size()
+
+    # -- the program, node by node (passes.lower's walk) ---------------------------------------
+    def run(self, outputs: Sequence, buckets: Sequence[Sequence[int]]) -> None:
+        """Walk the joint graph: placeholders, ops with their moves, the graph outputs' moves
+        (the loss in the forward, each gradient where it is computed or with its bucket)."""
+        early, late = output_moves(self.traced.gm)
+        self.outputs, self.final = outputs, {}
+        self.bucket_of = {i: tuple(b) for b in buckets for i in b}
+        self.pending: dict[int, tuple[int, int]] = {}
+        self.node_at: list[str] = []
+        for n in self.traced.gm.graph.nodes:
+            if n.op in ("placeholder", "get_attr"):
+                self.env[n.name] = (self.new_op([0.0], 0), 0)  # counted as persistent
+                self.is_input.add(self.env[n.name][0])
+            elif n.op == "call_function" and n.target is operator.getitem:
+                self.env[n.name] = self.env[n.args[0].name][n.args[1]]
+                if n.name in late:
+                    self.output_move(n, late[n.name], step=self.step - 1)
+            elif n.op == "call_function":
+                self.run_node(n)
+                if n.name in early:
+                    self.final[early[n.name]] = self.move(n, outputs[early[n.name]], False, False)
+                elif n.name in late:
+                    self.output_move(n, late[n.name], step=self.step)
+                self.node_at.append(n.name)
+                self.step += 1
+            elif n.op == "output":
+                self.finish(n)
+
+    def run_node(self, n: fx.Node) -> None:
+        """One op: its inputs moved to the placements it reads them in and read now; its
+        outputs new buffers of their local size, or views of its first input."""
+        backward = is_backward(n)
+        if backward and self.forward_end < 0:
+            self.forward_end = self.step - 1
+        plan, tagged = self.nodes[n.name], n.name in self.tagged
+        reads = []
+        for a, dst in zip(tensor_inputs(n), plan.inputs):
+            ref = self.move(a, dst, tagged, backward)
+            self.read(ref, self.step, backward)
+            reads.append(ref)
+        vals = n.meta.get("val")
+        many = isinstance(vals, (tuple, list))
+        if _is_view(n) and reads:
+            self.env[n.name] = [reads[0]] * len(vals) if many else reads[0]
+            return
+        vals = list(vals) if many else [vals]
+        sizes = [self.local_bytes(v, p) if isinstance(v, torch.Tensor) and p is not None else 0.0
+                 for v, p in zip(vals, plan.outputs)]
+        op = self.new_op(sizes, self.step, tagged, reads)
+        self.env[n.name] = [(op, i) for i in range(len(sizes))] if many else (op, 0)
+
+    def output_move(self, n: fx.Node, index: int, step: int) -> None:
+        """A gradient, moved where it is computed: to its parameter's placement, or into its
+        bucket's flat buffer once the bucket's last gradient is computed (all-reduced in
+        place; one gradient that nothing else reads is reduced in its own memory)."""
+        bucket = self.bucket_of.get(index)
+        if bucket is None:
+            self.final[index] = self.move(n, self.outputs[index], False, True)
+            return
+        self.pending[index] = self.env[n.name]
+        if index != bucket[-1]:
+            return
+        refs = [self.pending.pop(i) for i in bucket]
+        for r in refs:
+            self.read(r, step, True)
+        if len(bucket) == 1 and _owned(n):
+            flat = refs[0]
+        else:
+            flat = (self.new_op([sum(self.size[self.ops[o].buffers[i]] for o, i in refs)], step), 0)
+        self.last_collective = step
+        self.final.update({i: flat for i in bucket})
+
+    def finish(self, out: fx.Node) -> None:
+        """The program's outputs alive to its end and through the runtime adding each gradient
+        into its ``p.grad`` (``ParallelModule.step``: one new gradient at a time, the old one
+        freed when replaced), which the last step here holds."""
+        end = self.step + 1
+        for i, a in enumerate(out.args[0]):
+            if a is None:
+                continue
+            ref = self.final[i] if i in self.final else self.move(a, self.outputs[i], False, True)
+            self.read(ref, end, False)
+        of_params = {p.grad_output_index for p in self.traced.params}
+        grads = [self.size[self.ops[o].buffers[k]] for i, (o, k) in self.final.items()
+                 if i in of_params]
+        self.new_op([max(grads, default=0.0)], end)
+        self.sink_bytes = 0.0
+        stage = self.stage
+        if stage and not stage.split_backward and stage.microbatches > 1 and self.forward_end >= 0:
+            # the sum of the earlier microbatches' gradients, alive through the backward
+            self.sink_bytes = sum(grads)
+            self.new_op([self.sink_bytes], self.forward_end + 1)
+            self.last[-1] = end
+        self.node_at += ["<outputs>", "<gradient accumulation>"]
+        self.step = end
+
+    def peak(self) -> tuple[float, str, float]:
+        """The most bytes alive at one step, the node computed there, and the bytes alive from
+        the forward into the backward."""
+        delta = np.zeros(self.step + 2)
+        size, born, last = (np.asarray(x, dtype=np.float64) for x in (self.size, self.born, self.last))
+        if self.stage is not None and self.forward_end >= 0:  # saved values held to the end
+            crossing = (born <= self.forward_end) & (last > self.forward_end)
+            last = np.where(crossing, np.maximum(last, self.step), last)
+        np.add.at(delta, np.asarray(self.born, dtype=np.int64), size)
+        np.add.at(delta, last.astype(np.int64) + 1, -size)
+        live = np.cumsum(delta)[:self.step + 1]
+        at = int(np.argmax(live))
+        boundary = self.forward_end
+        saved = float(size[(born <= boundary) & (last > boundary)].sum()) if boundary >= 0 else 0.0
+        return float(live[at]), self.node_at[at] if at < len(self.node_at) else "", saved
+
+
+def _gathers_inner_dim(step: Any, before: tuple) -> bool:
+    """Whether an all-gather step gathers a dim other than 0, which DTensor does by gathering
+    dim 0 and concatenating the chunks on the dim (a second buffer, made after the wait)."""
+    p = before[step.axis]
+    # (a _StridedShard is put back in order by a reshape and transpose: a copy too)
+    return step.kind == "all_gather" and (type(p) is not Shard or p.dim != 0)
+
+
+def _is_view(n: fx.Node) -> bool:
+    """Whether op ``n`` returns a view of (or writes into) its first input, as its schema
+    says (``Tensor(a)``); ``_unsafe_view`` is a view its schema does not annotate."""
+    if n.target is torch.ops.aten._unsafe_view.default:
+        return True
+    schema = getattr(n.target, "_schema", None)
+    return bool(schema is not None and schema.returns and schema.returns[0].alias_info is not None)
+
+
+def _owned(n: fx.Node) -> bool:
+    """Whether gradient ``n`` and what it views are read by nothing else, so that a bucket of
+    it alone is reduced in its own memory (``passes.lower.GradientBuckets``)."""
+    while len(n.users) == 1 and n.op == "call_function":
+        if not _is_view(n):
+            return True
+        if not n.args or not isinstance(n.args[0], fx.Node):
+            return False
+        n = n.args[0]
+    return False
+
+
+def _persistent_bytes(traced: Any, nodes: dict, mesh_shape: tuple, optimizer: str,
+                      microbatches: int) -> float:
+    """What lives across steps, per rank: each parameter's local shard with its gradient and
+    optimizer states (``state_bytes_per_element``; a tied parameter once), the local shards of
+    the other program inputs, and the graph's constants. A pipeline stage's boundary
+    activations and their gradients arrive in receive buffers that ``torch.distributed.
+    pipelining`` makes once per microbatch and keeps (``_RecvInfo.buffer``): ``microbatches``
+    of each."""
+    params = {p.node: p for p in traced.params}
+    per_microbatch = {*traced.boundary_inputs, *traced.boundary_tangents}
+    total = 0.0
+    for n in traced.gm.graph.nodes:
+        val = n.meta.get("val")
+        if n.op == "get_attr":
+            attr = getattr(traced.gm, n.target, None)
+            total += attr.numel() * attr.element_size() if isinstance(attr, torch.Tensor) else 0
+        if n.op != "placeholder" or not isinstance(val, torch.Tensor):
+            continue
+        shape = local_shape(tuple(val.shape), tuple(map(from_str, nodes[n.name].outputs[0])),
+                            mesh_shape)
+        local = float(np.prod(shape, dtype=np.float64))
+        p = params.get(n.name)
+        if p is None:
+            total += local * val.element_size() * (microbatches if n.name in per_microbatch else 1)
+        elif p.tied_to is None:
+            total += local * state_bytes_per_element(optimizer, val.element_size())
+    return total
+
+
+def step_memory(traced: Any, mesh_shape: Sequence[int], nodes: dict, outputs: Sequence,
+                buckets: Sequence[Sequence[int]] = (), recompute: frozenset[str] = frozenset(),
+                optimizer: str = "adam", stage: StageRun | None = None) -> StepMemory:
+    """Peak bytes per rank of the step the plan lowers to (module docstring).
+
+    ``nodes``: the plan's placements per joint-graph node (``NodePlan``, text form, ``getitem``
+    nodes included); ``outputs``: each graph output's placement; ``buckets``: the gradient
+    buckets (output indices); ``recompute``: the joint nodes recomputed in the backward
+    (``capture.remat.recompute_nodes``). ``stage``: the program is a pipeline stage's
+    (:class:`StageRun`); each microbatch in flight beyond one holds its saved values
+    (``saved_bytes``) beside the step of the one at its peak.
+    """
+    tagged = frozenset(n.name for n in traced.gm.graph.nodes if n.name in recompute
+                       and n.op == "call_function" and not is_backward(n) and not is_random(n))
+    walk = _Walk(traced, mesh_shape, nodes, tagged, stage)
+    walk.run(outputs, buckets)
+    live, at, saved = walk.peak()
+    persistent = _persistent_bytes(traced, nodes, tuple(mesh_shape), optimizer,
+                                   stage.microbatches if stage is not None else 1)
+    in_flight = stage.in_flight if stage is not None else 1
+    stash = weight_stash_bytes(traced, mesh_shape, nodes) if stage and stage.split_backward else 0.0
+    peak = persistent + live + (in_flight - 1) * (saved + stash) + stash + walk.largest_output
+    held = persistent + in_flight * (saved + stash) + walk.sink_bytes
+    return StepMemory(peak, persistent, saved + stash, min(held, peak), at)
+
+
+def weight_stash_bytes(traced: Any, mesh_shape: Sequence[int], nodes: dict) -> float:
+    """Bytes per rank a split backward passes from its input-gradient step to its weight step:
+    the backward values both need, computed by the first and read by a node only the second
+    runs (the cut of ``runtime.autograd.split_weight_backward``, on the joint graph)."""
+    out = next(n for n in traced.gm.graph.nodes if n.op == "output").args[0]
+    roots_in = [out[i] for i in traced.boundary_grad_outputs if isinstance(out[i], fx.Node)]
+    roots_w = [out[p.grad_output_index] for p in traced.params
+               if p.grad_output_index is not None and isinstance(out[p.grad_output_index], fx.Node)]
+    first, second = _backward_ancestors(roots_in), _backward_ancestors(roots_w)
+    total = 0.0
+    for n in first & second:
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor) or n.name not in nodes:
+            continue
+        if any(u in second and u not in first for u in n.users) or n in roots_w:
+            pl = nodes[n.name].outputs[0]
+            shape = tuple(val.shape) if pl is None else local_shape(
+                tuple(val.shape), tuple(map(from_str, pl)), tuple(mesh_shape))
+            total += float(np.prod(shape, dtype=np.float64)) * val.element_size()
+    return total
+
+
+def _backward_ancestors(roots: Sequence[fx.Node]) -> set:
+    """The backward call nodes ``roots`` depend on (themselves included)."""
+    seen: set = set()
+    todo = [r for r in roots if r.op == "call_function" and is_backward(r)]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        todo += [a for a in n.all_input_nodes if a.op == "call_function" and is_backward(a)]
+    return seen
