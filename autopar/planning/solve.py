@@ -41,7 +41,19 @@ def solve_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate
                 fixed: dict[str, tuple[str, ...]] | None = None, activation_scale: int = 1,
                 sequence_parallel: bool | None = None, base_space: StrategySpace | None = None,
                 gradient_share: float = 1.0) -> tuple[StrategySpace, SpaceCosts, IntraOpResult]:
-    """Strategy space, its prices and the intra-operator ILP's choice on the logical mesh.
+    """Strategy space, its prices (:func:`priced_space`, same arguments) and the
+    intra-operator ILP's choice within ``budget`` on the logical mesh."""
+    space, costs = priced_space(traced, mesh, config, cand, cost_passes, fixed, activation_scale,
+                                sequence_parallel, base_space, gradient_share)
+    return space, costs, solve_intra_op(traced, space, costs, budget, config.solver_time_limit_s)
+
+
+def priced_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate,
+                 cost_passes: Sequence[Callable[..., SpaceCosts]],
+                 fixed: dict[str, tuple[str, ...]] | None = None, activation_scale: int = 1,
+                 sequence_parallel: bool | None = None, base_space: StrategySpace | None = None,
+                 gradient_share: float = 1.0) -> tuple[StrategySpace, SpaceCosts]:
+    """Strategy space and its prices on the logical mesh.
 
     ``fixed`` pins parameters (by name) to a placement, e.g. a tied weight already placed by an
     earlier pipeline stage. ``activation_scale`` multiplies the memory of saved activations: a
@@ -81,8 +93,7 @@ def solve_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate
             n: m if n in once else m * activation_scale for n, m in costs.memory.items()})
     if gradient_share != 1.0 and cand.dp_axes:
         costs = _deferred_gradients(traced, space, costs, mesh, cand, gradient_share)
-    costs = _with_recompute_peak(traced, costs)
-    return space, costs, solve_intra_op(traced, space, costs, budget, config.solver_time_limit_s)
+    return space, _with_recompute_peak(traced, costs)
 
 
 def _deferred_gradients(traced: TracedGraph, space: StrategySpace, costs: SpaceCosts,
@@ -208,10 +219,11 @@ def solve_candidate(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candi
     ``split_backward``: the stage runs its input and weight gradients as two steps
     (zero-bubble), which changes what it holds (:class:`StageRun`).
     """
-    def solve(ilp_budget: float | None) -> tuple:
-        space, costs, res = solve_space(traced, mesh, config, cand, cost_passes, ilp_budget,
-                                        fixed, activation_scale,
-                                        gradient_share=1 / microbatches if defer_grad_sync else 1.0)
+    space, costs = priced_space(traced, mesh, config, cand, cost_passes, fixed, activation_scale,
+                                gradient_share=1 / microbatches if defer_grad_sync else 1.0)
+
+    def solve(ilp_budget: float | None) -> tuple:  # the ILP again, not the prices
+        res = solve_intra_op(traced, space, costs, ilp_budget, config.solver_time_limit_s)
         grads = {p.grad_output_index for p in traced.params if p.grad_output_index is not None}
         res = dataclasses.replace(res, choice=reduce_at_outputs(traced.gm, space, res.choice, grads))
         plan = build_plan(traced, mesh, config, cand, space, costs, res,

@@ -38,11 +38,13 @@ MEMORY_BY_TECHNIQUE = {
     "interleaved": f"gpt:{_PP}=interleaved-1f1b,virtual_stages=2,{_MEM}",
     "zero-bubble": f"gpt:{_PP}=zero-bubble,virtual_stages=2,{_MEM}",
 }
-MEMORY = {2: list(MEMORY_BY_TECHNIQUE.values()),
+# (the Hugging Face models' memory runs in test_slow.py, for the default suite's time)
+MEMORY_SLOW = [MEMORY_BY_TECHNIQUE["hf"], MEMORY_BY_TECHNIQUE["llama"]]
+MEMORY = {2: [c for c in MEMORY_BY_TECHNIQUE.values() if c not in MEMORY_SLOW],
           4: [f"gpt:dp=2,tp=2,recompute=full,zero=1,sequence_parallel=1,{_MEM}",
               f"gpt:pp=2,dp=2,tp=1,microbatch_size=2,schedule=1f1b,zero=1,{_MEM}"]}
-TECHNIQUES = {2: [c for c in MEMORY[2] if "bf16" not in c],
-              4: [*MEMORY[4], "gpt2:dp=2,tp=2,recompute=selective,zero=1"]}
+TECHNIQUES = {2: [c for c in MEMORY[2] if "bf16" not in c], 4: MEMORY[4]}
+TECHNIQUES_SLOW = {2: MEMORY_SLOW, 4: ["gpt2:dp=2,tp=2,recompute=selective,zero=1"]}
 # bf16 autocast against a single-process bf16 autocast run: one step with tp=2 (and its
 # memory), and a 20-step loss curve with dp=2; combined with everything else on 4 processes in
 # test_slow.py.
@@ -78,7 +80,7 @@ def _pairs(n: int) -> list[tuple[str, str]]:
 
 # The training examples (examples/train_hf.py for GPT-2 and Llama, examples/train_gpt.py), at
 # small sizes, in the 2-process job
-EXAMPLES = ["example:gpt2", "example:llama", "example:gpt", "example:gpt-resume"]
+EXAMPLES = ["example:gpt2", "example:gpt", "example:gpt-resume"]  # Llama's in test_slow.py
 
 
 def _checks(n: int) -> list[str]:
@@ -253,18 +255,24 @@ def test_bf16_matches_a_single_process_bf16_run(world):
 
 def test_predicted_peak_memory_is_never_under_by_3_percent_nor_over_by_15(world):
     n, results = world
-    for check in MEMORY[n]:
-        r = _ok(results[check])
-        # part 2's bar, per rank (a pipeline's ranks hold different stages): under-prediction
-        # is the unsafe direction for a planner deciding what fits
-        for predicted, measured in zip(r["predicted_per_rank"], r["measured"]):
-            assert -0.03 * measured <= predicted - measured <= 0.15 * measured, (check, r)
+    check_memory(results, MEMORY[n])
     if n != 2:
         return
-    peak = {k: max(_ok(results[c])["measured"]) for k, c in MEMORY_BY_TECHNIQUE.items()}
+    peak = {k: max(_ok(results[c])["measured"]) for k, c in MEMORY_BY_TECHNIQUE.items()
+            if c in MEMORY[n]}
     assert peak["full"] < 0.9 * peak["none"] and peak["selective"] <= peak["none"], peak
     assert peak["zero"] < 0.9 * peak["dp"] and peak["bf16"] < peak["none"], peak
     assert peak["1f1b"] < peak["gpipe"], peak  # 1F1B holds fewer microbatches in flight
+
+
+def check_memory(results: dict, checks: list[str]) -> None:
+    """Part 2's bar, per rank (a pipeline's ranks hold different stages): the predicted peak
+    never under the measured one by more than 3% (the unsafe direction for a planner deciding
+    what fits), nor over by more than 15% (also used by test_slow.py)."""
+    for check in checks:
+        r = _ok(results[check])
+        for predicted, measured in zip(r["predicted_per_rank"], r["measured"]):
+            assert -0.03 * measured <= predicted - measured <= 0.15 * measured, (check, r)
 
 
 def test_large_batch_small_hidden_is_data_parallel(world):
@@ -322,7 +330,7 @@ def test_training_examples_run_and_learn(world):
         losses = _ok(results[check])["losses"]
         assert losses and all(math.isfinite(x) for x in losses), (check, losses)
     # the Hugging Face examples repeat one batch: four AdamW steps at lr 1e-2 must lower the loss
-    for check in ("example:gpt2", "example:llama"):
+    for check in ("example:gpt2",):
         losses = results[check]["losses"]
         assert losses[-1] < losses[0] - 0.1, (check, losses)
     # train_gpt.py --checkpoint: 2 steps and a checkpoint, then a run that resumes at step 2;

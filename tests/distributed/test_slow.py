@@ -25,6 +25,23 @@ def test_free_mesh_hugging_face_models_and_llama_dp_on_two_processes(results_dir
         assert_matches_one_process(r, FP32_TOL, check)
 
 
+def test_hugging_face_memory_techniques_and_the_llama_example(results_dir):
+    """What the default suite leaves out for time: the memory of the Hugging Face models
+    (2 processes), a combined technique on GPT-2 (4), and the Llama training example."""
+    from test_equivalence import TECHNIQUES_SLOW, check_memory
+
+    results = run_worker(2, [*TECHNIQUES_SLOW[2], "example:llama"], results_dir)
+    check_memory(results, TECHNIQUES_SLOW[2])
+    for check in TECHNIQUES_SLOW[2]:
+        assert_matches_one_process(results[check], FP32_TOL, check)
+    losses = results["example:llama"]["losses"]
+    assert losses[-1] < losses[0] - 0.1, losses  # four AdamW steps on one batch at lr 1e-2
+    results = run_worker(4, TECHNIQUES_SLOW[4], results_dir)
+    for check in TECHNIQUES_SLOW[4]:
+        assert "error" not in results[check], results[check].get("trace")
+        assert_matches_one_process(results[check], FP32_TOL, check)
+
+
 def test_free_mesh_gpt_and_hugging_face_models_on_four_processes(results_dir):
     from test_equivalence import (BF16_COMBINED, DATA_PARALLEL, MEGATRON, SLOW_ONLY,
                                   check_comm_equals_plan, check_data_parallel,
