@@ -38,7 +38,7 @@ from autopar.plan_context import attach, context_of
 from autopar.mesh import Mesh
 from autopar.capture.layers import identical_blocks
 from autopar.plan import Plan
-from autopar.solver.ilp import InfeasibleMemoryError
+from autopar.solver.ilp import InfeasibleMemoryError, format_bytes
 from autopar.planning.pipeline import ModelFacts, PipelineSetup, build_pipeline_plan
 from autopar.planning.assembly import traced_flops
 from autopar.planning.candidates import mesh_candidates
@@ -160,20 +160,51 @@ def _plan_by_search(model: nn.Module, mesh: Mesh, example_inputs: Any, config: C
     model predicts fastest (the closed form prices data parallelism as splitting the batch; the
     per-operator ILP may do better, e.g. keep a tiny batch replicated)."""
     layers = LayerSolver(model, example_inputs, mesh, config, cost_passes)
-    result = search(model, example_inputs, mesh, config, cost_passes, progress, layers)
-    if progress:
-        progress(f"searched {result.evaluated} setups in {result.timings['total_s']:.1f} s; best "
-                 f"{result.best.setup.describe()} {result.best.step_time_s * 1e3:.3f} ms")
+    budget = _budget(config, mesh)
+    search_config, failed = config, []
+    for _ in range(2):
+        result = search(model, example_inputs, mesh, search_config, cost_passes, progress, layers)
+        if progress:
+            progress(f"searched {result.evaluated} setups in {result.timings['total_s']:.1f} s; "
+                     f"best {result.best.setup.describe()} {result.best.step_time_s * 1e3:.3f} ms")
+        done, excess = _realize_ranked(result, model, mesh, example_inputs, config, cost_passes,
+                                       layers, traced, failed, progress)
+        if done:
+            plan, cost, elapsed = min(done, key=lambda d: d[0].predicted["step_time_s"])
+            return _record_search(plan, cost, result, failed, top_k, elapsed)
+        if excess <= 1.0 or search_config is not config:
+            break
+        # a per-operator peak was over the budget by ``excess``: search again for
+        # setups that fit a budget that much smaller in the search's memory model (more
+        # recomputation or sharding), realized against the real budget
+        search_config = dataclasses.replace(config, memory_bytes=budget / excess)
+        if progress:
+            progress(f"searching again within {format_bytes(budget / excess)} (a per-operator "
+                     f"peak was {excess:.3f}x the budget)")
+    raise InfeasibleMemoryError(
+        f"the {len(failed)} best setups of the search fit the search's memory model but none "
+        f"could be placed per operator:\n  " + "\n  ".join(failed)
+        + "\nRaise Config.memory_bytes, use more devices or a smaller batch.",
+        required_bytes=0.0, budget_bytes=budget)
+
+
+def _realize_ranked(result: SearchResult, model: nn.Module, mesh: Mesh, example_inputs: Any,
+                    config: Config, cost_passes: Sequence[Callable[..., Any]],
+                    layers: LayerSolver, traced: Any, failed: list[str],
+                    progress: Callable[[str], None] | None) -> tuple[list, float]:
+    """Per-operator plans of the search's best setups (see :func:`_plan_by_search`): the
+    ``(plan, cost, seconds)`` realized, and the most a failed one's peak exceeded the budget
+    (``excess``, 1.0 if none did); failures are appended to ``failed``."""
     small = _blocks(model) * mesh.size <= PER_UNIT_FALLBACK_LIMIT
-    failed: list[str] = []
     whole = [traced]
     done: list[tuple[Plan, StepCost, float]] = []
     degrees: set[tuple[int, int, int]] = set()
     budget = _budget(config, mesh)
     excess = 1.0  # the most the per-operator memory exceeded the search's, in failed setups
+    before = len(failed)
     for cost in result.ranked:
         st = cost.setup
-        if len(failed) + len(done) >= REALIZE_TRIES or (done and not small) \
+        if len(failed) - before + len(done) >= REALIZE_TRIES or (done and not small) \
                 or len(degrees) >= COMPARED_DEGREES:
             break
         if (st.dp, st.tp, st.pp) in degrees or max(cost.rank_memory_bytes) * excess > budget:
@@ -196,14 +227,7 @@ def _plan_by_search(model: nn.Module, mesh: Mesh, example_inputs: Any, config: C
             progress(f"per-operator placements of {st.describe()} solved in {elapsed:.1f} s: "
                      f"predicted {plan.predicted['step_time_s'] * 1e3:.3f} ms")
         done.append((plan, cost, elapsed))
-    if done:
-        plan, cost, elapsed = min(done, key=lambda d: d[0].predicted["step_time_s"])
-        return _record_search(plan, cost, result, failed, top_k, elapsed)
-    raise InfeasibleMemoryError(
-        f"the {len(failed)} best setups of the search fit the search's memory model but none "
-        f"could be placed per operator:\n  " + "\n  ".join(failed)
-        + "\nRaise Config.memory_bytes, use more devices or a smaller batch.",
-        required_bytes=0.0, budget_bytes=budget)
+    return done, excess
 
 
 def _budget(config: Config, mesh: Mesh) -> float:
