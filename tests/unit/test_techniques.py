@@ -180,6 +180,7 @@ def test_bf16_mixed_precision_traces_bf16_matmuls_and_fp32_gradients():
         autopar.Config(mixed_precision="fp16")
 
 
+@pytest.mark.slow  # 18 s (two searches and their per-operator solves): the default suite's time
 def test_search_turns_recompute_and_zero_on_only_when_memory_requires_it():
     model, inputs = megatron_gpt(dict(hidden=1024, layers=8, heads=16), batch=16, seq=1024)
     mesh = autopar.Mesh.virtual("a100-dgx", nodes=1, gpus_per_node=8)
