@@ -38,13 +38,15 @@ MEMORY_BY_TECHNIQUE = {
     "interleaved": f"gpt:{_PP}=interleaved-1f1b,virtual_stages=2,{_MEM}",
     "zero-bubble": f"gpt:{_PP}=zero-bubble,virtual_stages=2,{_MEM}",
 }
-# (the Hugging Face models' memory runs in test_slow.py, for the default suite's time)
-MEMORY_SLOW = [MEMORY_BY_TECHNIQUE["hf"], MEMORY_BY_TECHNIQUE["llama"]]
-MEMORY = {2: [c for c in MEMORY_BY_TECHNIQUE.values() if c not in MEMORY_SLOW],
-          4: [f"gpt:dp=2,tp=2,recompute=full,zero=1,sequence_parallel=1,{_MEM}",
-              f"gpt:pp=2,dp=2,tp=1,microbatch_size=2,schedule=1f1b,zero=1,{_MEM}"]}
+# (for the default suite's time, test_slow.py runs the memory of the Hugging Face models,
+# explicit attention, GPipe and zero-bubble on 2 processes and a ZeRO-1 pipeline on 4)
+MEMORY_SLOW = {2: [MEMORY_BY_TECHNIQUE[k] for k in ("hf", "llama", "explicit", "gpipe",
+                                                     "zero-bubble")],
+               4: [f"gpt:pp=2,dp=2,tp=1,microbatch_size=2,schedule=1f1b,zero=1,{_MEM}"]}
+MEMORY = {2: [c for c in MEMORY_BY_TECHNIQUE.values() if c not in MEMORY_SLOW[2]],
+          4: [f"gpt:dp=2,tp=2,recompute=full,zero=1,sequence_parallel=1,{_MEM}"]}
 TECHNIQUES = {2: [c for c in MEMORY[2] if "bf16" not in c], 4: MEMORY[4]}
-TECHNIQUES_SLOW = {2: MEMORY_SLOW, 4: ["gpt2:dp=2,tp=2,recompute=selective,zero=1"]}
+TECHNIQUES_SLOW = {2: MEMORY_SLOW[2], 4: [*MEMORY_SLOW[4], "gpt2:dp=2,tp=2,recompute=selective,zero=1"]}
 # bf16 autocast against a single-process bf16 autocast run: one step with tp=2 (and its
 # memory), and a 20-step loss curve with dp=2; combined with everything else on 4 processes in
 # test_slow.py.
@@ -80,7 +82,7 @@ def _pairs(n: int) -> list[tuple[str, str]]:
 
 # The training examples (examples/train_hf.py for GPT-2 and Llama, examples/train_gpt.py), at
 # small sizes, in the 2-process job
-EXAMPLES = ["example:gpt2", "example:gpt", "example:gpt-resume"]  # Llama's in test_slow.py
+EXAMPLES = ["example:gpt", "example:gpt-resume"]  # the Hugging Face ones in test_slow.py
 
 
 def _checks(n: int) -> list[str]:
@@ -262,7 +264,7 @@ def test_predicted_peak_memory_is_never_under_by_3_percent_nor_over_by_15(world)
             if c in MEMORY[n]}
     assert peak["full"] < 0.9 * peak["none"] and peak["selective"] <= peak["none"], peak
     assert peak["zero"] < 0.9 * peak["dp"] and peak["bf16"] < peak["none"], peak
-    assert peak["1f1b"] < peak["gpipe"], peak  # 1F1B holds fewer microbatches in flight
+
 
 
 def check_memory(results: dict, checks: list[str]) -> None:
@@ -330,9 +332,6 @@ def test_training_examples_run_and_learn(world):
         losses = _ok(results[check])["losses"]
         assert losses and all(math.isfinite(x) for x in losses), (check, losses)
     # the Hugging Face examples repeat one batch: four AdamW steps at lr 1e-2 must lower the loss
-    for check in ("example:gpt2",):
-        losses = results[check]["losses"]
-        assert losses[-1] < losses[0] - 0.1, (check, losses)
     # train_gpt.py --checkpoint: 2 steps and a checkpoint, then a run that resumes at step 2;
     # the same data and initial weights as the uninterrupted 3-step run, so the same losses
     # (same plan, same reduction order: equal up to fp32 noise, 1e-5 relative)

@@ -25,18 +25,26 @@ def test_free_mesh_hugging_face_models_and_llama_dp_on_two_processes(results_dir
         assert_matches_one_process(r, FP32_TOL, check)
 
 
-def test_hugging_face_memory_techniques_and_the_llama_example(results_dir):
-    """What the default suite leaves out for time: the memory of the Hugging Face models
-    (2 processes), a combined technique on GPT-2 (4), and the Llama training example."""
-    from test_equivalence import TECHNIQUES_SLOW, check_memory
+def test_memory_techniques_and_examples_left_out_of_the_default_suite(results_dir):
+    """What the default suite leaves out for time: the memory of the Hugging Face models,
+    explicit attention, GPipe and zero-bubble (2 processes) and of a ZeRO-1 pipeline (4), a
+    combined technique on GPT-2 (4), and the Hugging Face training examples."""
+    from test_equivalence import MEMORY_BY_TECHNIQUE, MEMORY_SLOW, TECHNIQUES_SLOW, check_memory
 
-    results = run_worker(2, [*TECHNIQUES_SLOW[2], "example:llama"], results_dir)
-    check_memory(results, TECHNIQUES_SLOW[2])
+    examples = ["example:gpt2", "example:llama"]
+    results = run_worker(2, [*TECHNIQUES_SLOW[2], *examples], results_dir)
+    check_memory(results, MEMORY_SLOW[2])
     for check in TECHNIQUES_SLOW[2]:
         assert_matches_one_process(results[check], FP32_TOL, check)
-    losses = results["example:llama"]["losses"]
-    assert losses[-1] < losses[0] - 0.1, losses  # four AdamW steps on one batch at lr 1e-2
+    # 1F1B holds fewer microbatches in flight than GPipe (the 1F1B check runs by default)
+    gpipe = run_worker(2, [MEMORY_BY_TECHNIQUE["1f1b"]], results_dir)
+    assert max(gpipe[MEMORY_BY_TECHNIQUE["1f1b"]]["measured"]) < \
+        max(results[MEMORY_BY_TECHNIQUE["gpipe"]]["measured"])
+    for check in examples:  # four AdamW steps on one batch at lr 1e-2 must lower the loss
+        losses = results[check]["losses"]
+        assert losses[-1] < losses[0] - 0.1, (check, losses)
     results = run_worker(4, TECHNIQUES_SLOW[4], results_dir)
+    check_memory(results, MEMORY_SLOW[4])
     for check in TECHNIQUES_SLOW[4]:
         assert "error" not in results[check], results[check].get("trace")
         assert_matches_one_process(results[check], FP32_TOL, check)

@@ -233,6 +233,7 @@ def test_zero_bubble_backward_runs_input_and_weight_parts_once_each():
             assert torch.equal(a.grad, r.grad)
 
 
+@pytest.mark.slow  # 13 s: the default suite's time
 def test_a_budget_no_stage_split_meets_names_the_stage_and_the_excess():
     model, inputs = build("gpt", layers=4, batch=8)
     mesh = autopar.Mesh.virtual("cpu-gloo", gpus_per_node=2)
