@@ -44,7 +44,7 @@ from torch.distributed.tensor import Shard
 
 from autopar.capture.layers import is_backward
 from autopar.capture.remat import is_random
-from autopar.cost_models.sharding import state_bytes_per_element
+from autopar.cost_models.sharding import state_bytes_per_element, zero_placement
 from autopar.graph import output_moves
 from autopar.placements import from_str
 from autopar.strategies.reshard import local_shape, reshard_steps
@@ -66,11 +66,16 @@ class StageRun:
     gradients run first and the weight gradients later, so a microbatch in flight (counted up
     to its weight step) also holds the values the weight step reads from the input step
     (:func:`weight_stash_bytes`); its weight gradients go to autograd, which adds them into the
-    parameters' gradients (no second copy)."""
+    parameters' gradients (no second copy). ``zero_axes`` (ZeRO-1 once a step): the parameters
+    are stored as ``cost_models.sharding.zero_placement`` over these axes of the placement the
+    program computes with, with their gradients and optimizer states; the stage gathers them
+    before its first forward (the gathered flat buffer and the parameters made from it, both
+    alive then) and computes with the gathered copy through the step."""
 
     in_flight: int = 1
     microbatches: int = 1
     split_backward: bool = False
+    zero_axes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -366,16 +371,18 @@ def _owned(n: fx.Node) -> bool:
 
 
 def _persistent_bytes(traced: Any, nodes: dict, mesh_shape: tuple, optimizer: str,
-                      microbatches: int) -> float:
+                      microbatches: int, zero_axes: tuple[int, ...] = ()) -> tuple[float, float]:
     """What lives across steps, per rank: each parameter's local shard with its gradient and
     optimizer states (``state_bytes_per_element``; a tied parameter once), the local shards of
     the other program inputs, and the graph's constants. A pipeline stage's boundary
     activations and their gradients arrive in receive buffers that ``torch.distributed.
     pipelining`` makes once per microbatch and keeps (``_RecvInfo.buffer``): ``microbatches``
-    of each."""
+    of each. ``zero_axes``: :class:`StageRun`'s; then each parameter's state is its stored
+    shard's, and its gathered copy is counted too. Returns the bytes, and of those the gathered
+    copies'."""
     params = {p.node: p for p in traced.params}
     per_microbatch = {*traced.boundary_inputs, *traced.boundary_tangents}
-    total = 0.0
+    total = gathered = 0.0
     for n in traced.gm.graph.nodes:
         val = n.meta.get("val")
         if n.op == "get_attr":
@@ -390,8 +397,13 @@ def _persistent_bytes(traced: Any, nodes: dict, mesh_shape: tuple, optimizer: st
         if p is None:
             total += local * val.element_size() * (microbatches if n.name in per_microbatch else 1)
         elif p.tied_to is None:
-            total += local * state_bytes_per_element(optimizer, val.element_size())
-    return total
+            program = tuple(map(from_str, nodes[n.name].outputs[0]))
+            stored = zero_placement(program, tuple(val.shape), mesh_shape, zero_axes)
+            shard = float(np.prod(local_shape(tuple(val.shape), stored, mesh_shape), dtype=np.float64))
+            total += shard * state_bytes_per_element(optimizer, val.element_size())
+            if stored != program:
+                gathered += local * val.element_size()
+    return total + gathered, gathered
 
 
 def step_memory(traced: Any, mesh_shape: Sequence[int], nodes: dict, outputs: Sequence,
@@ -411,11 +423,14 @@ def step_memory(traced: Any, mesh_shape: Sequence[int], nodes: dict, outputs: Se
     walk = _Walk(traced, mesh_shape, nodes, tagged, stage)
     walk.run(outputs, buckets)
     live, at, saved = walk.peak()
-    persistent = _persistent_bytes(traced, nodes, tuple(mesh_shape), optimizer,
-                                   stage.microbatches if stage is not None else 1)
+    persistent, gathered = _persistent_bytes(traced, nodes, tuple(mesh_shape), optimizer,
+                                             stage.microbatches if stage is not None else 1,
+                                             stage.zero_axes if stage is not None else ())
     in_flight = stage.in_flight if stage is not None else 1
     stash = weight_stash_bytes(traced, mesh_shape, nodes) if stage and stage.split_backward else 0.0
     peak = persistent + live + (in_flight - 1) * (saved + stash) + stash + walk.largest_output
+    # a ZeRO stage's gather before its first forward: the flat buffer beside the parameters
+    peak = max(peak, persistent + gathered)
     held = persistent + in_flight * (saved + stash) + walk.sink_bytes
     return StepMemory(peak, persistent, saved + stash, min(held, peak), at)
 

@@ -18,21 +18,22 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Partial, Replicate
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.cost_models.comm import axis_collective_time
 from autopar.cost_models.compute import flops_of_node, op_time
 from autopar.cost_models.topology import Topology
 from autopar.capture.layers import aten_ops, is_op
 from autopar.graph import TracedGraph
-from autopar.placements import from_str
+from autopar.placements import from_str, to_str
 from autopar.strategies.reshard import local_shape, reshard_steps
 from autopar.strategies.space import (
     Placements, Strategy, StrategySpace, tensor_inputs, boundary_placements,
 )
 
 __all__ = ["SpaceCosts", "StepEndBucket", "deferred_gradient_matrix", "deferred_placement", "price_space",
-           "recomputed_bytes", "reshard_time", "state_bytes_per_element", "step_end_buckets"]
+           "recomputed_bytes", "reshard_time", "state_bytes_per_element", "step_end_buckets",
+           "stored_dim", "stored_placement", "zero_placement"]
 
 # Ops that only alias or re-describe memory: no compute, no traffic.
 _FREE = aten_ops("detach", "t", "view", "_unsafe_view", "transpose", "permute", "expand",
@@ -165,8 +166,14 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
-                optimizer: str = "adam", recompute: frozenset[str] = frozenset()) -> SpaceCosts:
+                optimizer: str = "adam", recompute: frozenset[str] = frozenset(),
+                zero_axes: Sequence[int] = ()) -> SpaceCosts:
     """Price every strategy and every edge of ``space`` on ``topology``.
+
+    ``zero_axes``: the parameters are stored as :func:`zero_placement` over these axes and
+    gathered once a step into the placement the strategy gives them (a pipeline stage with
+    ZeRO-1: ``autopar.runtime.pipeline``); their state is priced at the stored size, plus the
+    gathered copy.
 
     ``recompute``: forward nodes recomputed in the backward (``passes.recompute``); their compute
     is paid twice, their outputs are not saved (their inputs are), and ``recomputed`` holds the
@@ -204,7 +211,8 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
         mkey = ("m", id(ns.strategies), sig, name in params, name in tied, saved.get(name))
         if mkey not in cache:
             cache[mkey] = _memory(n, ns.strategies, mesh_shape, name in params, name in tied,
-                                  saved.get(name, ()), optimizer, space.dp_axes)
+                                  saved.get(name, ()), optimizer, space.dp_axes,
+                                  tuple(zero_axes))
         memory[name] = cache[mkey]
         for k, (src, idx) in enumerate(ns.inputs):
             val = _val_list(traced.node(src).meta["val"])[idx]
@@ -294,46 +302,129 @@ def deferred_placement(grad: Placements, param: Placements, dp_axes: Sequence[in
                  else w for axis, (g, w) in enumerate(zip(grad, param)))
 
 
+def zero_placement(placements: Placements, shape: Sequence[int], mesh_shape: Sequence[int],
+                   dp_axes: Sequence[int]) -> Placements:
+    """A parameter's placement under ZeRO: on each data-parallel axis, ``Shard`` of the largest
+    dim no other axis shards and whose shard divides evenly; ``Replicate`` stays where no dim
+    qualifies (the parameter is then not sharded over that axis).
+
+    A parameter stored this way is all-gathered for the compute and its gradient is
+    reduce-scattered, as FSDP2 shards ``DTensor`` parameters; the optimizer, built on the
+    parameters, then keeps its states sharded (ZeRO-1, Rajbhandari et al., SC'20, sec. 5.1).
+    The dims sharded over different axes differ, so the shards commute: the local shard is the
+    chunk, on the dp axis's dim, of the local tensor without the dp sharding.
+    """
+    out = list(placements)
+    for axis in dp_axes:
+        if not isinstance(out[axis], Replicate):
+            continue
+        taken = {p.dim for p in out if hasattr(p, "dim")}
+        local = list(shape)
+        for a, p in enumerate(out):
+            if hasattr(p, "dim"):
+                local[p.dim] //= mesh_shape[a]
+        dims = [d for d in range(len(shape)) if d not in taken and local[d] % mesh_shape[axis] == 0
+                and local[d] >= mesh_shape[axis]]
+        if dims:
+            out[axis] = Shard(max(dims, key=lambda d: (local[d], -d)))
+    return tuple(out)
+
+
+def stored_placement(placements: Sequence[str], shape: Sequence[int], mesh_shape: Sequence[int],
+                     zero_axes: Sequence[int]) -> tuple[str, ...]:
+    """Where a parameter the program places at ``placements`` (text) is stored between steps:
+    there, or with ZeRO-1 gathered once a step (``zero_axes`` the dp axes) its
+    :func:`zero_placement` (text)."""
+    return tuple(to_str(p) for p in zero_placement(tuple(map(from_str, placements)), shape,
+                                                      mesh_shape, zero_axes))
+
+
 @dataclass(frozen=True)
 class StepEndBucket:
-    """Gradients a pipeline stage left partial over one mesh axis (:func:`deferred_placement`),
-    summed over the step's microbatches in one flat buffer and all-reduced together, in place,
-    once the stage's last backward is done. ``params``: the stage's parameter names, in buffer
-    order; ``shapes``: their local shapes; ``dtype``: theirs."""
+    """Tensors of a pipeline stage moved over one mesh axis once a step, in one flat buffer and
+    one collective (``kind``). ``params``: the stage's parameter names, in buffer order;
+    ``shapes``: their local shapes in the stage's program; ``dtype``: theirs.
+
+    ``"all_reduce"``: gradients the stage left partial over the axis
+    (:func:`deferred_placement`), summed over the step's microbatches and all-reduced in place
+    once the stage's last backward is done. ZeRO-1 once a step, parameters stored sharded over
+    the axis (``dims[i]``: the dim of parameter ``i``, in ``parts`` even chunks, ``parts`` the
+    axis's size): ``"all_gather"``, the parameters, gathered before the stage's first forward;
+    ``"reduce_scatter"``, the partial gradients of such parameters, into their shards after the
+    last backward. Their buffers are laid out rank-major (each rank's chunks of every tensor
+    together: ``runtime.autograd.FlatBucket``)."""
 
     axis: int
     dtype: torch.dtype
     params: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
+    dims: tuple[int, ...] = ()
+    parts: int = 1
+    kind: str = "all_reduce"
 
     @property
     def bytes(self) -> int:
-        """Bytes of the buffer (per rank)."""
+        """Bytes of the buffer (per rank): the all-reduced buffer, the all-gather's output, the
+        reduce-scatter's input."""
         return sum(math.prod(s) for s in self.shapes) * self.dtype.itemsize
 
 
 def step_end_buckets(traced: TracedGraph, output_placements: Sequence[Sequence[str] | None],
-                     params: dict[str, Sequence[str]], mesh_shape: Sequence[int]) -> list[StepEndBucket]:
-    """The buckets of a pipeline stage's deferred gradient reductions, from its plan's text
-    placements (``output_placements``, ``params``): one per (mesh axis, dtype), parameters in
-    the stage's order. The runtime reduces these buffers and the plan lists these collectives:
-    one owner of both. A deferred gradient is a partial sum on one axis where its parameter is
-    replicated; anything else is an internal error."""
-    groups: dict[tuple[int, torch.dtype], list[Any]] = {}
+                     params: dict[str, Sequence[str]], mesh_shape: Sequence[int],
+                     stored: dict[str, Sequence[str]] | None = None) -> list[StepEndBucket]:
+    """The once-a-step buckets of a pipeline stage (:class:`StepEndBucket`), from its plan's
+    text placements (``output_placements``; ``params``: the program's), one per (mesh axis,
+    dtype, kind), parameters in the stage's order: its deferred gradient reductions, then the
+    gathers of the parameters ``stored`` sharded where the program has them replicated
+    (ZeRO-1; default: stored as the program places them). A gradient the program gives whole
+    to such a parameter needs no collective: each rank keeps its chunk
+    (:func:`stored_dim`). The runtime moves these buffers and the plan lists these
+    collectives: one owner of both. A deferred gradient is a partial sum on one axis where its
+    parameter is replicated; anything else is an internal error."""
+    stored = stored or {}
+    groups: dict[tuple[int, torch.dtype, str], list[tuple[Any, int | None]]] = {}
+    gathers: dict[tuple[int, torch.dtype, str], list[tuple[Any, int | None]]] = {}
     for p in traced.params:
-        got = output_placements[p.grad_output_index] if p.grad_output_index is not None else None
         want = tuple(params[p.name])
+        kept = stored_dim(p.name, want, tuple(stored.get(p.name, want)))
+        if kept is not None:
+            gathers.setdefault((kept[0], p.dtype, "all_gather"), []).append((p, kept[1]))
+        got = output_placements[p.grad_output_index] if p.grad_output_index is not None else None
         if got is None or tuple(got) == want:
             continue
         axes = [a for a, (g, w) in enumerate(zip(got, want)) if g != w]
         if len(axes) != 1 or not isinstance(from_str(got[axes[0]]), Partial) or want[axes[0]] != "R":
             raise ValueError(f"internal: the gradient of {p.name} moves {tuple(got)} -> {want} "
                              f"after the step, not one all-reduce. Please report this with the model.")
-        groups.setdefault((axes[0], p.dtype), []).append(p)
-    return [StepEndBucket(axis, dtype, tuple(p.name for p in ps),
-                          tuple(local_shape(p.shape, tuple(map(from_str, params[p.name])), tuple(mesh_shape))
-                                for p in ps))
-            for (axis, dtype), ps in groups.items()]
+        if kept is not None and kept[0] != axes[0]:
+            raise ValueError(f"internal: {p.name} is stored sharded over axis {kept[0]} and its "
+                             f"gradient is partial over axis {axes[0]}. Please report this.")
+        kind = "reduce_scatter" if kept is not None else "all_reduce"
+        groups.setdefault((axes[0], p.dtype, kind), []).append((p, kept[1] if kept else None))
+    out = []
+    for (axis, dtype, kind), ps in (*groups.items(), *gathers.items()):
+        shapes = tuple(local_shape(p.shape, tuple(map(from_str, params[p.name])), tuple(mesh_shape))
+                       for p, _ in ps)
+        sharded = kind != "all_reduce"
+        out.append(StepEndBucket(axis, dtype, tuple(p.name for p, _ in ps), shapes,
+                                 tuple(d for _, d in ps) if sharded else (),
+                                 mesh_shape[axis] if sharded else 1, kind))
+    return out
+
+
+def stored_dim(name: str, program: tuple, stored: tuple) -> tuple[int, int] | None:
+    """``(mesh axis, tensor dim)`` over which parameter ``name``, computed at the text
+    placements ``program``, is stored sharded at ``stored`` (ZeRO-1 once a step: ``Shard`` on
+    one axis where the program replicates it); ``None`` when stored as computed."""
+    if stored == program:
+        return None
+    moved = [a for a, (s, p) in enumerate(zip(stored, program)) if s != p]
+    kind = from_str(stored[moved[0]]) if len(moved) == 1 else None
+    if not isinstance(kind, Shard) or program[moved[0]] != "R":
+        raise ValueError(f"internal: parameter {name} is stored {stored} and computed with "
+                         f"{program}; only a Shard on one mesh axis where the program replicates "
+                         f"it is gathered once a step. Please report this.")
+    return moved[0], kind.dim
 
 
 def deferred_gradient_matrix(src: Sequence[Strategy], idx: int, params: Sequence[Strategy],
@@ -416,7 +507,7 @@ def _alias_root(a: fx.Node) -> tuple[fx.Node, int]:
 
 def _memory(n: fx.Node, strategies: Sequence[Strategy], mesh_shape: tuple[int, ...],
             is_param: bool, is_tied: bool, saved_outputs: Sequence[int], optimizer: str,
-            dp_axes: Sequence[int] = ()) -> np.ndarray:
+            dp_axes: Sequence[int] = (), zero_axes: Sequence[int] = ()) -> np.ndarray:
     out = np.zeros(len(strategies))
     vals = _val_list(n.meta.get("val"))
     for j, s in enumerate(strategies):
@@ -424,9 +515,13 @@ def _memory(n: fx.Node, strategies: Sequence[Strategy], mesh_shape: tuple[int, .
             v = vals[0]
             local = _numel(local_shape(v.shape, s.outputs[0], mesh_shape))
             if is_param and not is_tied:
-                out[j] = local * state_bytes_per_element(optimizer, v.element_size())
+                # ZeRO once a step (``zero_axes``): stored as zero_placement, computed as placed
+                stored = (zero_placement(s.outputs[0], v.shape, mesh_shape, zero_axes)
+                          if zero_axes else s.outputs[0])
+                out[j] = _numel(local_shape(v.shape, stored, mesh_shape)) * state_bytes_per_element(
+                    optimizer, v.element_size())
                 gathered = tuple(Replicate() if a in dp_axes else p for a, p in enumerate(s.outputs[0]))
-                if gathered != tuple(s.outputs[0]):  # ZeRO: the step computes with a gathered copy
+                if gathered != tuple(stored):  # ZeRO: the step computes with a gathered copy
                     out[j] += _numel(local_shape(v.shape, gathered, mesh_shape)) * v.element_size()
             elif not is_param:
                 out[j] = local * v.element_size()

@@ -108,9 +108,10 @@ class Setup:
     sequence_parallel: bool
     even_split: bool = False  # same blocks on every stage (Megatron-LM) instead of balanced times
     # when a pipeline's data-parallel gradient reduction runs: "step" (once, after the last
-    # microbatch: Megatron-LM, and autopar's pipeline runtime without ZeRO) or "microbatch" (in
-    # every microbatch's backward: autopar's runtime with ZeRO-1, which also gathers the
-    # parameters in every forward)
+    # microbatch: Megatron-LM, with ZeRO-1 as its distributed optimizer, and autopar's pipeline
+    # runtime without ZeRO), "gathered" (ZeRO-1 as autopar's runtime runs it: parameters stored
+    # sharded over dp, gathered once a step, gradients reduce-scattered once a step) or
+    # "microbatch" (in every microbatch's backward, the parameters gathered in every forward)
     grad_sync: str = "step"
 
     def describe(self) -> str:
@@ -309,12 +310,13 @@ def _state_memory(lc: LayerCosts, setup: Setup, state: float, elements: float) -
 
     ZeRO-1 as Megatron-LM's distributed optimizer runs it (``grad_sync="step"``): the optimizer
     part over dp, 6 + 12/d of 18 bytes in mixed precision ([ZERO] sec. 5.1). As autopar's
-    runtime runs it (``grad_sync="microbatch"``): every parameter stored sharded over dp with its
-    gradient and optimizer states (a ``Shard`` DTensor, as FSDP2), plus the copy gathered for the
-    step's compute (priced so per operator: :mod:`autopar.cost_models.sharding`)."""
+    runtime runs it (``grad_sync="gathered"`` or ``"microbatch"``): every parameter stored
+    sharded over dp with its gradient and optimizer states (a ``Shard`` DTensor, as FSDP2), plus
+    the copy gathered for the step's compute (priced so per operator:
+    :mod:`autopar.cost_models.sharding`)."""
     if not setup.zero or setup.dp == 1:
         return state
-    if setup.grad_sync == "microbatch":
+    if setup.grad_sync in ("gathered", "microbatch"):
         return state / setup.dp + elements * lc.param_itemsize
     if lc.param_itemsize >= 4:
         total, opt = (16, 8) if lc.optimizer == "adam" else (8, 0)

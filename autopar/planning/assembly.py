@@ -115,7 +115,8 @@ def build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate,
                             if node_phase(graph_nodes[n]) == "forward"))
     sol = res.solution
     degrees, notes = _axis_roles(traced, space, res, cand)
-    techniques, applied_notes = applied_techniques(traced, config, cand, nodes)
+    zero_axes = stage.zero_axes if stage is not None else ()
+    techniques, applied_notes = applied_techniques(traced, config, cand, nodes, zero_axes)
     techniques["bucket_bytes"] = cap
     warnings = list(space.warnings) + notes + applied_notes
     if sol.status != "optimal":
@@ -133,7 +134,7 @@ def build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate,
                    "peak_memory_bytes": held.peak_bytes, "saved_bytes": held.saved_bytes,
                    "held_bytes": held.held_bytes,
                    "ilp_objective_s": sol.objective,
-                   "optimizer_s": optimizer_step_time(local_elements(traced, nodes, cand),
+                   "optimizer_s": optimizer_step_time(local_elements(traced, nodes, cand, zero_axes),
                                                       config.optimizer, mesh.topology)},
         solver={"status": sol.status, "gap": sol.gap, "backend": sol.backend,
                 "solve_time_s": sol.solve_time_s, "ilp_variables": sol.num_variables,

@@ -128,24 +128,29 @@ def step_collectives(traced: TracedGraph, shape: Sequence[int], names: Sequence[
     return walk.res
 
 
-def step_end_reductions(stages: list, plans: list, pp: int, cand: Any, mesh: Mesh
+def step_end_reductions(stages: list, plans: list, pp: int, cand: Any, mesh: Mesh,
+                        stored: Sequence[dict[str, tuple[str, ...]]] | None = None
                         ) -> tuple[list[Collective], float]:
-    """The data-parallel gradient reductions a pipeline runs once a step: one all-reduce per
-    stage and bucket of the gradients the stage left unreduced
-    (:func:`autopar.cost_models.sharding.step_end_buckets`, the runtime's buckets), issued when
-    the stage's last backward is done; and the seconds of the busiest pipeline rank's, one
-    after another (an upper bound: a rank's earlier stages' buckets overlap its later
-    backward). ``stages``: ``(StageGraph, TracedGraph)`` pairs, ``plans`` their plans, ``cand``
-    the stage mesh."""
+    """The data-parallel collectives a pipeline runs once a step per stage and bucket of the
+    gradients the stage left unreduced (:func:`autopar.cost_models.sharding.step_end_buckets`,
+    the runtime's buckets): an all-reduce issued when the stage's last backward is done; with
+    ZeRO-1 (a stage's parameters ``stored`` sharded where its program replicates them) a
+    reduce-scatter there, and an all-gather of the parameters before the stage's first forward.
+    Also the seconds of the busiest pipeline rank's, one after another (an upper bound: a
+    rank's earlier stages' buckets overlap its later backward). ``stages``: ``(StageGraph,
+    TracedGraph)`` pairs, ``plans`` their plans, ``stored`` their parameters' placements between
+    steps (default: as the plans place them), ``cand`` the stage mesh."""
     collectives: list[Collective] = []
     seconds = [0.0] * pp
     strides = [math.prod(cand.shape[a + 1:]) for a in range(len(cand.shape))]
-    for (st, traced), plan in zip(stages, plans):
-        for bucket in step_end_buckets(traced, plan.output_placements, plan.params, cand.shape):
-            collectives.append(Collective("all_reduce", cand.names[bucket.axis], bucket.bytes,
-                                          "backward", "", f"{len(bucket.params)} gradients",
-                                          st.index))
+    for j, ((st, traced), plan) in enumerate(zip(stages, plans)):
+        kept = stored[j] if stored is not None else None
+        for bucket in step_end_buckets(traced, plan.output_placements, plan.params, cand.shape, kept):
+            gather = bucket.kind == "all_gather"
+            what = f"{len(bucket.params)} {'parameters' if gather else 'gradients'}"
+            collectives.append(Collective(bucket.kind, cand.names[bucket.axis], bucket.bytes,
+                                          "forward" if gather else "backward", "", what, st.index))
             seconds[st.index % pp] += axis_collective_time(
-                "all_reduce", bucket.bytes, cand.shape[bucket.axis], strides[bucket.axis],
+                bucket.kind, bucket.bytes, cand.shape[bucket.axis], strides[bucket.axis],
                 mesh.topology)
     return collectives, max(seconds)

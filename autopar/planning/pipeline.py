@@ -24,6 +24,7 @@ import torch
 
 from autopar.config import Config
 from autopar.cost_models.comm import axis_collective_time
+from autopar.cost_models.sharding import stored_placement
 from autopar.cost_models.compute import mfu
 from autopar.cost_models.pipeline import (SCHEDULES, check_schedule, held_until, in_flight,
                                           rank_memory, simulate)
@@ -466,10 +467,10 @@ def build_pipeline_plan(model: Any, example_inputs: Any, facts: ModelFacts, mesh
 def defers_grad_sync(schedule: str, config: Config) -> bool:
     """Whether a pipeline's stages reduce their data-parallel gradients once a step, after
     their last microbatch (summed locally until then), rather than in every microbatch's
-    backward: always, except with ZeRO (whose parameters' gradients are reduce-scattered where
-    they are computed) and the zero-bubble schedule (whose weight step hands the gradients to
-    autograd)."""
-    return schedule != "zero-bubble" and not config.zero
+    backward: always, except with the zero-bubble schedule (whose weight step hands the
+    gradients to autograd). With ZeRO-1 such a stage also gathers its parameters once a step,
+    before its first forward, and reduce-scatters their gradients (``runtime.pipeline``)."""
+    return schedule != "zero-bubble"
 
 
 def stage_key(traced: TracedGraph, fixed: dict[str, tuple[str, ...]]) -> str:
@@ -532,13 +533,18 @@ def _assemble(model: Any, facts: ModelFacts, mesh: Mesh, config: Config, setup: 
     sim = simulate(setup.schedule, fw, bw, m, pp, p2p_s=p2p,
                    weight_fraction=_WEIGHT_FRACTION)
     collectives: list[Collective] = []
-    params: dict[str, tuple[str, ...]] = {}
+    params: dict[str, tuple[str, ...]] = {}  # as stored between steps
     holders: dict[str, set[int]] = {}
+    # ZeRO-1 with deferred reductions: stored sharded over dp, gathered once a step
+    zero_axes = tuple(cand.dp_axes) if config.zero and defers_grad_sync(setup.schedule, config) else ()
+    stored: list[dict[str, tuple[str, ...]]] = []
     for (st, traced), plan in zip(stages, plans):
         collectives += [c for _ in range(m) for c in plan.collectives]
+        stored.append({p.name: stored_placement(plan.params[p.name], p.shape, cand.shape, zero_axes)
+                       for p in traced.params})
         for p in traced.params:
             name = fwd.canonical.get(p.name, p.name)
-            params.setdefault(name, plan.params[p.name])
+            params.setdefault(name, stored[-1][p.name])
             holders.setdefault(name, set()).add(st.index % pp)
     stride = math.prod(cand.shape)
     tied_s = 0.0
@@ -549,7 +555,7 @@ def _assemble(model: Any, facts: ModelFacts, mesh: Mesh, config: Config, setup: 
         tied_s += axis_collective_time("all_reduce", nbytes, pp, stride, mesh.topology)
     collectives.append(Collective("all_reduce", "pp", 4, "forward", "", "loss", None))
     collectives += _point_to_point(stages, cand, m)
-    reductions, reduce_s = step_end_reductions(stages, plans, pp, cand, mesh)
+    reductions, reduce_s = step_end_reductions(stages, plans, pp, cand, mesh, stored)
     collectives += reductions
     memory = _rank_memory(plans, setup, pp)
     inputs = _input_placements(len(facts.input_shapes), stages, plans)

@@ -10,12 +10,13 @@ from autopar._torch_private import OpOverload
 
 from autopar.capture.layers import aten_ops, is_op, module_paths, node_phase
 from autopar.config import Config
+from autopar.cost_models.sharding import stored_placement
 from autopar.graph import TracedGraph
 from autopar.capture.remat import recompute_nodes
 from autopar.plan import NodePlan
 
 __all__ = ["NORMS", "applied_techniques", "describe_nodes", "local_elements", "param_shards",
-           "precision"]
+           "precision", "stored_params"]
 
 # the normalisation ops sequence parallelism shards (as solve.pin_norms pins them)
 NORMS = aten_ops("native_layer_norm", "native_rms_norm", "_fused_rms_norm")
@@ -39,9 +40,20 @@ def describe_nodes(traced: TracedGraph, nodes: dict[str, NodePlan], compute: dic
     return out
 
 
-def local_elements(traced: TracedGraph, nodes: dict[str, NodePlan], cand: Any) -> float:
-    """Parameter elements one device holds (a tied parameter once)."""
-    return sum(p.numel / param_shards(nodes[p.node].outputs[0], cand.shape)
+def stored_params(traced: TracedGraph, nodes: dict[str, NodePlan], cand: Any,
+                  zero_axes: Sequence[int] = ()) -> dict[str, tuple[str, ...]]:
+    """Each parameter's placement between steps, by name: as the program places it, or with
+    ZeRO-1 gathered once a step (``zero_axes``) as stored there
+    (:func:`~autopar.cost_models.sharding.stored_placement`)."""
+    return {p.name: stored_placement(nodes[p.node].outputs[0], p.shape, cand.shape, zero_axes)
+            for p in traced.params}
+
+
+def local_elements(traced: TracedGraph, nodes: dict[str, NodePlan], cand: Any,
+                   zero_axes: Sequence[int] = ()) -> float:
+    """Parameter elements one device holds between steps (a tied parameter once)."""
+    stored = stored_params(traced, nodes, cand, zero_axes)
+    return sum(p.numel / param_shards(stored[p.name], cand.shape)
                for p in traced.params if p.tied_to is None)
 
 
@@ -55,17 +67,19 @@ def param_shards(placements: Sequence[str], mesh_shape: Sequence[int]) -> int:
 
 
 def applied_techniques(traced: TracedGraph, config: Config, cand: Any,
-             nodes: dict[str, NodePlan]) -> tuple[dict[str, Any], list[str]]:
+                       nodes: dict[str, NodePlan], zero_axes: Sequence[int] = ()
+                       ) -> tuple[dict[str, Any], list[str]]:
     """The techniques the plan really uses (a setting that changes nothing is recorded as off,
-    with a warning saying why)."""
+    with a warning saying why). ``zero_axes``: as :func:`stored_params`."""
     notes = []
     recompute = config.recompute or "none"
     if recompute != "none" and not recompute_nodes(traced, recompute):
         notes.append(f"recompute={recompute!r} found nothing to recompute (it needs repeated "
                      f"blocks, and 'selective' an attention core); the plan recomputes nothing")
         recompute = "none"
+    stored = stored_params(traced, nodes, cand, zero_axes)
     zero = int(bool(config.zero) and any(
-        nodes[p.node].outputs[0][a].startswith("S") for p in traced.params for a in cand.dp_axes))
+        stored[p.name][a].startswith("S") for p in traced.params for a in cand.dp_axes))
     if config.zero and not zero:
         notes.append("zero=1 shards nothing on this mesh (no data-parallel axis, or no parameter "
                      "dim divides by it); the optimizer state is not sharded")

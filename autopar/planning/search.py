@@ -305,10 +305,11 @@ def candidate_setups(num_devices: int, gpus_per_node: int, batch: int, num_block
                         for zero in (0, 1) if dp > 1 else (0,):
                             for sp in (False, True) if tp > 1 else (False,):
                                 if _allowed(config, recompute=rc, zero=zero, sequence_parallel=sp):
-                                    # the runtime reduces a pipeline's gradients once a
-                                    # step, except ZeRO's (planning.pipeline.defers_grad_sync)
+                                    # the runtime reduces a pipeline's gradients once a step
+                                    # (planning.pipeline.defers_grad_sync), with ZeRO-1 as
+                                    # reduce-scatter and a gather of the parameters
                                     yield Setup(dp, tp, pp, b, m, schedule, v, rc, zero, sp,
-                                                grad_sync="microbatch" if zero else "step")
+                                                grad_sync="gathered" if zero else "step")
 
 
 # the largest tensor-parallel group the search forms across nodes: Megatron-LM's largest tp

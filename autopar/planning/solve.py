@@ -11,7 +11,8 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar.config import Config
 from autopar.cost_models.passes import run_cost_passes
-from autopar.cost_models.sharding import SpaceCosts, deferred_gradient_matrix, price_space
+from autopar.cost_models.sharding import (SpaceCosts, deferred_gradient_matrix, price_space,
+                                          zero_placement)
 from autopar.errors import PlanError
 from autopar.graph import TracedGraph
 from autopar.mesh import Mesh, planning_device_mesh
@@ -29,7 +30,7 @@ from autopar.capture.layers import is_backward, is_op
 from autopar.capture.remat import recompute_nodes
 from autopar.strategies.space import StrategySpace, build_space
 
-__all__ = ['replace_plan', 'solve_candidate', 'solve_space', 'unpinned_space', 'zero_placement']
+__all__ = ['replace_plan', 'solve_candidate', 'solve_space', 'unpinned_space']
 
 
 from autopar.planning.assembly import build_plan
@@ -52,7 +53,8 @@ def priced_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidat
                  cost_passes: Sequence[Callable[..., SpaceCosts]],
                  fixed: dict[str, tuple[str, ...]] | None = None, activation_scale: int = 1,
                  sequence_parallel: bool | None = None, base_space: StrategySpace | None = None,
-                 gradient_share: float = 1.0) -> tuple[StrategySpace, SpaceCosts]:
+                 gradient_share: float = 1.0, zero_once: bool = False
+                 ) -> tuple[StrategySpace, SpaceCosts]:
     """Strategy space and its prices on the logical mesh.
 
     ``fixed`` pins parameters (by name) to a placement, e.g. a tied weight already placed by an
@@ -66,14 +68,18 @@ def priced_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidat
     (Korthikanti et al., MLSys'23, sec. 4.2.2), False makes it take it replicated there; None
     leaves the choice to the ILP. ``base_space``: the unpinned space of this graph and mesh,
     built earlier (it is copied, not changed). With ``config.zero`` the parameters take
-    :func:`zero_placement` on the dp axes; with sequence parallelism on, the forward's residual
+    :func:`zero_placement` on the dp axes, and the program gathers them where they are used;
+    ``zero_once`` (a pipeline stage's runtime gathers its ZeRO parameters once a step) leaves
+    them placed as the ILP chooses and prices their state as stored by ``zero_placement`` of
+    that (:func:`~autopar.cost_models.sharding.price_space`); with sequence parallelism on, the forward's residual
     adds are pinned to ``Shard(1)`` too (:func:`_pin_norms`); recomputation
     (``config.recompute``) is priced by :func:`~autopar.cost_models.sharding.price_space`.
     """
     if base_space is None:
         base_space = unpinned_space(traced, cand, config)
     space = dataclasses.replace(base_space, nodes=dict(base_space.nodes))
-    if config.zero and cand.dp_axes:
+    zero_axes = tuple(cand.dp_axes) if config.zero and zero_once else ()
+    if config.zero and cand.dp_axes and not zero_once:
         _shard_states(traced, space, cand)
     for p in traced.params:
         if fixed and p.name in fixed:
@@ -83,7 +89,8 @@ def priced_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidat
     if sequence_parallel is not None and "tp" in cand.names:
         _pin_norms(traced, space, cand.names.index("tp"), sequence_parallel)
     recompute = recompute_nodes(traced, config.recompute or "none")
-    costs = run_cost_passes(price_space(traced, space, mesh.topology, config.optimizer, recompute),
+    costs = run_cost_passes(price_space(traced, space, mesh.topology, config.optimizer, recompute,
+                                        zero_axes),
                             space, mesh.topology, cost_passes)
     if activation_scale != 1:
         # parameters are held once; a gradient coming in from the next stage (a tangent) is
@@ -125,32 +132,6 @@ def _pin(space: StrategySpace, node: str, name: str, placement: tuple[str, ...])
         raise PlanError(f"parameter {name!r} cannot take the placement {placement} that another "
                         f"pipeline stage gave it (it shares the tensor); choose other degrees.")
     space.nodes[node] = dataclasses.replace(ns, strategies=keep)
-
-
-def zero_placement(placements: tuple, shape: Sequence[int], mesh_shape: Sequence[int],
-                   dp_axes: Sequence[int]) -> tuple:
-    """A parameter's placement under ZeRO: on each data-parallel axis, ``Shard`` of the largest
-    dim no other axis shards and whose shard divides evenly; ``Replicate`` stays where no dim
-    qualifies (the parameter is then not sharded over that axis).
-
-    A parameter stored this way is all-gathered where it is used and its gradient is
-    reduce-scattered, as FSDP2 shards ``DTensor`` parameters; the optimizer, built on the
-    parameters, then keeps its states sharded (ZeRO-1, Rajbhandari et al., SC'20, sec. 5.1).
-    """
-    out = list(placements)
-    for axis in dp_axes:
-        if not isinstance(out[axis], Replicate):
-            continue
-        taken = {p.dim for p in out if hasattr(p, "dim")}
-        local = list(shape)
-        for a, p in enumerate(out):
-            if hasattr(p, "dim"):
-                local[p.dim] //= mesh_shape[a]
-        dims = [d for d in range(len(shape)) if d not in taken and local[d] % mesh_shape[axis] == 0
-                and local[d] >= mesh_shape[axis]]
-        if dims:
-            out[axis] = Shard(max(dims, key=lambda d: (local[d], -d)))
-    return tuple(out)
 
 
 def _shard_states(traced: TracedGraph, space: StrategySpace, cand: Candidate) -> None:
@@ -217,10 +198,16 @@ def solve_candidate(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candi
     the program (a pipeline stage reduces its gradients once a step, after its microbatches:
     :func:`~autopar.planning.assembly.deferred_gradient`), once for its ``microbatches``.
     ``split_backward``: the stage runs its input and weight gradients as two steps
-    (zero-bubble), which changes what it holds (:class:`StageRun`).
+    (zero-bubble), which changes what it holds (:class:`StageRun`). With ZeRO and
+    ``defer_grad_sync`` the stage's runtime gathers its parameters once a step, before its
+    first forward, and reduce-scatters their gradients after its last backward
+    (``runtime.pipeline``): the program computes with them as placed (replicated over dp), and
+    they are stored as :func:`zero_placement` of that (``StageRun.zero_axes``).
     """
+    zero_once = defer_grad_sync and bool(config.zero) and stage is not None
     space, costs = priced_space(traced, mesh, config, cand, cost_passes, fixed, activation_scale,
-                                gradient_share=1 / microbatches if defer_grad_sync else 1.0)
+                                gradient_share=1 / microbatches if defer_grad_sync else 1.0,
+                                zero_once=zero_once)
 
     def solve(ilp_budget: float | None) -> tuple:  # the ILP again, not the prices
         res = solve_intra_op(traced, space, costs, ilp_budget, config.solver_time_limit_s)
@@ -229,7 +216,8 @@ def solve_candidate(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candi
         plan = build_plan(traced, mesh, config, cand, space, costs, res,
                           defer_axes=cand.dp_axes if defer_grad_sync else (),
                           stage=StageRun(activation_scale, microbatches,
-                                         split_backward=split_backward)
+                                         split_backward=split_backward,
+                                         zero_axes=tuple(cand.dp_axes) if zero_once else ())
                           if stage is not None else None)
         return space, costs, res, plan
 

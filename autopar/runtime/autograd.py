@@ -10,7 +10,6 @@ PyTorch and gradients reach the DTensor parameters through ``DTensor.to_local``.
 from __future__ import annotations
 
 import copy
-import math
 import time
 from typing import Any, Sequence
 
@@ -173,15 +172,65 @@ class Labelled(torch.nn.Module):
 
 class FlatBucket:
     """Gradients a :class:`GradSink` sums in one flat buffer (each a view of it), so that the
-    buffer can be reduced with one collective, in place, once the step's last backward is in.
-    ``names`` / ``shapes``: the gradients (local shapes) in buffer order; ``dtype``: theirs."""
+    buffer can be reduced with one collective once the step's last backward is in.
+    ``names`` / ``shapes``: the gradients (local shapes) in buffer order; ``dtype``: theirs.
 
-    def __init__(self, names: Sequence[str], shapes: Sequence[Sequence[int]], dtype: torch.dtype) -> None:
+    ``dims`` (ZeRO-1 once a step, ``cost_models.sharding.StepEndBucket``): tensor ``i`` is
+    stored in ``parts`` even chunks on its dim ``dims[i]``, one per rank of the axis, and the
+    buffer is laid out rank-major: part ``r`` holds chunk ``r`` of every tensor, in order, so
+    that a reduce-scatter leaves each rank its chunks (:meth:`chunks`) and an all-gather of
+    each rank's chunks (:meth:`pack`) gives every tensor whole (:meth:`unpack`). A gradient is
+    then summed into a strided view: ``(parts, *chunk shape)`` (:meth:`view`, :meth:`arrange`)."""
+
+    def __init__(self, names: Sequence[str], shapes: Sequence[Sequence[int]], dtype: torch.dtype,
+                 dims: Sequence[int] = (), parts: int = 1) -> None:
         self.names, self.dtype = tuple(names), dtype
         self.shapes = tuple(tuple(int(d) for d in s) for s in shapes)
-        sizes = [int(torch.Size(s).numel()) for s in self.shapes]
+        self.dims, self.parts = tuple(dims), parts if dims else 1
+        if self.dims and (len(self.dims) != len(self.shapes) or any(
+                s[d] % parts for s, d in zip(self.shapes, self.dims))):
+            raise ValueError(f"FlatBucket: shapes {self.shapes} do not split evenly in {parts} "
+                             f"chunks on dims {self.dims}")
+        sizes = [int(torch.Size(s).numel()) // self.parts for s in self.shapes]
         self.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        self.numel = sum(sizes)
+        self.numel = sum(sizes) * self.parts
+        self._sizes = sizes
+
+    def chunk_shape(self, i: int) -> tuple[int, ...]:
+        """Tensor ``i``'s chunk on one rank (its whole shape without ``dims``)."""
+        if not self.dims:
+            return self.shapes[i]
+        shape = list(self.shapes[i])
+        shape[self.dims[i]] //= self.parts
+        return tuple(shape)
+
+    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Where tensor ``i`` lives in ``flat``: its shape, or ``(parts, *chunk shape)``."""
+        start, n = self.offsets[i], self._sizes[i]
+        if not self.dims:
+            return flat[start:start + n].view(self.shapes[i])
+        return flat.view(self.parts, -1)[:, start:start + n].view(self.parts, *self.chunk_shape(i))
+
+    def arrange(self, tensor: torch.Tensor, i: int) -> torch.Tensor:
+        """Tensor ``i`` (whole) as :meth:`view` holds it (a view of it)."""
+        if not self.dims:
+            return tensor
+        d = self.dims[i]
+        return tensor.unflatten(d, (self.parts, -1)).movedim(d, 0)
+
+    def chunks(self, part: torch.Tensor) -> list[torch.Tensor]:
+        """Views of one rank's part (``numel / parts`` elements) as each tensor's chunk."""
+        return [part[o:o + n].view(self.chunk_shape(i))
+                for i, (o, n) in enumerate(zip(self.offsets, self._sizes))]
+
+    def pack(self, chunks: Sequence[torch.Tensor]) -> torch.Tensor:
+        """This rank's chunks of every tensor, in one flat part."""
+        return torch.cat([c.reshape(-1) for c in chunks])
+
+    def unpack(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Every tensor whole (contiguous, new memory) from the all-gathered parts."""
+        return [self.view(flat, i).movedim(0, d).flatten(d, d + 1).contiguous()
+                for i, d in enumerate(self.dims)]
 
 
 class GradSink:
@@ -226,9 +275,8 @@ class GradSink:
         if b not in self._flat:
             self._flat[b] = torch.zeros(bucket.numel, dtype=bucket.dtype, device=grad.device)
         if name not in self.grads:
-            start, shape = bucket.offsets[i], bucket.shapes[i]
-            self.grads[name] = self._flat[b][start:start + math.prod(shape)].view(shape)
-        self.grads[name].add_(grad)
+            self.grads[name] = bucket.view(self._flat[b], i)
+        self.grads[name].add_(bucket.arrange(grad, i))
 
     def end_backward(self) -> None:
         """One backward pass is in; after the step's last, hand each bucket to ``on_ready``."""
@@ -297,9 +345,11 @@ class JointFunction(torch.autograd.Function):
             for k, name in zip(ctx.grad_slots, names):
                 if k is not None and name is not None:
                     sink.add(name, grads[k])
+            out = (None,) * 7 + tuple(grads[k] if k is not None and name is None else None
+                                      for k, name in zip(ctx.grad_slots, names))
+            del grads  # (the summed ones freed before the step's last reduces the sums)
             sink.end_backward()
-            return (None,) * 7 + tuple(grads[k] if k is not None and name is None else None
-                                       for k, name in zip(ctx.grad_slots, names))
+            return out
         return (None,) * 6 + tuple(grads[k] if k is not None else None for k in ctx.grad_slots)
 
     @staticmethod

@@ -16,6 +16,15 @@ Gradients: each microbatch's loss is scaled by ``1/m`` before its backward, so p
 the gradient of the mean loss and ``step`` accumulates into ``p.grad`` like the unpipelined
 module. A parameter used by two stages on different ranks (a tied embedding and LM head) gets
 the sum of both gradients by an all-reduce over the ``pp`` axis after the schedule.
+
+Data parallelism (except zero-bubble, whose weight step hands its gradients to autograd): a
+stage sums the gradients its program leaves partial over dp in flat buckets over the step's
+microbatches and reduces each bucket once, when its last backward is done. With ZeRO-1 a
+parameter is stored sharded over dp (``plan.params``; the stage's program computes with it as
+``plan.pipeline.stages[j].params`` places it, replicated there): the stage all-gathers its
+parameters in one bucket before its first forward of the step, and reduce-scatters the
+gradients' bucket, laid out rank-major, into the shards (``cost_models.sharding.
+step_end_buckets``, one owner of the buckets for the plan and the runtime).
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ from autopar.runtime.faults import collective_failures
 from autopar.runtime.state import StateDictMixin, model_state
 from autopar.runtime.autograd import (FlatBucket, GradSink, JointFunction, Labelled, LazyCompiled,
                                       split_forward_backward, split_weight_backward)
-from autopar.cost_models.sharding import step_end_buckets
+from autopar.cost_models.sharding import step_end_buckets, stored_dim
 from autopar.strategies.reshard import local_shape
 
 __all__ = ["PipelineModule", "StageModule", "SCHEDULE_CLASSES"]
@@ -100,6 +109,10 @@ class StageModule(nn.Module):
                 self.bwd = LazyCompiled(self.bwd, timings)
         self._label_graphs()
         self._params = params
+        # ZeRO-1 once a step: a callable gathering the stage's parameters (by model name),
+        # called at the stage's first forward of a step; what it gave, until the step ends
+        self.gather: Any = None
+        self.gathered: dict[str, torch.Tensor] | None = None
         # the parameters' gradients: through autograd into the DTensor parameters when the
         # schedule splits the backward (zero-bubble's weight step runs on autograd's edges),
         # else summed over the microbatches as local tensors (GradSink), set once per step
@@ -139,8 +152,13 @@ class StageModule(nn.Module):
         boundary = iter(args if self.stage.index > 0 else ())
         users = iter(user)
         primals = [] if self.sink is None else [self._anchor]
+        if self.gathered is None and self.gather is not None:
+            self.gathered = self.gather()
+        gathered = self.gathered or {}
         for name, pname in zip(self._order, self._param_names):
-            if pname is not None:
+            if pname in gathered:
+                primals.append(gathered[pname])
+            elif pname is not None:
                 local = self._params[pname].to_local()
                 primals.append(local if self.sink is None else local.detach())
             elif name in self.traced.boundary_inputs:
@@ -204,39 +222,78 @@ class PipelineModule(StateDictMixin, nn.Module):
         for st, traced, local in stages:
             if st.index % self._pp != self.pp_rank:
                 continue
-            splan = pipe.stages[st.index]
-            for p in traced.params:
+            for p in traced.params:  # stored as the plan stores them (ZeRO-1: sharded over dp)
                 name = canonical.get(p.name, p.name)
-                self._add_param(name, originals[name], splan.params[p.name])
+                self._add_param(name, originals[name], plan.params[name])
             self._stage_modules[st.index] = StageModule(
                 st, traced, local, self._params, canonical, self._feeder,
                 pipe.schedule == "zero-bubble", buffers, compile, self.startup)
         self._traced = {st.index: traced for st, traced, _ in stages}
         # per stage of this rank, the gradients it leaves partial over dp: summed over the
-        # step's microbatches in flat buffers, each all-reduced in place once the stage's last
-        # backward is done, while the other stages still run (the plan lists the same buckets)
+        # step's microbatches in flat buffers, each reduced once the stage's last backward is
+        # done, while the other stages still run (the plan lists the same buckets); with
+        # ZeRO-1 the stage's parameters are gathered at its first forward
         self._issued: dict[int, dict[int, torch.Tensor]] = {}
+        # per stage, parameter -> (dim, chunks, this rank's): stored sharded, its gradient
+        # computed whole by the stage
+        self._chunked: dict[int, dict[str, tuple[int, int, int]]] = {}
         for j, stage in self._stage_modules.items():
             if stage.sink is not None:
-                stage.sink = self._bucketed_sink(j, canonical)
+                self._once_a_step(j, canonical)
         self._tied = self._tied_params(stages, canonical)
         self._held, self._owner = self._params, self._owners(stages, canonical)
         self._state = model_state(model, set(self._owner))
         self._schedule = self._build_schedule(stages)
 
-    def _bucketed_sink(self, j: int, canonical: dict[str, str]) -> GradSink:
-        """Stage ``j``'s gradient sink, its deferred gradients in the plan's step-end buckets."""
-        splan = self.plan.pipeline.stages[j]
-        buckets = step_end_buckets(self._traced[j], splan.output_placements, splan.params,
-                                   tuple(self._submesh.shape))
-        flat = [FlatBucket([canonical.get(n, n) for n in b.params], b.shapes, b.dtype) for b in buckets]
+    def _once_a_step(self, j: int, canonical: dict[str, str]) -> None:
+        """Set stage ``j``'s once-a-step work from the plan's step-end buckets
+        (``cost_models.sharding.step_end_buckets``): its gradient sink, whose buckets are
+        all-reduced in place or (ZeRO-1) reduce-scattered into a new buffer when its last
+        backward is done; its parameters' gather (ZeRO-1); and the parameters stored sharded
+        whose whole gradient the program computes, of which this rank keeps its chunk."""
+        splan, traced = self.plan.pipeline.stages[j], self._traced[j]
+        stored = {p.name: self.plan.params[canonical.get(p.name, p.name)] for p in traced.params}
+        buckets = step_end_buckets(traced, splan.output_placements, splan.params,
+                                   tuple(self._submesh.shape), stored)
+        flat = [FlatBucket([canonical.get(n, n) for n in b.params], b.shapes, b.dtype, b.dims,
+                           b.parts) for b in buckets]
         groups = [self._submesh.get_group(b.axis).group_name for b in buckets]
+        reduced = [i for i, b in enumerate(buckets) if b.kind != "all_gather"]
+        ops = torch.ops._c10d_functional
 
         def issue(b: int, buffer: torch.Tensor) -> None:
-            self._issued.setdefault(j, {})[b] = torch.ops._c10d_functional.all_reduce_.default(
-                buffer, "sum", groups[b])
+            bucket, group = flat[reduced[b]], groups[reduced[b]]
+            self._issued.setdefault(j, {})[b] = (
+                ops.reduce_scatter_tensor.default(buffer, "sum", bucket.parts, group)
+                if bucket.dims else ops.all_reduce_.default(buffer, "sum", group))
 
-        return GradSink(flat, self.plan.pipeline.microbatches, issue)
+        stage = self._stage_modules[j]
+        stage.sink = GradSink([flat[i] for i in reduced], self.plan.pipeline.microbatches, issue)
+        gathers = [(flat[i], groups[i]) for i, b in enumerate(buckets) if b.kind == "all_gather"]
+        stage.gather = self._gatherer(gathers) if gathers else None
+        scattered = {n for b in buckets if b.kind == "reduce_scatter" for n in b.params}
+        for p in traced.params:
+            kept = stored_dim(p.name, tuple(splan.params[p.name]), tuple(stored[p.name]))
+            if kept is not None and p.name not in scattered:
+                axis, dim = kept
+                self._chunked.setdefault(j, {})[canonical.get(p.name, p.name)] = (
+                    dim, self._submesh.size(axis), self._submesh.get_local_rank(axis))
+
+    def _gatherer(self, buckets: Sequence[tuple[FlatBucket, str]]) -> Any:
+        """A callable that all-gathers (ZeRO-1) the parameters of ``buckets`` (each with its
+        process group), one collective per bucket, into whole local tensors by name."""
+
+        def gather() -> dict[str, torch.Tensor]:
+            out: dict[str, torch.Tensor] = {}
+            for bucket, group in buckets:
+                # (detached: the gradients come through the stage's sink, not autograd)
+                part = bucket.pack([self._params[n].to_local().detach() for n in bucket.names])
+                flat = funcol.wait_tensor(torch.ops._c10d_functional.all_gather_into_tensor.default(
+                    part, bucket.parts, group))
+                out.update(zip(bucket.names, bucket.unpack(flat)))
+            return out
+
+        return gather
 
     def _add_param(self, name: str, original: torch.Tensor, placements: Sequence[str]) -> None:
         if name in self._params:
@@ -267,7 +324,7 @@ class PipelineModule(StateDictMixin, nn.Module):
             for p in traced.params:
                 name = canonical.get(p.name, p.name)
                 ranks.setdefault(name, set()).add(st.index % self._pp)
-                placements = tuple(self.plan.pipeline.stages[st.index].params[p.name])
+                placements = tuple(self.plan.params[name])  # as stored
                 if name in info and info[name][0] != placements:
                     raise PlanError(
                         f"parameter {name!r} is placed {info[name][0]} on one stage and "
@@ -360,12 +417,15 @@ class PipelineModule(StateDictMixin, nn.Module):
         for stage in self._stage_modules.values():  # (a step that failed may have left some)
             if stage.sink is not None:
                 stage.sink.take()
+            stage.gathered = None
         self._issued.clear()
         if 0 in self._stage_modules:
             self._schedule.step(index, target=index, losses=losses, return_outputs=False)
         else:
             self._schedule.step(target=index, losses=losses, return_outputs=False)
         self._set_sunk_grads()
+        for stage in self._stage_modules.values():  # the gathered parameters: until the step's end
+            stage.gathered = None
         self._sync_tied(before)
         if self.plan.pipeline.num_stages - 1 in self._stage_modules:
             total = torch.stack([loss.detach().reshape(()) for loss in losses]).sum()
@@ -376,16 +436,23 @@ class PipelineModule(StateDictMixin, nn.Module):
     def _set_sunk_grads(self) -> None:
         """Add the gradients the stages summed locally over the step's microbatches
         (:class:`GradSink`) to the DTensor parameters' ``grad``; those a stage left partial
-        over dp were all-reduced in their buckets, issued at the stage's last backward: wait
-        for them here (views of the reduced buffers)."""
+        over dp were reduced in their buckets, issued at the stage's last backward: wait for
+        them here (views of the all-reduced buffers, or of the reduce-scattered shards)."""
         total: dict[str, torch.Tensor] = {}
         for j in sorted(self._stage_modules):
             stage = self._stage_modules[j]
             if stage.sink is None:
                 continue
-            for issued in self._issued.pop(j, {}).values():
-                funcol.wait_tensor(issued)
-            for name, g in stage.sink.take().items():
+            issued = self._issued.pop(j, {})
+            grads = stage.sink.take()
+            for b, bucket in enumerate(stage.sink.buckets):
+                reduced = funcol.wait_tensor(issued[b]) if b in issued else None
+                if bucket.dims and reduced is not None:
+                    grads.update(zip(bucket.names, bucket.chunks(reduced)))
+            for name, (dim, parts, rank) in self._chunked.get(j, {}).items():
+                if name in grads:  # (the same on every rank of the axis: keep this one's)
+                    grads[name] = grads[name].chunk(parts, dim)[rank].contiguous()
+            for name, g in grads.items():
                 total[name] = g if name not in total else total[name] + g
         for name, g in total.items():
             param = self._params[name]

@@ -16,6 +16,7 @@ not hide the others.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 import json
 import os
 import sys
@@ -183,10 +184,11 @@ def _pipeline_record(pm, model, ref, inputs, ref_loss, setup_s: float) -> dict:
         "mesh_shape": list(plan.mesh_shape), "setup_s": setup_s,
         "params": {k: list(v) for k, v in plan.params.items()},
         "predicted_step_s": plan.predicted["step_time_s"],
-        # dp collectives the plan lists for this rank's stages once a step (after the schedule)
-        "plan_step_end": sum(1 for c in plan.collectives if c.axis == "dp" and c.stage is not None
-                             and c.stage % plan.degrees["pp"] == pm.pp_rank
-                             and c.kind == "all_reduce"),
+        # dp collectives the plan lists for this rank's stages once a step, by kind (a bucket's
+        # reduction after the stage's last backward; with ZeRO-1 its gather before the first)
+        "plan_step_end": dict(Counter(c.kind for c in plan.collectives if c.axis == "dp"
+                                      and c.stage is not None and c.node.endswith(("gradients", "parameters"))
+                                      and c.stage % plan.degrees["pp"] == pm.pp_rank)),
     }
 
 

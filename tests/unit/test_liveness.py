@@ -78,3 +78,24 @@ def test_a_stage_sums_its_gradients_in_a_second_copy_unless_its_backward_is_spli
     two = step_memory(traced, (1, 1), nodes, outputs, stage=StageRun(2, 4))
     assert two.peak_bytes - four.peak_bytes == pytest.approx(four.saved_bytes)
     assert four.saved_bytes > 0 and four.held_bytes <= four.peak_bytes
+
+
+def test_a_zero_stage_holds_shards_of_the_state_and_a_gathered_copy():
+    # ZeRO-1 once a step (StageRun.zero_axes): each parameter's 16 bytes per element of fp32
+    # AdamW state (param, grad, two moments) are held at the dp=2 shard's size, 8, plus the 4 of
+    # the copy gathered for the step: 4 bytes per element fewer than without ZeRO; at the
+    # first forward the gather's flat buffer sits beside the copies
+    model, inputs = build("gpt", dim=64, heads=4, layers=2, batch=8, seq=16)
+    mesh = autopar.Mesh.virtual("cpu-gloo", gpus_per_node=4)
+    plan = autopar.plan(model, mesh, inputs, config=autopar.Config(
+        pp=2, dp=2, tp=1, zero=0, schedule="1f1b", microbatch_size=4))
+    stage = plan.pipeline.stages[0]
+    traced = context_of(stage).traced
+    assert all(pl == ("R",) for pl in stage.params.values()), stage.params
+    args = (traced, (2,), stage.nodes, stage.output_placements)
+    plain = step_memory(*args, stage=StageRun(1, 2))
+    zero = step_memory(*args, stage=StageRun(1, 2, zero_axes=(0,)))
+    elements = sum(p.numel for p in traced.params if p.tied_to is None)
+    assert plain.persistent_bytes - zero.persistent_bytes == pytest.approx(4 * elements)
+    assert zero.peak_bytes >= zero.persistent_bytes + 4 * elements
+    assert zero.saved_bytes == plain.saved_bytes

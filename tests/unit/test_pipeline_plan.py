@@ -311,3 +311,63 @@ def test_step_end_reductions_are_one_bucket_per_stage_whatever_the_microbatches(
             assert c.node == f"{len(partial)} gradients"
         ends.append(len(dp_reduces))
     assert ends[0] == ends[1] == 2
+
+
+def test_a_zero_pipeline_gathers_and_reduce_scatters_each_stage_once_a_step():
+    """With ZeRO-1 the same plan stores every parameter sharded over dp (plan.params: Shard on
+    dp where a dim divides) while each stage's program computes with it replicated there; each
+    stage lists one all-gather of its parameters (before its first forward) and one
+    reduce-scatter of its partial gradients (after its last backward), of the same buffer, at 2
+    and at 4 microbatches alike; the stage's memory holds a 1/dp share of the state plus the
+    gathered copy, below the plan without ZeRO."""
+    model, inputs = build("gpt", dim=128, seq=32, batch=16)
+    mesh = autopar.Mesh.virtual("a100-dgx", gpus_per_node=4)
+    for size in (8, 4):
+        plans = {z: autopar.plan(model, mesh, inputs, config=autopar.Config(
+            pp=2, dp=2, tp=1, zero=z, schedule="1f1b", microbatch_size=size)) for z in (0, 1)}
+        plan = plans[1]
+        assert plan.techniques["zero"] == 1
+        once = [c for c in plan.collectives if c.axis == "dp" and c.node.endswith(("gradients", "parameters"))]
+        for stage in (0, 1):
+            kinds = sorted((c.kind, c.phase) for c in once if c.stage == stage)
+            assert kinds == [("all_gather", "forward"), ("reduce_scatter", "backward")], kinds
+            gather, scatter = (c.bytes for c in sorted((c for c in once if c.stage == stage),
+                                                        key=lambda c: c.kind))
+            assert gather >= scatter > 0  # (a gradient the program gives whole needs none)
+        # stored sharded (every dim of this GPT divides by 2); computed replicated over dp
+        assert all(pl[0].startswith("S") for pl in plan.params.values()), plan.params
+        program = [pl[0] for s in plan.pipeline.stages for pl in s.params.values()]
+        assert program.count("R") >= len(program) - 2, program
+        for z in (0, 1):
+            assert any(c.kind == "all_reduce" and c.axis == "dp" and c.stage is not None
+                           and c.node.endswith("gradients") for c in plans[z].collectives) == (z == 0)
+        assert plan.predicted["peak_memory_bytes"] < plans[0].predicted["peak_memory_bytes"]
+
+
+def test_a_rank_major_bucket_reduce_scatters_into_shards_and_gathers_back_whole():
+    """FlatBucket with dims (ZeRO-1 once a step): gradients summed into strided views land so
+    that part r of the buffer is every tensor's chunk r on its dim, which a reduce-scatter
+    leaves on rank r; packing each rank's chunks and unpacking the gathered parts gives every
+    tensor whole again. Checked against torch.chunk, the chunking of DTensor's Shard."""
+    from autopar.runtime.autograd import FlatBucket, GradSink
+
+    shapes, dims, parts = [(4, 6), (3, 8), (8,)], [0, 1, 0], 2
+    bucket = FlatBucket(["a", "b", "c"], shapes, torch.float32, dims, parts)
+    ready = []
+    sink = GradSink([bucket], 2, lambda b, buffer: ready.append(buffer))
+    grads = [[torch.randn(s) for s in shapes] for _ in range(2)]
+    for microbatch in grads:
+        for name, g in zip("abc", microbatch):
+            sink.add(name, g)
+        sink.end_backward()
+    assert len(ready) == 1 and ready[0].numel() == sum(math.prod(s) for s in shapes)
+    total = [a + b for a, b in zip(*grads)]
+    for r, part in enumerate(ready[0].view(parts, -1)):
+        for chunk, whole, d in zip(bucket.chunks(part), total, dims):
+            assert torch.equal(chunk, whole.chunk(parts, d)[r])
+    gathered = torch.cat([bucket.pack([t.chunk(parts, d)[r] for t, d in zip(total, dims)])
+                          for r in range(parts)])
+    for whole, back in zip(total, bucket.unpack(gathered)):
+        assert torch.equal(whole, back) and back.is_contiguous()
+    with pytest.raises(ValueError, match="do not split evenly"):
+        FlatBucket(["a"], [(3, 5)], torch.float32, [1], 2)

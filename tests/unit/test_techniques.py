@@ -20,7 +20,7 @@ from autopar.capture.remat import TAG, is_random, recompute_nodes
 from autopar.passes.recompute import recompute_pass
 from autopar.model_presets import megatron_gpt
 from autopar.planning.candidates import memory_techniques
-from autopar.planning.solve import zero_placement
+from autopar.cost_models.sharding import zero_placement
 from models import build
 
 
