@@ -13,7 +13,6 @@ and the simulator predicts the step from those stage plans.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import time
 from dataclasses import dataclass
@@ -29,7 +28,6 @@ from autopar.cost_models.compute import mfu
 from autopar.cost_models.pipeline import (SCHEDULES, check_schedule, held_until, in_flight,
                                           rank_memory, simulate)
 from autopar.errors import PlanError
-from autopar.plan_context import attach, context_of
 from autopar.graph import TracedGraph
 from autopar.mesh import Mesh
 from autopar.capture.layers import is_backward, layer_units
@@ -40,13 +38,14 @@ from autopar.planning.candidates import Candidate, mesh_candidates
 from autopar.planning.collectives import step_end_reductions
 from autopar.planning.solve import solve_candidate, solve_space
 from autopar.planning.records import param_shards
+from autopar.planning.stage_reuse import renamed_stage_plan, stage_key
 from autopar.solver.stage_cuts import LayerCost, solve_cuts
 from autopar.capture.stages import (
     ForwardGraph, capture_stages, capture_with_forward, export_forward, microbatch_inputs,
 )
 
 __all__ = ["batch_size", "build_pipeline_plan", "chosen_comm", "forward_for_plan", "ModelFacts",
-           "PipelineSetup", "renamed_stage_plan", "search_pipeline", "stage_key",
+           "PipelineSetup", "search_pipeline",
            "unflatten_inputs", "unit_costs"]
 
 _MAX_MICROBATCH_CANDIDATES = 3
@@ -471,54 +470,6 @@ def defers_grad_sync(schedule: str, config: Config) -> bool:
     gradients to autograd). With ZeRO-1 such a stage also gathers its parameters once a step,
     before its first forward, and reduce-scatters their gradients (``runtime.pipeline``)."""
     return schedule != "zero-bubble"
-
-
-def stage_key(traced: TracedGraph, fixed: dict[str, tuple[str, ...]]) -> str:
-    """What makes two stages' intra-operator ILPs the same problem up to the microbatches in
-    flight: every node's name, op and output shape, every parameter's node, shape, dtype and
-    tie, the inputs, and the pinned placements (by parameter node). Names of parameters and
-    layers are left out."""
-    h = hashlib.sha256()
-    for n in traced.gm.graph.nodes:
-        val = n.meta.get("val")
-        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
-        h.update(f"{n.name}|{n.op}|{n.target}|{shape}".encode())
-    node_of = {p.name: p.node for p in traced.params}
-    for p in traced.params:
-        h.update(f"{p.node}|{p.shape}|{p.dtype}|{node_of.get(p.tied_to)}|{fixed.get(p.name)}".encode())
-    for i in traced.inputs:
-        h.update(f"{i.node}|{i.shape}|{i.dtype}|{bool(i.name)}".encode())
-    return h.hexdigest()
-
-
-def renamed_stage_plan(plan: Plan, traced: TracedGraph, flight: int, other: TracedGraph,
-                       stage: int, other_flight: int) -> Plan:
-    """``plan``, solved for the stage graph ``traced`` with ``flight`` microbatches in flight,
-    for the stage graph ``other`` of the same :func:`stage_key` holding ``other_flight``:
-    parameters, layers and modules renamed node by node, collectives tagged with ``stage``, the
-    saved activations' memory scaled by ``other_flight / flight``; the explain context points
-    at ``other``. With ``other`` being ``traced`` itself, only the stage tag is set."""
-    name_of = {p.node: p.name for p in other.params}
-    params = {name_of[p.node]: plan.params[p.name] for p in traced.params}
-    layer_map = {traced.node_layer.get(n, ""): other.node_layer.get(n, "")
-                 for n in traced.node_layer}
-
-    def rename(path: str) -> str:
-        layer = next((a for a in layer_map if a and (path == a or path.startswith(a + "."))), None)
-        return layer_map[layer] + path[len(layer):] if layer else path
-
-    nodes = {k: dataclasses.replace(n, module=rename(n.module), layer=rename(n.layer))
-             for k, n in plan.nodes.items()}
-    collectives = tuple(dataclasses.replace(c, layer=rename(c.layer), stage=stage)
-                        for c in plan.collectives)
-    predicted = dict(plan.predicted)
-    if other_flight != flight:  # each microbatch in flight holds the saved values
-        for key in ("peak_memory_bytes", "held_bytes"):
-            predicted[key] += (other_flight - flight) * predicted["saved_bytes"]
-    out = dataclasses.replace(plan, params=params, nodes=nodes, collectives=collectives,
-                              predicted=predicted, model_fingerprint=other.fingerprint())
-    ctx = context_of(plan)
-    return attach(out, dataclasses.replace(ctx, traced=other) if ctx is not None else None)
 
 
 def _assemble(model: Any, facts: ModelFacts, mesh: Mesh, config: Config, setup: PipelineSetup,
