@@ -29,7 +29,6 @@ __all__ = [
     "no_redistribute_costs",
     "partition_joint",
     "inductor_compile",
-    "will_engine_execute",
     "memory_tracker",
 ]
 
@@ -197,12 +196,6 @@ def partition_joint(gm: Any, num_fwd_outputs: int) -> tuple[Any, Any]:
     from torch._functorch.partitioners import default_partition
 
     return default_partition(gm, None, num_fwd_outputs=num_fwd_outputs)
-
-
-def will_engine_execute(node: Any) -> bool:
-    """Inside a backward call: whether the autograd engine will run ``node`` in this graph task
-    (``False`` for a parameter's node while only input gradients are being computed)."""
-    return bool(torch._C._will_engine_execute_node(node))
 
 
 def memory_tracker(per_module: bool = True) -> Any:

@@ -65,8 +65,8 @@ class StageRun:
     ``split_backward`` (zero-bubble, ``runtime.autograd.split_weight_backward``): the input
     gradients run first and the weight gradients later, so a microbatch in flight (counted up
     to its weight step) also holds the values the weight step reads from the input step
-    (:func:`weight_stash_bytes`); its weight gradients go to autograd, which adds them into the
-    parameters' gradients (no second copy). ``zero_axes`` (ZeRO-1 once a step): the parameters
+    (:func:`weight_stash_bytes`); its weight step adds them into the same sum.
+    ``zero_axes`` (ZeRO-1 once a step): the parameters
     are stored as ``cost_models.sharding.zero_placement`` over these axes of the placement the
     program computes with, with their gradients and optimizer states; the stage gathers them
     before its first forward (the gathered flat buffer and the parameters made from it, both
@@ -316,7 +316,7 @@ class _Walk:
         self.new_op([max(grads, default=0.0)], end)
         self.sink_bytes = 0.0
         stage = self.stage
-        if stage and not stage.split_backward and stage.microbatches > 1 and self.forward_end >= 0:
+        if stage and stage.microbatches > 1 and self.forward_end >= 0:
             # the sum of the earlier microbatches' gradients, alive through the backward
             self.sink_bytes = sum(grads)
             self.new_op([self.sink_bytes], self.forward_end + 1)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import inspect
+import operator
 import os
 import re
 import time
@@ -33,7 +34,8 @@ from autopar.graph import InputInfo, Layer, ParamInfo, TracedGraph
 
 __all__ = ["LossModule", "build_traced", "capture", "capture_with_export", "export_program",
            "extract_loss", "first_line", "model_device", "model_fingerprint", "model_is_fake",
-           "normalize_inputs", "prepare_inputs", "strip_assertions", "strip_input_grads", "to_fake"]
+           "normalize_inputs", "prepare_inputs", "split_mean_losses", "strip_assertions",
+           "strip_input_grads", "to_fake"]
 
 _WRAP = "model."
 
@@ -151,6 +153,7 @@ def capture_with_export(model: nn.Module, example_inputs: Any,
     gm = joint.graph_module
     strip_input_grads(gm)
     strip_assertions(gm)
+    split_mean_losses(gm)
     return build_traced(gm, wrapper, in_spec, model_is_fake(model), time.perf_counter() - start), ep
 
 
@@ -307,6 +310,49 @@ def strip_assertions(gm: fx.GraphModule) -> None:
     for n in list(gm.graph.nodes):
         if is_op(n, _ASSERTIONS) and not n.users:
             gm.graph.erase_node(n)
+    gm.recompile()
+
+
+# nll_loss's reduction argument: torch.nn._reduction (0 none, 1 mean, 2 sum)
+_MEAN, _SUM = 1, 2
+_NLL_LOSSES = aten_ops("nll_loss_forward", "nll_loss2d_forward")
+
+
+def split_mean_losses(gm: fx.GraphModule) -> None:
+    """Write each mean-reduced ``nll_loss_forward`` (cross-entropy) as its sum over the
+    targets divided by their total weight, the same number, so that a sharded loss is exact.
+
+    Sharded over the tokens, a mean loss would be the average of the shards' means (DTensor's
+    rule for it is ``Partial("avg")``), which differs from the mean over all tokens when the
+    shards hold different numbers of counted targets: Hugging Face's causal LM loss ignores the
+    last position of each sequence (label -100), so the shards of a sequence split over tp
+    held 4 and 3 counted tokens, and the forward loss was off by 3e-4 while every gradient
+    (from ``nll_loss_backward``, which reads the total weight) was right. As a sum and a total
+    weight, both ``Partial("sum")``, the division needs both reduced first: exact. The backward
+    is unchanged (it reads the total weight the sum-reduced op returns, the same value)."""
+    for n in list(gm.graph.nodes):
+        if not is_op(n, _NLL_LOSSES) or len(n.args) < 4 or n.args[3] != _MEAN:
+            continue
+        loss = [u for u in n.users if u.target is operator.getitem and u.args[1] == 0]
+        weight = [u for u in n.users if u.target is operator.getitem and u.args[1] == 1]
+        with gm.graph.inserting_after(n):
+            summed = gm.graph.call_function(n.target, (*n.args[:3], _SUM, *n.args[4:]), n.kwargs)
+        summed.meta = dict(n.meta)
+        with gm.graph.inserting_after(summed):
+            total = gm.graph.call_function(operator.getitem, (summed, 0))
+        with gm.graph.inserting_after(total):
+            count = gm.graph.call_function(operator.getitem, (summed, 1))
+        with gm.graph.inserting_after(count):
+            mean = gm.graph.call_function(torch.ops.aten.div.Tensor, (total, count))
+        for new, old in ((total, loss), (mean, loss), (count, weight)):
+            if old:
+                new.meta = dict(old[0].meta)
+        for old in loss:
+            old.replace_all_uses_with(mean)
+        for old in weight:
+            old.replace_all_uses_with(count)
+        for old in loss + weight + [n]:
+            gm.graph.erase_node(old)
     gm.recompile()
 
 

@@ -43,7 +43,8 @@ from autopar._torch_private import tree_flatten, tree_map_only
 
 from autopar import _torch_private as private
 from autopar.capture.joint import (
-    LossModule, build_traced, export_program, first_line, strip_assertions, strip_input_grads,
+    LossModule, build_traced, export_program, first_line, split_mean_losses, strip_assertions,
+    strip_input_grads,
     capture_with_export, model_device, model_is_fake, normalize_inputs, prepare_inputs, to_fake,
 )
 from autopar.errors import CaptureError
@@ -170,6 +171,7 @@ def capture_stages(fwd: ForwardGraph, stage_of_unit: Sequence[int], mb_inputs: S
         gm = joint.graph_module
         strip_input_grads(gm, keep=st.num_boundary)
         strip_assertions(gm)
+        split_mean_losses(gm)
         # a stage of one block cannot show which module list repeats: the model's tells it
         traced = build_traced(gm, st.gm, fwd.in_spec, is_fake, time.perf_counter() - start,
                               stage=st, prefix=prefix)

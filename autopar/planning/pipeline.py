@@ -443,7 +443,7 @@ def build_pipeline_plan(model: Any, example_inputs: Any, facts: ModelFacts, mesh
             plan = solve_candidate(traced, mesh, config, setup.cand, cost_passes,
                                    tightest[shape], stage=st.index, fixed=fixed,
                                    activation_scale=most[shape],
-                                   defer_grad_sync=defers_grad_sync(setup.schedule, config),
+                                   defer_grad_sync=True,
                                    microbatches=setup.microbatches,
                                    split_backward=setup.schedule == "zero-bubble")
             solved[key] = (plan, traced, most[shape])
@@ -463,15 +463,6 @@ def build_pipeline_plan(model: Any, example_inputs: Any, facts: ModelFacts, mesh
                      time.perf_counter() - t0, len(solved))
 
 
-def defers_grad_sync(schedule: str, config: Config) -> bool:
-    """Whether a pipeline's stages reduce their data-parallel gradients once a step, after
-    their last microbatch (summed locally until then), rather than in every microbatch's
-    backward: always, except with the zero-bubble schedule (whose weight step hands the
-    gradients to autograd). With ZeRO-1 such a stage also gathers its parameters once a step,
-    before its first forward, and reduce-scatters their gradients (``runtime.pipeline``)."""
-    return schedule != "zero-bubble"
-
-
 def _assemble(model: Any, facts: ModelFacts, mesh: Mesh, config: Config, setup: PipelineSetup,
               fwd: ForwardGraph, stages: list, plans: list[Plan], elapsed: float,
               distinct: int) -> Plan:
@@ -486,8 +477,9 @@ def _assemble(model: Any, facts: ModelFacts, mesh: Mesh, config: Config, setup: 
     collectives: list[Collective] = []
     params: dict[str, tuple[str, ...]] = {}  # as stored between steps
     holders: dict[str, set[int]] = {}
-    # ZeRO-1 with deferred reductions: stored sharded over dp, gathered once a step
-    zero_axes = tuple(cand.dp_axes) if config.zero and defers_grad_sync(setup.schedule, config) else ()
+    # ZeRO-1 (a stage's reductions are deferred to the step's end, runtime.pipeline): stored
+    # sharded over dp, gathered once a step
+    zero_axes = tuple(cand.dp_axes) if config.zero else ()
     stored: list[dict[str, tuple[str, ...]]] = []
     for (st, traced), plan in zip(stages, plans):
         collectives += [c for _ in range(m) for c in plan.collectives]

@@ -306,7 +306,7 @@ def candidate_setups(num_devices: int, gpus_per_node: int, batch: int, num_block
                             for sp in (False, True) if tp > 1 else (False,):
                                 if _allowed(config, recompute=rc, zero=zero, sequence_parallel=sp):
                                     # the runtime reduces a pipeline's gradients once a step
-                                    # (planning.pipeline.defers_grad_sync), with ZeRO-1 as
+                                    # (runtime.pipeline, every schedule), with ZeRO-1 as
                                     # reduce-scatter and a gather of the parameters
                                     yield Setup(dp, tp, pp, b, m, schedule, v, rc, zero, sp,
                                                 grad_sync="gathered" if zero else "step")

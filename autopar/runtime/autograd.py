@@ -10,6 +10,7 @@ PyTorch and gradients reach the DTensor parameters through ``DTensor.to_local``.
 from __future__ import annotations
 
 import copy
+import operator
 import time
 from typing import Any, Sequence
 
@@ -41,18 +42,24 @@ def split_forward_backward(local: fx.GraphModule, placeholder_names: Sequence[st
         n.name = name
     gm.recompile()
     fwd, bwd = private.partition_joint(gm, num_fwd_outputs=num_fwd_outputs)
-    return _drop_dead_code(fwd), _drop_dead_code(bwd)
+    return _drop_dead_code(fwd, "is_backward"), _drop_dead_code(bwd, "is_forward")
 
 
-def _drop_dead_code(gm: fx.GraphModule) -> fx.GraphModule:
+def _drop_dead_code(gm: fx.GraphModule, other_part: str) -> fx.GraphModule:
     """Remove the computations whose results nothing uses. The partitioner's own clean-up keeps
     every op but the collectives (in torch 2.13 it treats the rest as impure), so a backward
-    graph could recompute a forward op (an attention) whose outputs it was given saved."""
+    graph could recompute a forward op (an attention) whose outputs it was given saved. It
+    also copies into each graph every collective of the other part that the graph's inputs can
+    compute (a collective is impure to it), with the ops feeding it: a backward graph
+    re-ran forward matmuls and their tensor-parallel reduce-scatters whose results it never
+    read (HF Llama stages, 2026-11-25). An unused functional collective (or wait) whose
+    ``partitioner_tag`` is ``other_part`` is such a copy: the other graph runs it, on every
+    rank alike, so it is dropped here."""
     changed = True
     while changed:
         changed = False
         for n in reversed(list(gm.graph.nodes)):
-            if n.op != "call_function" or n.users or _keeps(n):
+            if n.op != "call_function" or n.users or (_keeps(n) and not _copied(n, other_part)):
                 continue
             gm.graph.erase_node(n)
             changed = True
@@ -61,11 +68,21 @@ def _drop_dead_code(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _keeps(n: fx.Node) -> bool:
-    """A node that must run even when unused: a collective, a wait, an op that mutates."""
+    """A node that must run even when unused: a collective, a wait, an op that mutates (not
+    ``getitem``, which only picks an output)."""
+    if n.target is operator.getitem:
+        return False
     if getattr(n.target, "namespace", None) in ("c10d", "_c10d_functional"):
         return True
     schema = getattr(n.target, "_schema", None)
     return schema is None or schema.is_mutable
+
+
+def _copied(n: fx.Node, other_part: str) -> bool:
+    """A functional (not in-place) collective or wait of the joint program's ``other_part``."""
+    schema = getattr(n.target, "_schema", None)
+    return (getattr(n.target, "namespace", None) == "_c10d_functional" and schema is not None
+            and not schema.is_mutable and n.meta.get("partitioner_tag") == other_part)
 
 
 class WeightSplit(torch.nn.Module):
@@ -242,7 +259,11 @@ class GradSink:
     ``buckets``: gradients summed into flat buffers instead (:class:`FlatBucket`); after
     ``calls`` backward passes (:meth:`end_backward`; a step's microbatches) each buffer is given
     to ``on_ready(index, buffer)``, which may reduce it in place while other stages still run
-    their backward."""
+    their backward.
+
+    A split backward (zero-bubble) hands its weight part here (:meth:`defer`) when its input
+    part is done; the schedule's weight step takes it (:meth:`take_deferred`) and runs it,
+    which adds that microbatch's weight gradients and ends its backward."""
 
     def __init__(self, buckets: Sequence[FlatBucket] = (), calls: int = 0,
                  on_ready: Any = None) -> None:
@@ -253,6 +274,22 @@ class GradSink:
                        for i, name in enumerate(bucket.names)}
         self._flat: dict[int, torch.Tensor] = {}
         self._count = 0
+        self._deferred: Any = None
+
+    def defer(self, weight_step: Any) -> None:
+        """Keep a split backward's weight step (a callable) until :meth:`take_deferred`."""
+        if self._deferred is not None:
+            raise RuntimeError("GradSink: a weight step is already waiting; the schedule must "
+                               "take each microbatch's right after its input step.")
+        self._deferred = weight_step
+
+    def take_deferred(self) -> Any:
+        """The weight step :meth:`defer` kept (torch pipelining's ``dw_builder``)."""
+        step, self._deferred = self._deferred, None
+        if step is None:
+            raise RuntimeError("GradSink: the schedule asked for a weight step, but no "
+                               "backward deferred one (its input step did not run).")
+        return step
 
     def add(self, name: str, grad: torch.Tensor | None) -> None:
         """Add ``grad`` to the sum of ``name``'s gradients (the first one is kept as given, so
@@ -290,7 +327,7 @@ class GradSink:
     def take(self) -> dict[str, torch.Tensor]:
         """The sums so far, and start again."""
         grads, self.grads, self._owned = self.grads, {}, set()
-        self._flat, self._count = {}, 0
+        self._flat, self._count, self._deferred = {}, 0, None
         return grads
 
 
@@ -307,16 +344,20 @@ class JointFunction(torch.autograd.Function):
     grad even when no other primal does (a first pipeline stage).
 
     The backward computes every gradient at once, unless ``bwd`` is a :class:`WeightSplit`
-    (``split_backward``): a zero-bubble pipeline schedule then calls it twice with the graph
-    retained, first for the input gradients only (the parameters' autograd nodes will not run),
-    later for the weight gradients; each call runs its part once. A single call (an ordinary
-    backward) runs both parts.
+    (``split_backward``, a zero-bubble pipeline; a sink is required): autograd's backward then
+    runs the input-gradient part only and hands the weight part, bound to what it reads, to
+    the sink (:meth:`GradSink.defer`); the schedule's weight step runs it later
+    (``torch.distributed.pipelining.PipelineStage``'s ``dw_builder``), adding the weight
+    gradients to the sink.
     """
 
     @staticmethod
     def forward(ctx: Any, fwd: fx.GraphModule, bwd: fx.GraphModule, grad_slots: tuple,
                 num_outputs: int, split_backward: bool, sink: tuple | None,
                 *primals: torch.Tensor) -> Any:
+        if split_backward and sink is None:
+            raise ValueError("JointFunction: a split (zero-bubble) backward needs a gradient "
+                             "sink to receive its weight step's gradients.")
         outs = fwd(*(primals[1:] if sink is not None else primals))
         results, saved = outs[:num_outputs], outs[num_outputs:]
         tensors = [s for s in saved if isinstance(s, torch.Tensor)]
@@ -324,20 +365,17 @@ class JointFunction(torch.autograd.Function):
         ctx.saved_layout = [isinstance(s, torch.Tensor) for s in saved]
         ctx.others = [s for s in saved if not isinstance(s, torch.Tensor)]
         ctx.bwd, ctx.grad_slots = bwd, grad_slots
-        ctx.kept, ctx.split_backward, ctx.sink = None, split_backward, sink
-        if split_backward and sink is not None:
-            raise ValueError("JointFunction: a gradient sink needs the whole backward at once, "
-                             "not a split (zero-bubble) one.")
+        ctx.split_backward, ctx.sink = split_backward, sink
         if num_outputs == 1:
             return results[0].detach()
         return tuple(r.detach() for r in results)
 
     @staticmethod
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> Any:
-        if ctx.split_backward:
-            return JointFunction._split_backward(ctx, grad_outputs)
         tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
         saved = [next(tensors) if is_t else next(others) for is_t in ctx.saved_layout]
+        if ctx.split_backward:
+            return JointFunction._input_step(ctx, saved, grad_outputs)
         with collective_failures("the backward", None):
             grads = ctx.bwd(*saved, *grad_outputs)
         if ctx.sink is not None:
@@ -353,24 +391,28 @@ class JointFunction(torch.autograd.Function):
         return (None,) * 6 + tuple(grads[k] if k is not None else None for k in ctx.grad_slots)
 
     @staticmethod
-    def _split_backward(ctx: Any, grad_outputs: tuple) -> tuple:
+    def _input_step(ctx: Any, saved: list, grad_outputs: tuple) -> tuple:
+        """A split backward's first part (the input gradients, returned to autograd); its
+        weight part is deferred to the sink with the values it reads."""
         split: WeightSplit = ctx.bwd
-        grads: list[Any] = [None] * split.num_outputs
-        if ctx.kept is None:  # input-gradient part; keep what the weight part needs
-            tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
-            saved = [next(tensors) if is_t else next(others) for is_t in ctx.saved_layout]
+        sink, names = ctx.sink
+        with collective_failures("the backward (input gradients)", None):
             res = split.input_part(*saved, *grad_outputs)
-            for pos, g in zip(split.input_positions, res):
-                grads[pos] = g
-            ctx.kept = (saved, grad_outputs, res[len(split.input_positions):])
-        # one autograd edge per tensor argument of forward: the primals, in order
-        nexts = ctx.next_functions[-len(ctx.grad_slots):]
-        weights = [nexts[j][0] for j, k in enumerate(ctx.grad_slots)
-                   if k is not None and k not in split.input_positions]
-        if ctx.kept != () and any(f is not None and private.will_engine_execute(f) for f in weights):
-            saved, outs, stash = ctx.kept
-            for pos, g in enumerate(split.weight_part(*saved, *outs, *stash)):
-                if g is not None:
-                    grads[pos] = g
-            ctx.kept = ()  # done: a third call would be a bug
-        return (None,) * 6 + tuple(grads[k] if k is not None else None for k in ctx.grad_slots)
+        grads: list[Any] = [None] * split.num_outputs
+        for pos, g in zip(split.input_positions, res):
+            grads[pos] = g
+        stash = res[len(split.input_positions):]
+        slots = ctx.grad_slots
+
+        def weight_step() -> None:
+            with collective_failures("the backward (weight gradients)", None):
+                wgrads = split.weight_part(*saved, *grad_outputs, *stash)
+            for k, name in zip(slots, names):
+                if k is not None and name is not None and k not in split.input_positions:
+                    sink.add(name, wgrads[k])
+            del wgrads
+            sink.end_backward()
+
+        sink.defer(weight_step)
+        return (None,) * 7 + tuple(grads[k] if k is not None and name is None else None
+                                   for k, name in zip(slots, names))

@@ -17,8 +17,7 @@ the gradient of the mean loss and ``step`` accumulates into ``p.grad`` like the 
 module. A parameter used by two stages on different ranks (a tied embedding and LM head) gets
 the sum of both gradients by an all-reduce over the ``pp`` axis after the schedule.
 
-Data parallelism (except zero-bubble, whose weight step hands its gradients to autograd): a
-stage sums the gradients its program leaves partial over dp in flat buckets over the step's
+Data parallelism: a stage sums the gradients its program leaves partial over dp in flat buckets over the step's
 microbatches and reduces each bucket once, when its last backward is done. With ZeRO-1 a
 parameter is stored sharded over dp (``plan.params``; the stage's program computes with it as
 ``plan.pipeline.stages[j].params`` places it, replicated there): the stage all-gathers its
@@ -113,12 +112,12 @@ class StageModule(nn.Module):
         # called at the stage's first forward of a step; what it gave, until the step ends
         self.gather: Any = None
         self.gathered: dict[str, torch.Tensor] | None = None
-        # the parameters' gradients: through autograd into the DTensor parameters when the
-        # schedule splits the backward (zero-bubble's weight step runs on autograd's edges),
-        # else summed over the microbatches as local tensors (GradSink), set once per step
-        self.sink = None if split_backward else GradSink()
+        # the parameters' gradients, summed over the microbatches as local tensors (GradSink)
+        # and set once per step; a split backward's weight step (zero-bubble) is deferred to
+        # the sink by the input step and run by the schedule through ``weight_step``
+        self.sink = GradSink()
         self._anchor = torch.zeros((), requires_grad=True)
-        # registered too, so that pipelining finds the stage's weights (zero-bubble's weight step)
+        # registered too, so that the stage's module holds its weights (state, pipelining)
         for i, name in enumerate(dict.fromkeys(n for n in self._param_names if n is not None)):
             self.register_parameter(f"param_{i}", params[name])
         # buffers are replicated (as planned): every rank feeds the whole tensor; constants that
@@ -151,7 +150,7 @@ class StageModule(nn.Module):
                 f"{mb} was due; autopar needs schedules that run each stage's forwards in order.")
         boundary = iter(args if self.stage.index > 0 else ())
         users = iter(user)
-        primals = [] if self.sink is None else [self._anchor]
+        primals = [self._anchor]
         if self.gathered is None and self.gather is not None:
             self.gathered = self.gather()
         gathered = self.gathered or {}
@@ -160,16 +159,20 @@ class StageModule(nn.Module):
                 primals.append(gathered[pname])
             elif pname is not None:
                 local = self._params[pname].to_local()
-                primals.append(local if self.sink is None else local.detach())
+                primals.append(local.detach())
             elif name in self.traced.boundary_inputs:
                 primals.append(next(boundary))
             elif name in self._buffers_by_node:
                 primals.append(self._buffers_by_node[name])
             else:
                 primals.append(next(users))
-        sink = None if self.sink is None else (self.sink, tuple(self._param_names))
+        sink = (self.sink, tuple(self._param_names))
         return JointFunction.apply(self.fwd, self.bwd, self._slots, self.traced.num_forward_outputs,
                                    self.split_backward, sink, *primals)
+
+    def weight_step(self) -> Any:
+        """The weight step the last input step deferred (``PipelineStage``'s ``dw_builder``)."""
+        return self.sink.take_deferred()
 
 
 def _buffer(name: str, buffers: dict[str, torch.Tensor], stage_gm: fx.GraphModule) -> torch.Tensor:
@@ -237,9 +240,8 @@ class PipelineModule(StateDictMixin, nn.Module):
         # per stage, parameter -> (dim, chunks, this rank's): stored sharded, its gradient
         # computed whole by the stage
         self._chunked: dict[int, dict[str, tuple[int, int, int]]] = {}
-        for j, stage in self._stage_modules.items():
-            if stage.sink is not None:
-                self._once_a_step(j, canonical)
+        for j in self._stage_modules:
+            self._once_a_step(j, canonical)
         self._tied = self._tied_params(stages, canonical)
         self._held, self._owner = self._params, self._owners(stages, canonical)
         self._state = model_state(model, set(self._owner))
@@ -342,9 +344,11 @@ class PipelineModule(StateDictMixin, nn.Module):
             if st.index not in self._stage_modules:
                 continue
             ins, outs = self._example_io(st.index)
+            module = self._stage_modules[st.index]
             pstages.append(pipelining.PipelineStage(
-                self._stage_modules[st.index], st.index, len(stages), device,
-                input_args=ins, output_args=outs, group=self._pp_group))
+                module, st.index, len(stages), device, input_args=ins, output_args=outs,
+                group=self._pp_group,
+                dw_builder=module.weight_step if module.split_backward else None))
         cls = getattr(pipelining, SCHEDULE_CLASSES[pipe.schedule])
         m = pipe.microbatches
         loss_fn = lambda out, target: out / m  # noqa: E731  (the mean over microbatches)
@@ -415,8 +419,7 @@ class PipelineModule(StateDictMixin, nn.Module):
                       ) -> torch.Tensor:
         losses: list[torch.Tensor] = []
         for stage in self._stage_modules.values():  # (a step that failed may have left some)
-            if stage.sink is not None:
-                stage.sink.take()
+            stage.sink.take()
             stage.gathered = None
         self._issued.clear()
         if 0 in self._stage_modules:
@@ -441,8 +444,6 @@ class PipelineModule(StateDictMixin, nn.Module):
         total: dict[str, torch.Tensor] = {}
         for j in sorted(self._stage_modules):
             stage = self._stage_modules[j]
-            if stage.sink is None:
-                continue
             issued = self._issued.pop(j, {})
             grads = stage.sink.take()
             for b, bucket in enumerate(stage.sink.buckets):

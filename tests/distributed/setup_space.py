@@ -16,10 +16,14 @@ import dataclasses
 from autopar import Config
 from autopar.planning.search import candidate_setups
 
-__all__ = ["MODEL", "Kind", "as_check", "kind_of", "one_per_kind", "space"]
+__all__ = ["LLAMA", "MODEL", "Kind", "as_check", "kind_of", "one_per_kind", "space"]
 
 # 4 blocks (2 per stage at pp=2, v=2), a batch of 8 (microbatches of 1, 2 or 4 per replica)
 MODEL = "gpt:dim=32,heads=4,layers=4,batch=8,seq=8"
+# Hugging Face Llama of the same size (RoPE, RMSNorm written out, SwiGLU, untied head); its
+# RMSNorm is no layer norm to shard on the sequence, so a forced sequence parallelism is
+# refused (planning.entry), never dropped
+LLAMA = "llama:dim=32,heads=4,layers=4,batch=8,seq=8"
 BATCH, BLOCKS = 8, 4
 # the schedules only the per-unit planner emits, each with the searched schedule whose stage
 # layout it shares (one stage per rank, or v > 1 chunks per rank)
@@ -77,17 +81,17 @@ def as_check(setup, precision: str = "fp32", model: str = MODEL) -> str:
     return ",".join(fields)
 
 
-def one_per_kind(world: int) -> dict[Kind, str]:
-    """The first setup of each kind (in the enumeration's order) as a worker check, in fp32;
-    and in bf16 autocast the first of each (schedule, v > 1, tp > 1, dp > 1) combination (bf16
-    changes the casts in the program, not how it is split)."""
+def one_per_kind(world: int, model: str = MODEL) -> dict[Kind, str]:
+    """The first setup of each kind (in the enumeration's order) as a worker check on
+    ``model``, in fp32; and in bf16 autocast the first of each (schedule, v > 1, tp > 1,
+    dp > 1) combination (bf16 changes the casts in the program, not how it is split)."""
     out: dict[Kind, str] = {}
     for setup in space(world):
-        out.setdefault(kind_of(setup), as_check(setup))
+        out.setdefault(kind_of(setup), as_check(setup, model=model))
     shapes: set[tuple] = set()
     for setup in space(world):
         k = kind_of(setup, "bf16")
         if (k.schedule, k.interleaved, k.tp, k.dp) not in shapes:
             shapes.add((k.schedule, k.interleaved, k.tp, k.dp))
-            out[k] = as_check(setup, "bf16")
+            out[k] = as_check(setup, "bf16", model=model)
     return out

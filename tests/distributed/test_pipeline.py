@@ -36,9 +36,17 @@ CHECKS = {
         # 4 and 8 microbatches of a model wide enough that its stages split the batch over dp
         # at both: the dp gradient reductions of a step stay as many, without ZeRO and with
         *(f"gpt:layers=2,dim=128,seq=32,batch={b},microbatch_size=4,pp=2,dp=2,zero={z},schedule=1f1b,topo=a100-dgx"
-          for z in (0, 1) for b in (16, 32)), BF16[4]],
+          for z in (0, 1) for b in (16, 32)), BF16[4],
+        # zero-bubble likewise: its weight steps sum into the same buckets (ZeRO-1 here)
+        *(f"gpt:layers=2,dim=128,seq=32,batch={b},microbatch_size=4,pp=2,dp=2,zero=1,"
+          f"schedule=zero-bubble,virtual_stages=2,topo=a100-dgx" for b in (16, 32)),
+        # Llama with tp inside the stages (the test costs shard nearly every op): its loss
+        # split over the tokens (exact only as a sum over the total weight), and no forward
+        # collective copied into a stage's backward graph (counted against the plan)
+        "llama:layers=2,batch=8,microbatch_size=1,pp=2,tp=2,schedule=1f1b"],
 }
 DP_M4, DP_M8, ZERO_M4, ZERO_M8 = CHECKS[4][3:7]
+ZB_M4, ZB_M8 = CHECKS[4][8:10]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2proc", "4proc"])
@@ -144,22 +152,26 @@ def test_pipeline_reduces_data_parallel_gradients_once_a_step(world):
     assert m4["plan_step_end"] == m8["plan_step_end"] == {"all_reduce": 1}, (m4, m8)
 
 
-def test_zero_pipeline_gathers_and_reduce_scatters_once_a_step(world):
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_zero_pipeline_gathers_and_reduce_scatters_once_a_step(world, schedule):
     # the same with ZeRO-1: each stage's parameters, stored sharded over dp, are all-gathered
     # once before its first forward and its gradients reduce-scattered once after its last
     # backward (one bucket each), so the step's dp collectives (counted at run time on every
     # rank, equal to the plan's by test_runtime_collectives_and_transfers_equal_plan) do not
-    # grow with the microbatches; the state is sharded: the parameters are stored Shard on dp
+    # grow with the microbatches; the state is sharded: the parameters are stored Shard on dp.
+    # zero-bubble (2 stages per rank): its deferred weight steps add into the same buckets
     n, results = world
     if n != 4:
         pytest.skip("dp=2 x pp=2 needs 4 processes")
-    m4, m8 = _ok(results[ZERO_M4]), _ok(results[ZERO_M8])
+    m4, m8 = (_ok(results[c]) for c in ((ZERO_M4, ZERO_M8) if schedule == "1f1b" else (ZB_M4, ZB_M8)))
     assert (m4["microbatches"], m8["microbatches"]) == (4, 8)
+    assert m4["schedule"] == m8["schedule"] == schedule
     assert m4["techniques"]["zero"] == m8["techniques"]["zero"] == 1
     for kind in ("all_gather", "reduce_scatter", "all_reduce"):
         assert m4["runtime_counts"].get(kind) == m8["runtime_counts"].get(kind), (kind, m4, m8)
-    assert m4["plan_step_end"] == m8["plan_step_end"] == {"all_gather": 1, "reduce_scatter": 1}, (
-        m4["plan_step_end"], m8["plan_step_end"])
+    stages = 2 if schedule == "zero-bubble" else 1  # of a rank
+    assert m4["plan_step_end"] == m8["plan_step_end"] == {
+        "all_gather": stages, "reduce_scatter": stages}, (m4["plan_step_end"], m8["plan_step_end"])
     sharded = [n for n, pl in m4["params"].items() if pl[0].startswith("S")]
     assert len(sharded) >= len(m4["params"]) - 2, m4["params"]  # (a dim that divides by dp)
 

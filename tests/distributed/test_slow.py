@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import BF16_TOL, FP32_TOL, assert_matches_one_process, run_worker
+from setup_space import LLAMA, MODEL
 
 pytestmark = pytest.mark.slow
 
@@ -82,19 +83,22 @@ def test_every_encoder_decoder_family_matches_one_process_on_two_and_four_proces
             assert r["runtime_counts"] == r["plan_counts"], (n, check, r)
 
 
-def test_every_setup_kind_the_planner_can_emit_runs_and_matches_one_process(results_dir):
-    """One setup of each kind of the planner's own space (setup_space.one_per_kind) on 2 and 4
-    processes: equal to one process on every rank and parameter, collectives as planned. Prints
-    the table of kinds with the largest error seen (docs/validation.md)."""
-    from tabulate import tabulate
+def _run_every_kind(model: str, results_dir) -> tuple[list, list, list]:
+    """One setup of each kind on 2 and 4 processes for ``model``: table rows, failures, and the
+    checks refused with Config(sequence_parallel=True) on a model without layer norms."""
     from setup_space import one_per_kind
 
-    rows, failed = [], []
+    rows, failed, refused = [], [], []
     for n in (2, 4):
-        kinds = one_per_kind(n)
+        kinds = one_per_kind(n, model)
         results = run_worker(n, list(kinds.values()), results_dir, timeout=3600)
         for kind, check in sorted(kinds.items()):
             r = results[check]
+            if kind.sequence_parallel and "error" in r and "sequence_parallel=True" in r["error"] \
+                    and "cannot hold" in r["error"]:
+                refused.append((n, kind, check))
+                rows.append([n, *kind.row(), "-", "-", "refused: no layer norm to shard"])
+                continue
             try:
                 assert_matches_one_process(r, BF16_TOL if kind.precision == "bf16" else FP32_TOL, check)
                 assert r["runtime_counts"] == r["plan_counts"], (check, r["runtime_counts"], r["plan_counts"])
@@ -103,7 +107,35 @@ def test_every_setup_kind_the_planner_can_emit_runs_and_matches_one_process(resu
                 failed.append(f"{n} processes, {check}: {str(e)[:300]}")
             rows.append([n, *kind.row(), f"{r.get('grad_rel', float('nan')):.1e}",
                          f"{r.get('loss_err', float('nan')):.1e}", "error" if "error" in r else ""])
+    return rows, failed, refused
+
+
+def _print_kinds(rows: list) -> None:
+    from tabulate import tabulate
+
     print("\n" + tabulate(rows, headers=["procs", "schedule", "v", "tp", "dp", "SP", "ZeRO",
                                           "recompute", "precision", "largest grad error",
                                           "loss error", ""]))
+
+
+def test_every_setup_kind_the_planner_can_emit_runs_and_matches_one_process(results_dir):
+    """One setup of each kind of the planner's own space (setup_space.one_per_kind) on 2 and 4
+    processes: equal to one process on every rank and parameter, collectives as planned. Prints
+    the table of kinds with the largest error seen (docs/validation.md)."""
+    rows, failed, refused = _run_every_kind(MODEL, results_dir)
+    _print_kinds(rows)
     assert not failed, "\n".join(failed)
+    assert not refused, refused  # the GPT has layer norms: sequence parallelism holds
+
+
+def test_every_setup_kind_runs_on_hugging_face_llama(results_dir):
+    """The same kinds on Hugging Face Llama (RoPE, RMSNorm, SwiGLU, untied head): each equal to
+    one process, except sequence parallelism, which a forced Config must refuse with its
+    reason (Llama's RMSNorm is written out of elementwise ops: no layer norm to shard)."""
+    from setup_space import one_per_kind
+
+    rows, failed, refused = _run_every_kind(LLAMA, results_dir)
+    _print_kinds(rows)
+    assert not failed, "\n".join(failed)
+    sp_kinds = {(n, k) for n in (2, 4) for k in one_per_kind(n, LLAMA) if k.sequence_parallel}
+    assert {(n, k) for n, k, _ in refused} == sp_kinds, refused

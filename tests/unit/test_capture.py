@@ -166,3 +166,30 @@ def test_non_scalar_loss_is_refused():
     with pytest.raises(autopar.CaptureError, match="scalar") as err:
         capture(_NotScalar(), (torch.randn(2, 4),))
     assert "(2, 4)" in str(err.value)  # names the shape it got
+
+
+def test_a_mean_loss_is_captured_as_a_sum_over_the_total_weight():
+    """capture.joint.split_mean_losses: the same loss (to the last bit here), as a sum and a
+    total weight that a sharded plan reduces before dividing; sharded over the tokens, the
+    average of the shards' means would be wrong when they count different numbers of targets
+    (Hugging Face's ignored last position)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autopar.capture.joint import split_mean_losses
+
+    def loss(x, t):
+        return torch.ops.aten.nll_loss_forward(x, t, None, 1, -100)[0]
+
+    x = torch.randn(7, 5).log_softmax(-1)
+    t = torch.tensor([0, 4, -100, 2, 1, -100, 3])
+    gm = make_fx(loss)(x, t)
+    split_mean_losses(gm)
+    reductions = [n.args[3] for n in gm.graph.nodes if n.target is torch.ops.aten.nll_loss_forward.default]
+    assert reductions == [2]
+    assert torch.equal(gm(x, t), loss(x, t))
+    # why: the two halves hold 2 and 3 counted targets; their means' average is another number
+    halves = [(x[:3], t[:3]), (x[3:], t[3:])]
+    average = sum(loss(a, b) for a, b in halves) / 2
+    sums = [torch.ops.aten.nll_loss_forward(a, b, None, 2, -100) for a, b in halves]
+    exact = sum(s for s, _ in sums) / sum(w for _, w in sums)
+    assert torch.allclose(exact, loss(x, t)) and not torch.allclose(average, loss(x, t))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import autopar
-from autopar.cost_models.liveness import StageRun, step_memory
+from autopar.cost_models.liveness import StageRun, step_memory, weight_stash_bytes
 from autopar.cost_models.pipeline import action_order, in_flight, peak_held_bytes
 from autopar.plan_context import context_of
 from models import build
@@ -48,17 +48,17 @@ def test_a_rank_with_one_stage_holds_its_peak_in_flight_and_two_stages_less_than
         peak_held_bytes("1f1b", 2, 1, 4, per_mb[:2], until="F")
 
 
-def _stage_zero():
+def _stages():
     model, inputs = build("gpt", dim=64, heads=4, layers=2, batch=4, seq=16)
     mesh = autopar.Mesh.virtual("cpu-gloo", gpus_per_node=2)
     plan = autopar.plan(model, mesh, inputs, config=autopar.Config(
         pp=2, dp=1, tp=1, schedule="1f1b", microbatch_size=1))
-    stage = plan.pipeline.stages[0]
-    return context_of(stage).traced, stage
+    return [(context_of(stage).traced, stage) for stage in plan.pipeline.stages]
 
 
-def test_a_stage_sums_its_gradients_in_a_second_copy_unless_its_backward_is_split():
-    traced, stage = _stage_zero()
+def test_a_stage_sums_its_gradients_in_a_second_copy_and_a_split_one_holds_its_stash():
+    stages = _stages()
+    traced, stage = stages[0]
     nodes, outputs = stage.nodes, stage.output_placements
     grads = {p.grad_output_index for p in traced.params}
     args = next(n for n in traced.gm.graph.nodes if n.op == "output").args[0]
@@ -73,7 +73,15 @@ def test_a_stage_sums_its_gradients_in_a_second_copy_unless_its_backward_is_spli
                   for n in traced.gm.graph.nodes if n.name in traced.boundary_tangents)
     assert four.persistent_bytes - one.persistent_bytes == pytest.approx(3 * tangent)
     assert four.peak_bytes - one.peak_bytes == pytest.approx(3 * tangent + grad_bytes)
-    assert split.peak_bytes < four.peak_bytes  # no second copy (autograd adds into p.grad)
+    # a split backward (zero-bubble) sums its weight steps' gradients into the same copy, and
+    # holds the values its weight step reads from its input step: none on the first stage
+    # (no input gradient), some on the second
+    assert split.peak_bytes == pytest.approx(four.peak_bytes)
+    traced1, stage1 = stages[1]
+    whole, split = (step_memory(traced1, (1, 1), stage1.nodes, stage1.output_placements,
+                                stage=StageRun(1, 4, split_backward=s)) for s in (False, True))
+    stash = weight_stash_bytes(traced1, (1, 1), stage1.nodes)
+    assert stash > 0 and split.peak_bytes - whole.peak_bytes == pytest.approx(stash)
     # each further microbatch in flight holds the saved values once more
     two = step_memory(traced, (1, 1), nodes, outputs, stage=StageRun(2, 4))
     assert two.peak_bytes - four.peak_bytes == pytest.approx(four.saved_bytes)

@@ -184,9 +184,11 @@ def test_impossible_pipeline_settings_say_why():
 
 
 def test_zero_bubble_backward_runs_input_and_weight_parts_once_each():
-    """The split backward: input gradients first (weights untouched), weight gradients later;
-    every gradient equals the unsplit backward's."""
-    from autopar.runtime.autograd import JointFunction, split_forward_backward, split_weight_backward
+    """The split backward: autograd's backward runs the input gradients only and defers the
+    weight part to the stage's gradient sink; the schedule's weight step runs it later; every
+    gradient equals the unsplit backward's."""
+    from autopar.runtime.autograd import (GradSink, JointFunction, split_forward_backward,
+                                          split_weight_backward)
 
     model, inputs = build("gpt", layers=2, batch=2)
     fwd = export_forward(model, inputs)
@@ -199,38 +201,46 @@ def test_zero_bubble_backward_runs_input_and_weight_parts_once_each():
     names = [n for n in order if n not in traced.tangent_nodes]
     slots = tuple(grad_of[n] - 1 if grad_of.get(n) is not None else None for n in names)
     x = st0.gm(inputs[0])[0].detach()
+    weights = dict(st1.gm.named_parameters())
 
-    def primals():
+    def primals(requires_grad: bool):
         out = []
         for n in names:
             if n in params:
-                out.append(dict(st1.gm.named_parameters())["model." + params[n].name].detach().clone().requires_grad_())
+                w = weights["model." + params[n].name].detach().clone()
+                out.append(w.requires_grad_() if requires_grad else w)
             elif n in traced.boundary_inputs:
                 out.append(x.clone().requires_grad_())
             else:
                 out.append(inputs[1])
         return out
 
-    ref_in = primals()
+    ref_in = primals(True)
     JointFunction.apply(f, b, slots, 1, False, None, *ref_in).backward()
     split = split_weight_backward(b, [s for n, s in zip(names, slots) if n in traced.boundary_inputs])
     calls = {"input": 0, "weight": 0}
     for part in ("input", "weight"):
         gm = getattr(split, f"{part}_part")
         gm.register_forward_pre_hook(lambda *_, p=part: calls.__setitem__(p, calls[p] + 1))
-    got_in = primals()
-    loss = JointFunction.apply(f, split, slots, 1, True, None, *got_in)
-    boundary = [t for n, t in zip(names, got_in) if n in traced.boundary_inputs]
-    (dx,) = torch.autograd.grad(loss, boundary, retain_graph=True)
+    got_in = primals(False)  # (the parameters' gradients go to the sink, as in a stage)
+    sink = GradSink()
+    by_name = tuple(params[n].name if n in params else None for n in names)
+    anchor = torch.zeros((), requires_grad=True)
+    loss = JointFunction.apply(f, split, slots, 1, True, (sink, by_name), anchor, *got_in)
+    loss.backward()  # the schedule's input step
     assert calls == {"input": 1, "weight": 0}  # weights not touched yet
-    loss.backward()  # the weight step (and the boundary's gradient again: already kept)
-    assert calls == {"input": 1, "weight": 1}
+    boundary = [t for n, t in zip(names, got_in) if n in traced.boundary_inputs][0]
     ref_boundary = [t for n, t in zip(names, ref_in) if n in traced.boundary_inputs][0]
     # the same graph nodes evaluated in the same order: equal to the last bit
-    assert torch.equal(dx, ref_boundary.grad)
-    for a, r in zip(got_in, ref_in):
-        if r.requires_grad and r.grad is not None and a is not boundary[0]:
-            assert torch.equal(a.grad, r.grad)
+    assert torch.equal(boundary.grad, ref_boundary.grad)
+    assert sink.grads == {}
+    sink.take_deferred()()  # the weight step
+    assert calls == {"input": 1, "weight": 1}
+    with pytest.raises(RuntimeError, match="no backward deferred one"):
+        sink.take_deferred()  # (each microbatch's weight step runs once)
+    got = sink.take()
+    ref = {params[n].name: r.grad for n, r in zip(names, ref_in) if n in params}
+    assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
 
 
 @pytest.mark.slow  # 13 s: the default suite's time
