@@ -42,18 +42,27 @@ def run_worker(nproc: int, checks: list[str], tmp: Path, timeout: int = 900) -> 
         import warnings
 
         warnings.warn(f"the {nproc}-process job aborted natively and was run again:\n"
-                      f"{proc.stderr[-2000:]}", stacklevel=2)
+                      f"{_native_lines(proc.stderr)}{proc.stderr[-2000:]}", stacklevel=2)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0 or not out.exists():
-        raise AssertionError(f"worker failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"worker failed (exit {proc.returncode}):\n{_native_lines(proc.stderr)}"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return json.loads(out.read_text())
 
 
 def _native_abort(stderr: str) -> bool:
-    """Whether a rank died of SIGABRT from glibc's heap checks or of SIGSEGV (not a Python
-    error, which exits with 1)."""
+    """Whether a rank died of a native fault, SIGABRT (glibc's heap checks, a C++ terminate)
+    or SIGSEGV, not of a Python error (which exits with 1)."""
     codes = set(re.findall(r"exitcode\s*:\s*(-?\d+)", stderr))  # (torchrun's two forms)
-    return ("-6" in codes and ("malloc" in stderr or "free()" in stderr)) or "-11" in codes
+    return bool(codes & {"-6", "-11"})
+
+
+def _native_lines(stderr: str) -> str:
+    """The lines of ``stderr`` that say what a native fault was (glibc, C++ terminate,
+    faulthandler's header), which the tail of a long log can cut off."""
+    keys = ("malloc", "free()", "corrupted", "terminate called", "what():", "Fatal Python error")
+    lines = [line for line in stderr.splitlines() if any(k in line for k in keys)]
+    return "native fault lines:\n" + "\n".join(lines[:20]) + "\n" if lines else ""
 
 
 class CheckServer:
