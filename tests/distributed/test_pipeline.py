@@ -43,7 +43,7 @@ CHECKS = {
         # Llama with tp inside the stages (the test costs shard nearly every op): its loss
         # split over the tokens (exact only as a sum over the total weight), and no forward
         # collective copied into a stage's backward graph (counted against the plan)
-        "llama:layers=2,batch=8,microbatch_size=1,pp=2,tp=2,schedule=1f1b"],
+        "llama:layers=2,batch=4,microbatch_size=1,pp=2,tp=2,schedule=1f1b"],
 }
 DP_M4, DP_M8, ZERO_M4, ZERO_M8 = CHECKS[4][3:7]
 ZB_M4, ZB_M8 = CHECKS[4][8:10]
