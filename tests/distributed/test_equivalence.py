@@ -253,7 +253,8 @@ def test_predicted_peak_memory_is_never_under_by_3_percent_nor_over_by_15(world)
         return
     peak = {k: max(_ok(results[c])["measured"]) for k, c in MEMORY_BY_TECHNIQUE.items()
             if c in MEMORY[n]}
-    assert peak["full"] < 0.9 * peak["none"] and peak["selective"] <= peak["none"], peak
+    # (selective recomputation against none: test_slow.py, which measures it)
+    assert peak["full"] < 0.9 * peak["none"], peak
     assert peak["zero"] < 0.9 * peak["dp"] and peak["bf16"] < peak["none"], peak
 
 

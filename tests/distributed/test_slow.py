@@ -28,7 +28,8 @@ def test_free_mesh_hugging_face_models_and_llama_dp_on_two_processes(results_dir
 
 def test_memory_techniques_and_examples_left_out_of_the_default_suite(results_dir):
     """What the default suite leaves out for time: the memory of the Hugging Face models,
-    explicit attention, GPipe and zero-bubble (2 processes) and of a ZeRO-1 pipeline (4), a
+    explicit attention, GPipe, zero-bubble, selective recomputation and sequence parallelism (2
+    processes) and of a ZeRO-1 pipeline (4), a
     combined technique on GPT-2 (4), and the Hugging Face training examples."""
     from test_equivalence import MEMORY_BY_TECHNIQUE, MEMORY_SLOW, TECHNIQUES_SLOW, check_memory
 
@@ -37,10 +38,13 @@ def test_memory_techniques_and_examples_left_out_of_the_default_suite(results_di
     check_memory(results, MEMORY_SLOW[2])
     for check in TECHNIQUES_SLOW[2]:
         assert_matches_one_process(results[check], FP32_TOL, check)
-    # 1F1B holds fewer microbatches in flight than GPipe (the 1F1B check runs by default)
-    gpipe = run_worker(2, [MEMORY_BY_TECHNIQUE["1f1b"]], results_dir)
-    assert max(gpipe[MEMORY_BY_TECHNIQUE["1f1b"]]["measured"]) < \
+    # 1F1B holds fewer microbatches in flight than GPipe, selective recomputation no more than
+    # none (the 1F1B and no-recomputation checks run by default)
+    default = run_worker(2, [MEMORY_BY_TECHNIQUE["1f1b"], MEMORY_BY_TECHNIQUE["none"]], results_dir)
+    assert max(default[MEMORY_BY_TECHNIQUE["1f1b"]]["measured"]) < \
         max(results[MEMORY_BY_TECHNIQUE["gpipe"]]["measured"])
+    assert max(results[MEMORY_BY_TECHNIQUE["selective"]]["measured"]) <= \
+        max(default[MEMORY_BY_TECHNIQUE["none"]]["measured"])
     for check in examples:  # four AdamW steps on one batch at lr 1e-2 must lower the loss
         losses = results[check]["losses"]
         assert losses[-1] < losses[0] - 0.1, (check, losses)
