@@ -21,6 +21,7 @@ os.environ["AUTOPAR_CACHE_DIR"] = tempfile.mkdtemp(prefix="autopar-test-cache-")
 atexit.register(shutil.rmtree, os.environ["AUTOPAR_CACHE_DIR"], ignore_errors=True)
 
 WORKER = Path(__file__).with_name("worker.py")
+NATIVE_RERUNS = 2  # runs of a job after a native crash (the known open bug below)
 sys.path.insert(0, str(WORKER.parents[1]))  # tests/models.py, as in the workers
 
 
@@ -32,13 +33,13 @@ def run_worker(nproc: int, checks: list[str], tmp: Path, timeout: int = 900) -> 
     # (a rank that dies of a native fault prints its Python stack: faulthandler)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if proc.returncode != 0 and _native_abort(proc.stderr):
-        # KNOWN OPEN BUG (docs/architecture.md, "Not yet"): a rank of the 2-process job has
-        # died natively, aborting in glibc's heap check ("malloc_consolidate(): unaligned
-        # fastbin chunk") or of a segmentation fault, in a few full runs since the one-planner
-        # change, never reproduced alone. The job runs once more so that the checks
-        # themselves are judged, and the crash is reported as a warning, never hidden; a
-        # second crash fails.
+    for _ in range(NATIVE_RERUNS):
+        if proc.returncode == 0 or not _native_abort(proc.stderr):
+            break
+        # KNOWN OPEN BUG (docs/architecture.md, "Not yet"): a rank of a job dies natively now
+        # and then (glibc's heap checks, SIGSEGV), in full runs of the suite, never reproduced
+        # alone. The job runs again so that the checks themselves are judged, and each crash
+        # is reported as a warning, never hidden; a crash in every run fails.
         import warnings
 
         warnings.warn(f"the {nproc}-process job aborted natively and was run again:\n"
