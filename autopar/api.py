@@ -122,7 +122,8 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: Any = None, *,
     if the_plan.pipeline is not None:
         pmodel = _pipelined(model, example_inputs, traced, the_plan, dm, mesh.timeout_s, compile)
     else:
-        local = lower_to_local(traced.gm, the_plan, dm, _recomputed(traced, the_plan))
+        local = lower_to_local(traced.gm, the_plan, dm, _recomputed(traced, the_plan),
+                               _regathered(traced, the_plan))
         pmodel = ParallelModule(model, traced, the_plan, dm, local, compile=compile,
                                 timeout_s=mesh.timeout_s)
     startup["lower_s"] = time.perf_counter() - t2
@@ -189,6 +190,13 @@ def _recomputed(traced: Any, the_plan: Plan) -> frozenset[str]:
     from autopar.capture.remat import recompute_nodes
 
     return recompute_nodes(traced, the_plan.techniques.get("recompute", "none"))
+
+
+def _regathered(traced: Any, the_plan: Plan) -> frozenset[str]:
+    """What a ZeRO-3 plan (no pipeline) gathers again for the backward."""
+    from autopar.capture.remat import regathered_nodes
+
+    return regathered_nodes(traced) if the_plan.techniques.get("zero") == 3 else frozenset()
 
 
 def _pipelined(model: nn.Module, example_inputs: Any, traced: Any, the_plan: Plan, dm: Any,

@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("dp", "tp", "pp", "microbatch-size"):
         p.add_argument(f"--{name}", type=int, default=None, help=f"fix {name} (default: searched)")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default=None)
-    p.add_argument("--zero", type=int, choices=(0, 1), default=None)
+    p.add_argument("--zero", type=int, choices=(0, 1, 3), default=None)
     p.add_argument("--memory-gib", type=float, default=None, help="per-device budget (default: the hardware's)")
     p.add_argument("--per-operator", action="store_true",
                    help="accepted for older scripts: every plan has per-operator placements now")

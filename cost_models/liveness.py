@@ -21,7 +21,10 @@ its producer's placement, alive at the end of the forward. The program that runs
   the same dp=2 x tp=2 ZeRO step on 4 ranks), so the largest one is added to the peak;
 - with recomputation, a recomputed value's forward copy dies after its last forward reader and
   its copy is made right before its first backward reader (with the values it needs that are
-  recomputed too); a collective's output is never recomputed but saved (``capture.remat``).
+  recomputed too); a collective's output is never recomputed but saved (``capture.remat``);
+- with ZeRO-3 a backward reader of a parameter, or of a view or cast of one, reads a copy made
+  again from the shard right before it (with its gathers), so the forward's gathered copy dies
+  after its last forward reader (``passes.lower``'s ``_regathered``).
 
 :func:`step_memory` walks the joint graph in program order with these rules and returns the
 peak of the live bytes plus the persistent training state. The joint graph's order is the
@@ -113,15 +116,16 @@ class _Walk:
     """Buffers (bytes, birth, last read) of the lowered program, in joint-graph steps."""
 
     def __init__(self, traced: Any, mesh_shape: Sequence[int], nodes: dict, tagged: frozenset,
-                 stage: StageRun | None = None):
+                 stage: StageRun | None = None, regather: frozenset = frozenset()):
         self.traced, self.mesh_shape, self.nodes, self.tagged = traced, tuple(mesh_shape), nodes, tagged
+        self.regather = regather
         self.stage = stage
         self.size: list[float] = []
         self.born: list[int] = []
         self.last: list[int] = []
         self.ops: list[_Op] = []
         self.env: dict[str, Any] = {}
-        self.moved: dict[tuple[str, tuple], tuple[int, int]] = {}
+        self.moved: dict[tuple, tuple[int, int]] = {}
         self.step = 0
         self.forward_end = -1
         self.last_collective = 0
@@ -183,8 +187,34 @@ class _Walk:
             self.moved[key] = self._reshard(a, tuple(dst), tagged, backward)
         return self.moved[key]
 
-    def _reshard(self, a: fx.Node, dst: tuple[str, ...], tagged: bool, backward: bool) -> tuple[int, int]:
-        ref, src = self.env[a.name], self.nodes[a.name].outputs[0]
+    def regathered(self, a: fx.Node, dst: Sequence[str]) -> tuple[int, int]:
+        """ZeRO-3: the reference a backward reader reads ``a`` through, made again from its
+        parameter's shard (``passes.lower``'s ``_regathered``): its chain's buffers and moves
+        new at this step, once per value and placement in the backward."""
+        key = ("backward", a.name, tuple(dst))
+        if key not in self.moved:
+            ref = self.env[a.name] if a.op == "placeholder" else self._remade(a)
+            self.moved[key] = self._reshard(a, tuple(dst), False, True, ref)
+        return self.moved[key]
+
+    def _remade(self, a: fx.Node) -> tuple[int, int]:
+        """A chain node of ZeRO-3 (a view or cast of a parameter) run again in the backward."""
+        key = ("backward", a.name)
+        if key not in self.moved:
+            reads = [self.regathered(i, d) for i, d in zip(tensor_inputs(a), self.nodes[a.name].inputs)]
+            for r in reads:
+                self.read(r, self.step, True)
+            if _is_view(a) and reads:
+                self.moved[key] = reads[0]
+            else:
+                size = self.local_bytes(a.meta["val"], self.nodes[a.name].outputs[0])
+                self.moved[key] = (self.new_op([size], self.step), 0)
+        return self.moved[key]
+
+    def _reshard(self, a: fx.Node, dst: tuple[str, ...], tagged: bool, backward: bool,
+                 ref: tuple[int, int] | None = None) -> tuple[int, int]:
+        src = self.nodes[a.name].outputs[0]
+        ref = self.env[a.name] if ref is None else ref
         val = a.meta["val"]
         if src is None or tuple(src) == dst or not isinstance(val, torch.Tensor):
             return ref
@@ -265,7 +295,8 @@ class _Walk:
         plan, tagged = self.nodes[n.name], n.name in self.tagged
         reads = []
         for a, dst in zip(tensor_inputs(n), plan.inputs):
-            ref = self.move(a, dst, tagged, backward)
+            ref = (self.regathered(a, dst) if backward and a.name in self.regather
+                   else self.move(a, dst, tagged, backward))
             self.read(ref, self.step, backward)
             reads.append(ref)
         vals = n.meta.get("val")
@@ -408,7 +439,8 @@ def _persistent_bytes(traced: Any, nodes: dict, mesh_shape: tuple, optimizer: st
 
 def step_memory(traced: Any, mesh_shape: Sequence[int], nodes: dict, outputs: Sequence,
                 buckets: Sequence[Sequence[int]] = (), recompute: frozenset[str] = frozenset(),
-                optimizer: str = "adam", stage: StageRun | None = None) -> StepMemory:
+                optimizer: str = "adam", stage: StageRun | None = None,
+                regather: frozenset[str] = frozenset()) -> StepMemory:
     """Peak bytes per rank of the step the plan lowers to (module docstring).
 
     ``nodes``: the plan's placements per joint-graph node (``NodePlan``, text form, ``getitem``
@@ -416,11 +448,12 @@ def step_memory(traced: Any, mesh_shape: Sequence[int], nodes: dict, outputs: Se
     buckets (output indices); ``recompute``: the joint nodes recomputed in the backward
     (``capture.remat.recompute_nodes``). ``stage``: the program is a pipeline stage's
     (:class:`StageRun`); each microbatch in flight beyond one holds its saved values
-    (``saved_bytes``) beside the step of the one at its peak.
+    (``saved_bytes``) beside the step of the one at its peak. ``regather``: ZeRO-3's chains
+    (``capture.remat.regathered_nodes``), made again for their backward readers.
     """
     tagged = frozenset(n.name for n in traced.gm.graph.nodes if n.name in recompute
                        and n.op == "call_function" and not is_backward(n) and not is_random(n))
-    walk = _Walk(traced, mesh_shape, nodes, tagged, stage)
+    walk = _Walk(traced, mesh_shape, nodes, tagged, stage, regather)
     walk.run(outputs, buckets)
     live, at, saved = walk.peak()
     persistent, gathered = _persistent_bytes(traced, nodes, tuple(mesh_shape), optimizer,

@@ -31,6 +31,7 @@ from autopar._torch_private import DTensorSpec, FakeTensorMode, _StridedShard
 from autopar.graph import output_moves
 from autopar.placements import from_str
 from autopar.passes.overlap import overlap_collectives
+from autopar.capture.layers import is_backward
 from autopar.capture.remat import TAG
 from autopar.passes.recompute import recompute_pass
 from autopar.plan import Plan
@@ -91,12 +92,13 @@ _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 class _Interpreter:
     """Runs the joint graph over DTensors with the Plan's placements."""
 
-    def __init__(self, gm: fx.GraphModule, plan: Plan, mesh: Any) -> None:
-        self.gm, self.plan, self.mesh = gm, plan, mesh
+    def __init__(self, gm: fx.GraphModule, plan: Plan, mesh: Any,
+                 regather: frozenset[str] = frozenset()) -> None:
+        self.gm, self.plan, self.mesh, self.regather = gm, plan, mesh, regather
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
 
     def run(self, *locals_: torch.Tensor) -> list[torch.Tensor | None]:
-        moved: dict[tuple[str, tuple], DTensor] = {}
+        moved: dict[tuple, DTensor] = {}
         # forward outputs (the loss, a pipeline stage's activations) are moved to their output
         # placement as soon as they exist, in the forward: a backward consumer may share the
         # move. The other outputs (gradients) too: a gradient is reduced as soon as it is
@@ -148,14 +150,33 @@ class _Interpreter:
             moved[key] = reshard(env[a.name], dst, self.mesh)
         return moved[key]
 
-    def _call(self, n: fx.Node, env: dict, moved: dict) -> Any:
+    def _regathered(self, a: fx.Node, dst: tuple, env: dict, moved: dict) -> DTensor:
+        """ZeRO-3 (``regather``, :func:`autopar.capture.remat.regathered_nodes`): ``a`` made
+        again for a backward reader, from its parameter's shard, with its own moves (the
+        forward's gathered copy is not read, so it dies after its last forward reader); once
+        per (value, placement) in the backward."""
+        key = ("backward", a.name, dst)
+        if key not in moved:
+            if a.op == "placeholder":
+                value = env[a.name]
+            elif ("backward", a.name) in moved:
+                value = moved[("backward", a.name)]
+            else:
+                value = moved[("backward", a.name)] = self._call(a, env, moved, backward=True)
+            moved[key] = reshard(value, dst, self.mesh)
+        return moved[key]
+
+    def _call(self, n: fx.Node, env: dict, moved: dict, backward: bool | None = None) -> Any:
         choice = self.plan.nodes[n.name]
         tensor_inputs = [a for a in _tensor_leaves(n)]
         targets = {id_: placements_of(p) for id_, p in zip(range(len(tensor_inputs)), choice.inputs)}
         counter = iter(range(len(tensor_inputs)))
+        again = self.regather if (is_backward(n) if backward is None else backward) else ()
 
         def fetch(a: Any) -> Any:
             if isinstance(a, fx.Node):
+                if a.name in again:
+                    return self._regathered(a, targets[next(counter)], env, moved)
                 return self._get(a, targets[next(counter)], env, moved)
             return a
 
@@ -399,28 +420,32 @@ def _map_tensor_args(args: Any, fn: Any) -> Any:
 
 
 def lower_to_local(gm: fx.GraphModule, plan: Plan, mesh: Any,
-                   recompute: frozenset[str] = frozenset()) -> fx.GraphModule:
+                   recompute: frozenset[str] = frozenset(),
+                   regather: frozenset[str] = frozenset()) -> fx.GraphModule:
     """Trace the plan's per-rank program (see module docstring).
 
     ``recompute``: joint-graph nodes to recompute in the backward
     (:func:`autopar.passes.recompute.recompute_nodes` of the plan's policy); their local nodes
     are tagged while tracing and :func:`~autopar.passes.recompute.recompute_pass` rewrites the
-    program. Last, :func:`~autopar.passes.overlap.overlap_collectives` issues each collective
+    program. ``regather``: ZeRO-3's parameters and their views and casts
+    (:func:`autopar.capture.remat.regathered_nodes`), made again from the shards, with their
+    gathers, for their backward readers. Last, :func:`~autopar.passes.overlap.overlap_collectives` issues each collective
     as soon as its input exists and waits for it where its result is first needed.
     """
     tagged = [n for n in gm.graph.nodes if n.name in recompute]
     for n in tagged:
         n.meta[TAG] = True
     try:
-        local = _trace_local(gm, plan, mesh)
+        local = _trace_local(gm, plan, mesh, regather)
     finally:
         for n in tagged:
             n.meta.pop(TAG, None)
     return overlap_collectives(recompute_pass(local) if tagged else local)
 
 
-def _trace_local(gm: fx.GraphModule, plan: Plan, mesh: Any) -> fx.GraphModule:
-    interp = _Interpreter(gm, plan, mesh)
+def _trace_local(gm: fx.GraphModule, plan: Plan, mesh: Any,
+                 regather: frozenset[str] = frozenset()) -> fx.GraphModule:
+    interp = _Interpreter(gm, plan, mesh, regather)
     mesh_shape = tuple(mesh.shape)
     with FakeTensorMode(allow_non_fake_inputs=True):
         fakes = []

@@ -32,7 +32,8 @@ import torch.fx as fx
 from autopar.capture.layers import aten_ops, is_backward, is_op
 from autopar.graph import TracedGraph
 
-__all__ = ["POLICIES", "TAG", "is_comm", "is_forward", "is_random", "is_wait", "recompute_nodes"]
+__all__ = ["POLICIES", "TAG", "is_comm", "is_forward", "is_random", "is_wait", "recompute_nodes",
+           "regathered_nodes"]
 
 POLICIES = ("none", "selective", "full")
 TAG = "recompute"  # the metadata key torch's tracing copies from a node to the nodes it produces
@@ -104,6 +105,24 @@ def recompute_nodes(traced: TracedGraph, policy: str) -> frozenset[str]:
 
 
 _MATMUL = aten_ops("mm", "bmm", "matmul", "baddbmm", "addmm")
+_CASTS = aten_ops("_to_copy", "to", "type_as")
+
+
+def regathered_nodes(traced: TracedGraph) -> frozenset[str]:
+    """What ZeRO-3 makes again in the backward (Rajbhandari et al., SC'20, sec. 5.3: a
+    parameter's shard is gathered for its forward, freed after it, gathered again for its
+    backward): the parameters' placeholders and the forward nodes computed from one of them
+    through views and dtype casts alone (``t``, autocast's ``_to_copy``). A backward read of
+    any of them re-runs that chain from the parameter's shard, with its gathers, right before
+    the reader, so the forward's gathered copy is freed after its last forward reader.
+    ``getitem`` and random ops are never in a chain."""
+    chain = {p.node for p in traced.params}
+    for n in traced.gm.graph.nodes:
+        if is_forward(n) and n.target is not operator.getitem and (
+                is_op(n, _ALIAS) or is_op(n, _CASTS)) and len(n.all_input_nodes) == 1 \
+                and n.all_input_nodes[0].name in chain:
+            chain.add(n.name)
+    return frozenset(chain)
 
 
 def _attention_core(fwd: list[fx.Node], layer: dict[str, str]) -> set[str]:

@@ -9,7 +9,7 @@ from typing import Any
 from torch.distributed.tensor import Replicate
 
 from autopar.config import Config
-from autopar.capture.remat import recompute_nodes
+from autopar.capture.remat import recompute_nodes, regathered_nodes
 from autopar.cost_models.compute import graph_flops, mfu
 from autopar.cost_models.liveness import StageRun, step_memory
 from autopar.cost_models.overlap import overlapped_step_time
@@ -101,11 +101,16 @@ def build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate,
                                              nodes[a.name].outputs[0] if a.name in nodes else None,
                                              defer_axes))
     node_compute = {n: float(costs.compute[n][i]) for n, i in res.choice.items()}
+    zero_axes = stage.zero_axes if stage is not None else ()
+    techniques, applied_notes = applied_techniques(traced, config, cand, nodes, zero_axes)
+    # ZeRO-3 (no pipeline): the backward gathers its parameters again (runtime: api.py)
+    regather = regathered_nodes(traced) if techniques["zero"] == 3 else frozenset()
     step_s, cap, buckets, comm = _communication(traced, cand, mesh, config, nodes, outputs,
-                                                set(param_of_grad), node_compute)
+                                                set(param_of_grad), node_compute, regather)
     collectives, comm_s, comm_fwd = comm.collectives, comm.total_s, comm.forward_s
     held = step_memory(traced, cand.shape, nodes, outputs, buckets,
-                       recompute_nodes(traced, config.recompute or "none"), config.optimizer, stage)
+                       recompute_nodes(traced, config.recompute or "none"), config.optimizer, stage,
+                       regather)
     nodes = describe_nodes(traced, nodes, node_compute, comm.per_node)
     compute_s = float(sum(node_compute.values()))
     params = {p.node for p in traced.params}
@@ -115,8 +120,6 @@ def build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate,
                             if node_phase(graph_nodes[n]) == "forward"))
     sol = res.solution
     degrees, notes = _axis_roles(traced, space, res, cand)
-    zero_axes = stage.zero_axes if stage is not None else ()
-    techniques, applied_notes = applied_techniques(traced, config, cand, nodes, zero_axes)
     techniques["bucket_bytes"] = cap
     warnings = list(space.warnings) + notes + applied_notes
     if sol.status != "optimal":
@@ -162,12 +165,14 @@ BUCKET_CAPS = (25 * 2**20, 4 * 2**20, 2**20)  # tried when Config.bucket_bytes i
 
 def _communication(traced: TracedGraph, cand: Candidate, mesh: Mesh, config: Config,
                    nodes: dict[str, NodePlan], outputs: list, grads: set[int],
-                   node_compute: dict[str, float]) -> tuple[float, int, tuple, Any]:
+                   node_compute: dict[str, float], regather: frozenset[str] = frozenset()
+                   ) -> tuple[float, int, tuple, Any]:
     """The step's collectives and its time as the lowered program runs it (collectives
     overlapping the compute between their issue and their first use: autopar.passes.overlap,
     cost_models.overlap), for the gradient bucket cap of the config or, left to the planner,
     the cap of :data:`BUCKET_CAPS` with the shortest step (the largest on a tie: fewer
-    collectives). Returns ``(step seconds, cap, buckets, StepCollectives)``."""
+    collectives). ``regather``: ZeRO-3's chains (``step_collectives``). Returns ``(step
+    seconds, cap, buckets, StepCollectives)``."""
     order = [n.name for n in traced.gm.graph.nodes]
     placements = {k: v.outputs[0] for k, v in nodes.items()}
     caps = BUCKET_CAPS if config.bucket_bytes is None else (config.bucket_bytes,)
@@ -178,7 +183,8 @@ def _communication(traced: TracedGraph, cand: Candidate, mesh: Mesh, config: Con
         if buckets in seen:
             continue
         seen.add(buckets)
-        comm = step_collectives(traced, cand.shape, cand.names, nodes, outputs, mesh, buckets)
+        comm = step_collectives(traced, cand.shape, cand.names, nodes, outputs, mesh, buckets,
+                                regather)
         step = overlapped_step_time(order, node_compute, comm.comms)
         if best is None or step < best[0] * (1 - 1e-9):
             best = (step, cap, buckets, comm)

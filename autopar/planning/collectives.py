@@ -79,6 +79,25 @@ class _Walk:
             if s.kind != "local":
                 self.add(s.kind, s.axis, s.nbytes, phase, layer, consumer, who, start)
 
+    def regather(self, a: fx.Node, dst: tuple[str, ...], layer: str, consumer: str) -> None:
+        """ZeRO-3: ``a`` made again for backward reader ``consumer`` from its parameter's
+        shard (``passes.lower``'s ``_regathered``: the chain's own moves, then ``a``'s to
+        ``dst``, once per value and placement in the backward), issued before the reader."""
+        from autopar.strategies.space import tensor_inputs
+
+        key = ("backward", a.name, dst)
+        if key in self.done:
+            return
+        self.done.add(key)
+        if a.op != "placeholder" and ("backward", a.name) not in self.done:
+            self.done.add(("backward", a.name))
+            for inp, src_dst in zip(tensor_inputs(a), self.nodes[a.name].inputs):
+                self.regather(inp, src_dst, layer, consumer)
+        for s in self.steps(a, dst):
+            if s.kind != "local":
+                self.add(s.kind, s.axis, s.nbytes, "backward", layer, consumer, consumer,
+                         self.previous)
+
     def bucket(self, members: Sequence[int], args: dict[int, fx.Node], layer: str) -> None:
         """A gradient bucket's one all-reduce, issued when its last gradient is computed."""
         first = None
@@ -93,10 +112,12 @@ class _Walk:
 
 def step_collectives(traced: TracedGraph, shape: Sequence[int], names: Sequence[str],
                      nodes: dict[str, NodePlan], outputs: Sequence, mesh: Mesh,
-                     buckets: tuple[tuple[int, ...], ...] = ()) -> StepCollectives:
+                     buckets: tuple[tuple[int, ...], ...] = (),
+                     regather: frozenset[str] = frozenset()) -> StepCollectives:
     """Walk the graph as the lowering does and list every collective (deduplicated moves);
     the gradients of a bucket (:mod:`autopar.planning.buckets`) make one all-reduce, where the
-    last of them is computed."""
+    last of them is computed. ``regather``: ZeRO-3's chains
+    (:func:`autopar.capture.remat.regathered_nodes`), gathered again for backward readers."""
     from autopar.strategies.space import tensor_inputs
 
     walk = _Walk(traced, shape, names, nodes, outputs, mesh)
@@ -107,8 +128,12 @@ def step_collectives(traced: TracedGraph, shape: Sequence[int], names: Sequence[
     for n in traced.gm.graph.nodes:
         layer = traced.node_layer.get(n.name, "")
         if n.op == "call_function" and n.target is not operator.getitem:
+            phase = node_phase(n)
             for a, dst in zip(tensor_inputs(n), nodes[n.name].inputs):
-                walk.move(a, dst, node_phase(n), layer, n.name)
+                if phase == "backward" and a.name in regather:
+                    walk.regather(a, tuple(dst), layer, n.name)
+                else:
+                    walk.move(a, dst, phase, layer, n.name)
             if n.name in early:
                 walk.move(n, outputs[early[n.name]], "forward", layer, "output")
         if n.op == "call_function" and n.name in late:

@@ -443,7 +443,6 @@ def build_pipeline_plan(model: Any, example_inputs: Any, facts: ModelFacts, mesh
             plan = solve_candidate(traced, mesh, config, setup.cand, cost_passes,
                                    tightest[shape], stage=st.index, fixed=fixed,
                                    activation_scale=most[shape],
-                                   defer_grad_sync=True,
                                    microbatches=setup.microbatches,
                                    split_backward=setup.schedule == "zero-bubble")
             solved[key] = (plan, traced, most[shape])

@@ -78,11 +78,11 @@ def applied_techniques(traced: TracedGraph, config: Config, cand: Any,
                      f"blocks, and 'selective' an attention core); the plan recomputes nothing")
         recompute = "none"
     stored = stored_params(traced, nodes, cand, zero_axes)
-    zero = int(bool(config.zero) and any(
-        stored[p.name][a].startswith("S") for p in traced.params for a in cand.dp_axes))
+    zero = (config.zero or 0) if any(
+        stored[p.name][a].startswith("S") for p in traced.params for a in cand.dp_axes) else 0
     if config.zero and not zero:
-        notes.append("zero=1 shards nothing on this mesh (no data-parallel axis, or no parameter "
-                     "dim divides by it); the optimizer state is not sharded")
+        notes.append(f"zero={config.zero} shards nothing on this mesh (no data-parallel axis, or "
+                     f"no parameter dim divides by it); the optimizer state is not sharded")
     return {"recompute": recompute, "zero": zero, "sequence_parallel": _sequence_sharded(
         traced, cand, nodes), "mixed_precision": precision(traced, config)}, notes
 

@@ -374,11 +374,14 @@ def search_unsupported(model: nn.Module, example_inputs: Any, mesh: Mesh,
                        config: Config) -> str | None:
     """Why the setup search cannot price ``model`` on ``mesh`` under ``config`` (``None``: it
     can): it needs two or more identical blocks in an ``nn.ModuleList``, inputs of one batch
-    size, the model's own precision, and a schedule it prices (1F1B, interleaved 1F1B)."""
+    size, the model's own precision, ZeRO 0 or 1, and a schedule it prices (1F1B, interleaved
+    1F1B)."""
     if mesh.size == 1:
         return "one device: there is no setup to search"
     if config.mixed_precision == "bf16":
         return "bf16 autocast (the search prices the model in its own dtype)"
+    if config.zero == 3:
+        return "ZeRO-3 (the search prices ZeRO stages 0 and 1)"
     if config.schedule not in (None, "1f1b", "interleaved-1f1b"):
         return f"schedule {config.schedule!r} (the search prices 1f1b and interleaved-1f1b)"
     node = mesh.topology.gpus_per_node

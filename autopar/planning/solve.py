@@ -188,23 +188,24 @@ def _keep(space: StrategySpace, node: str, pred: Callable[[Any], bool], error: s
 def solve_candidate(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate,
                     cost_passes: Sequence[Callable[..., SpaceCosts]], budget: float | None,
                     stage: int | None = None, fixed: dict[str, tuple[str, ...]] | None = None,
-                    activation_scale: int = 1, defer_grad_sync: bool = False,
-                    microbatches: int = 1, split_backward: bool = False) -> Plan:
+                    activation_scale: int = 1, microbatches: int = 1,
+                    split_backward: bool = False) -> Plan:
     """Solve the intra-operator ILP of ``traced`` on the logical mesh ``cand``.
 
     Raises :class:`PlanError` when the graph cannot be placed on it and
     :class:`InfeasibleMemoryError` when nothing fits ``budget``. ``stage`` tags the collectives
-    of a pipeline stage. ``defer_grad_sync``: leave the data-parallel gradient reductions out of
-    the program (a pipeline stage reduces its gradients once a step, after its microbatches:
-    :func:`~autopar.planning.assembly.deferred_gradient`), once for its ``microbatches``.
+    of a pipeline stage; a stage's program leaves its data-parallel gradient reductions out
+    (the stage reduces its gradients once a step, after its ``microbatches``:
+    :func:`~autopar.planning.assembly.deferred_gradient`).
     ``split_backward``: the stage runs its input and weight gradients as two steps
-    (zero-bubble), which changes what it holds (:class:`StageRun`). With ZeRO and
-    ``defer_grad_sync`` the stage's runtime gathers its parameters once a step, before its
-    first forward, and reduce-scatters their gradients after its last backward
-    (``runtime.pipeline``): the program computes with them as placed (replicated over dp), and
-    they are stored as :func:`zero_placement` of that (``StageRun.zero_axes``).
+    (zero-bubble), which changes what it holds (:class:`StageRun`). With ZeRO a stage's runtime
+    gathers its parameters once a step, before its first forward, and reduce-scatters their
+    gradients after its last backward (``runtime.pipeline``): the program computes with them as
+    placed (replicated over dp), and they are stored as :func:`zero_placement` of that
+    (``StageRun.zero_axes``).
     """
-    zero_once = defer_grad_sync and bool(config.zero) and stage is not None
+    defer_grad_sync = stage is not None
+    zero_once = defer_grad_sync and bool(config.zero)
     space, costs = priced_space(traced, mesh, config, cand, cost_passes, fixed, activation_scale,
                                 gradient_share=1 / microbatches if defer_grad_sync else 1.0,
                                 zero_once=zero_once)

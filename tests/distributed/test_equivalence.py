@@ -32,7 +32,8 @@ MEMORY_BY_TECHNIQUE = {
     "none": f"gpt:tp=2,{_MEM}", "selective": f"gpt:tp=2,recompute=selective,{_MEM}",
     "full": f"gpt:tp=2,recompute=full,{_MEM}", "sp": f"gpt:tp=2,sequence_parallel=1,{_MEM}",
     "bf16": f"gpt:tp=2,mixed_precision=bf16,{_MEM}", "dp": f"gpt:dp=2,{_MEM}",
-    "zero": f"gpt:dp=2,zero=1,{_MEM}", "hf": f"gpt2:tp=2,{_MEM}",
+    "zero": f"gpt:dp=2,zero=1,{_MEM}", "zero3": f"gpt:dp=2,zero=3,{_MEM}",
+    "hf": f"gpt2:tp=2,{_MEM}",
     "explicit": f"gpt:tp=2,explicit=1,{_MEM}", "llama": f"llama:tp=2,{_MEM}",
     "1f1b": f"gpt:{_PP}=1f1b,{_MEM}", "gpipe": f"gpt:{_PP}=gpipe,{_MEM}",
     "interleaved": f"gpt:{_PP}=interleaved-1f1b,virtual_stages=2,{_MEM}",
@@ -45,7 +46,8 @@ MEMORY_SLOW = {2: [MEMORY_BY_TECHNIQUE[k] for k in ("hf", "llama", "explicit", "
                                                      "zero-bubble", "selective", "sp")],
                4: [f"gpt:pp=2,dp=2,tp=1,microbatch_size=2,schedule=1f1b,zero=1,{_MEM}"]}
 MEMORY = {2: [c for c in MEMORY_BY_TECHNIQUE.values() if c not in MEMORY_SLOW[2]],
-          4: [f"gpt:dp=2,tp=2,recompute=full,zero=1,sequence_parallel=1,{_MEM}"]}
+          4: [f"gpt:dp=2,tp=2,recompute=full,zero=1,sequence_parallel=1,{_MEM}",
+              f"gpt:dp=2,tp=2,zero=3,{_MEM}"]}
 TECHNIQUES = {2: [c for c in MEMORY[2] if "bf16" not in c], 4: MEMORY[4]}
 TECHNIQUES_SLOW = {2: MEMORY_SLOW[2], 4: [*MEMORY_SLOW[4], "gpt2:dp=2,tp=2,recompute=selective,zero=1"]}
 # bf16 autocast against a single-process bf16 autocast run: one step with tp=2 (and its
@@ -67,8 +69,11 @@ DATA_PARALLEL = {n: f"gpt:dim=64,batch={128 * n},seq=128,topo=a100-dgx" for n in
 # the free-mesh search of the GPT and Hugging Face models (the MLP's stays). They run on 2
 # processes here, and on 4 in tests/distributed/test_slow.py.
 # Also the Llama and Hugging Face GPT-2 on dp=2 x tp=2 and tp=4 (both run on 2 processes and,
-# with part 4's techniques, gpt2 on dp=2 x tp=2 here), and the 4-process data-parallel check.
-SLOW_ONLY: set[str] = {"gpt:", "gpt2:", "llama:", "llama:tp=4", "llama:dp=2,tp=2", "gpt2:dp=2,tp=2"}
+# with part 4's techniques, gpt2 on dp=2 x tp=2 here), and the 4-process data-parallel check;
+# the plain GPT on dp=2 x tp=2 too (its technique checks below run that mesh: ZeRO-1 with full
+# recomputation and sequence parallelism, and ZeRO-3).
+SLOW_ONLY: set[str] = {"gpt:", "gpt2:", "llama:", "llama:tp=4", "llama:dp=2,tp=2", "gpt2:dp=2,tp=2",
+                       "gpt:dp=2,tp=2"}
 # and on 2 processes, the free-mesh search of the Hugging Face models and Llama's dp=2 (Llama's
 # tp=2 and every model's other meshes stay); test_slow.py runs them
 SLOW_ONLY_2: set[str] = {"gpt2:", "llama:", "llama:dp=2"}
@@ -226,10 +231,19 @@ def test_each_technique_alone_and_combined_matches_one_process(world):
         # fp32 (recomputation re-runs the same ops on the same inputs; ZeRO's reduce-scatter
         # sums as an all-reduce); ZeRO-1's gradient shards are checked on the rank holding each
         assert_matches_one_process(r, FP32_TOL, check)
-        if "zero=1" in check:  # parameters (so optimizer states) sharded over dp, gradients
-            # reduce-scattered; replicated on dp only where tp shards a parameter's only dim
+        if "zero=1" in check or "zero=3" in check:  # parameters (so optimizer states) sharded
+            # over dp, gradients reduce-scattered; replicated on dp only where tp shards a
+            # parameter's only dim
             assert r["plan_counts"].get("reduce_scatter", 0) > 0, r["plan_counts"]
             assert all(p[0] != "R" or any(x != "R" for x in p[1:]) for p in r["params"].values())
+        if "zero=3" in check:  # each parameter gathered again for the backward (counted at
+            # run time, equal to the plan: assert_matches_one_process)
+            assert r["techniques"]["zero"] == 3, r["techniques"]
+            assert any(c[:2] == ["all_gather", "backward"] for c in r["collectives"]), r["collectives"]
+            # measured: each rank holds 1/dp of the parameters between steps (every dim of this
+            # GPT divides: exactly); with tp too, at most that (a bias tp shards stays whole on dp)
+            held, whole, dp = r["held_elements"], r["ref_elements"], r["degrees"]["dp"]
+            assert held * dp == whole if r["degrees"]["tp"] == 1 else held * dp <= whole, (held, whole)
 
 
 def test_bf16_matches_a_single_process_bf16_run(world):
@@ -256,6 +270,8 @@ def test_predicted_peak_memory_is_never_under_by_3_percent_nor_over_by_15(world)
     # (selective recomputation against none: test_slow.py, which measures it)
     assert peak["full"] < 0.9 * peak["none"], peak
     assert peak["zero"] < 0.9 * peak["dp"] and peak["bf16"] < peak["none"], peak
+    # ZeRO-3 frees each gathered parameter after its forward: less than ZeRO-1 at the peak
+    assert peak["zero3"] < peak["zero"], peak
 
 
 

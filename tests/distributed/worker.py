@@ -131,6 +131,11 @@ def run_check(check: str) -> dict:
         "runtime_counts": runtime, "plan_counts": dict(plan.collective_counts()),
         "runtime_bytes": dict(meter.bytes), "plan_bytes": dict(plan.collective_bytes()),
         "per_layer": per_layer, "warnings": list(plan.warnings), "setup_s": setup_s,
+        "techniques": dict(plan.techniques),
+        # the parameter elements the rank holds between steps (the most of any rank), and the
+        # model's (a tied parameter once)
+        "held_elements": int(_max_over_ranks(sum(p.to_local().numel() for p in pm.parameters()))),
+        "ref_elements": sum(p.numel() for p in ref.parameters()),
         "collectives": [[c.kind, c.phase, c.bytes, c.node] for c in plan.collectives],
         "grad_buckets": [list(b) for b in plan.grad_buckets],
         "param_bytes": [p.numel() * p.element_size() for p in ref.parameters()],

@@ -195,7 +195,7 @@ def test_wrong_format_raises_plan_error(megatron, tmp_path, fmt):
                                  dict(memory_bytes=-1), dict(memory_bytes=0),
                                  dict(solver_time_limit_s=0), dict(optimizer="lamb"),
                                  dict(bucket_bytes=-1), dict(bucket_bytes=2.5),
-                                 dict(bucket_bytes=True)])
+                                 dict(bucket_bytes=True), dict(zero=4), dict(zero=True)])
 def test_config_rejects_bad_values(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         autopar.Config(**bad)

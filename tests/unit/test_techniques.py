@@ -150,6 +150,37 @@ def test_zero_plan_shards_parameters_and_state_over_dp():
     assert zero.predicted["state_bytes"] == pytest.approx(plain.predicted["state_bytes"] * (8 + 4) / 16, rel=0.01)
 
 
+def test_zero3_gathers_parameters_again_for_the_backward_and_holds_less():
+    model, inputs = build("gpt", dim=64, layers=2, batch=256, seq=128)
+    mesh = autopar.Mesh.virtual("a100-dgx", gpus_per_node=2)
+    one, three = (autopar.plan(model, mesh, inputs, config=autopar.Config(dp=2, zero=z, bucket_bytes=0))
+                  for z in (1, 3))
+    assert (one.techniques["zero"], three.techniques["zero"]) == (1, 3)
+    assert three.params == one.params  # stored as ZeRO-1 stores them: sharded over dp
+
+    def listed(plan: autopar.Plan, phase: str) -> list:
+        return sorted((c.kind, c.axis, c.bytes) for c in plan.collectives if c.phase == phase)
+
+    assert listed(three, "forward") == listed(one, "forward")
+    extra = list(listed(three, "backward"))
+    for c in listed(one, "backward"):
+        extra.remove(c)
+    # what ZeRO-3 adds: all-gathers over dp of parameters the backward reads, each one again
+    # as the forward gathered it (the same sizes, at most once each); at least the 9 matmul
+    # weights (4 per block and the tied head), whose input gradients read them
+    assert {(k, a) for k, a, _ in extra} == {("all_gather", "dp")}
+    forward = [b for k, _, b in listed(one, "forward") if k == "all_gather"]
+    for *_, b in extra:
+        forward.remove(b)
+    assert len(extra) >= 9
+    assert three.predicted["peak_memory_bytes"] < one.predicted["peak_memory_bytes"]
+    assert three.predicted["comm_s"] > one.predicted["comm_s"]
+    with pytest.raises(ValueError, match="zero=1, which already reduce-scatters"):
+        autopar.Config(zero=2)
+    with pytest.raises(ValueError, match="zero=3, pp=2"):
+        autopar.Config(zero=3, pp=2)
+
+
 def test_memory_decides_recompute_and_zero_when_left_to_the_planner():
     assert [(c.recompute, c.zero) for c in memory_techniques(autopar.Config())][:2] == [("none", 0), ("none", 1)]
     model, inputs = build("gpt", dim=64, layers=2, batch=256, seq=128)
