@@ -48,8 +48,26 @@ def search(model: nn.Module, mesh: Mesh, example_inputs: Any, *, config: Config 
                       top_k=top_k)
 
 
+# DeviceMeshes made for plans in this job, by (device type, shape, axis names, timeout): a job
+# that parallelizes several models (or the same one again) reuses their process groups instead
+# of opening new ones each time (gloo: threads and sockets per group, never closed). Each entry
+# keeps the default group it was made under, so a job that re-initialises gets new ones.
+_MESHES: dict[tuple, tuple[Any, Any]] = {}
+
+
 def _device_mesh(p: Plan, mesh: Mesh) -> Any:
-    """The plan's DeviceMesh; its process groups get ``mesh.timeout_s`` when it is set."""
+    """The plan's DeviceMesh (reused from an earlier plan of the same shape, axis names and
+    timeout in this job); its process groups get ``mesh.timeout_s`` when it is set."""
+    key = (mesh.device_type, tuple(p.mesh_shape), tuple(p.axis_names), mesh.timeout_s)
+    world = dist.group.WORLD
+    if key in _MESHES and _MESHES[key][0] is world:
+        return _MESHES[key][1]
+    dm = _new_device_mesh(p, mesh)
+    _MESHES[key] = (world, dm)
+    return dm
+
+
+def _new_device_mesh(p: Plan, mesh: Mesh) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     override = None

@@ -4,7 +4,7 @@
 
 Plans the GPT-2-style test model on this machine's CPU processes (``cpu-gloo`` topology) once
 per technique: none, selective and full recomputation (tp=2), sequence parallelism (tp=2),
-bf16 autocast (tp=2), and without / with ZeRO-1 (dp=2). Each runs a warm-up step, then
+bf16 autocast (tp=2), and without / with ZeRO-1 and ZeRO-3 (dp=2). Each runs a warm-up step, then
 ``--steps`` timed steps; the peak memory of one more step is measured with
 ``autopar.runtime.memory``. Rank 0 prints the table. Like is compared with like: ``step`` is
 ``pmodel.step()`` alone (forward and backward) against the plan's ``step_time_s``, which excludes
@@ -39,6 +39,7 @@ TECHNIQUES = (
     ("bf16 autocast (tp=2)", dict(tp=2, mixed_precision="bf16")),
     ("none (dp=2)", dict(dp=2)),
     ("ZeRO-1 (dp=2)", dict(dp=2, zero=1)),
+    ("ZeRO-3 (dp=2)", dict(dp=2, zero=3)),
 )
 
 

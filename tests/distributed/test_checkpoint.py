@@ -58,9 +58,18 @@ def test_checkpoint_saved_under_one_plan_resumes_under_others(results_dir):
     assert e["dtensor"].startswith("TypeError") and "load_checkpoint" in e["dtensor"], e["dtensor"]
 
 
+# slow: saved under ZeRO-3 (dp=2), loaded under tp=2 and a pipeline; saved under tp=2, loaded
+# under ZeRO-3
+ZERO3 = ["ckpt:gpt,layers=2,batch=8,topo=slow-compute|dp=2,zero=3|tp=2|pp=2,microbatch_size=2,schedule=1f1b",
+         "ckpt:gpt,layers=2,batch=8,topo=slow-compute|tp=2|dp=2,zero=3"]
+
+
 @pytest.mark.slow
 def test_checkpoints_across_more_plans(results_dir):
     out = results_dir / "checkpoint-slow"
     out.mkdir(exist_ok=True)
     check_record(run_worker(2, [LLAMA], out)[LLAMA])
+    for check, r in run_worker(2, ZERO3, out).items():
+        check_record(r)
+        assert len(r["plans"]) == check.count("|") - 1, (check, r["plans"])
     check_record(run_worker(4, [FOUR], out)[FOUR])

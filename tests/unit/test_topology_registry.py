@@ -77,9 +77,9 @@ def test_registered_preset_is_a_cli_choice(registry, capsys):
         build_parser().parse_args(argv)  # not registered yet: argparse refuses the choice
     register_topology(_measured_h200())
     assert build_parser().parse_args(argv).hardware == "h200-measured"
-    # the whole command plans on it (pp and microbatch fixed: one trace, a few seconds)
-    assert main(["plan", "gpt-1.7b", "--mesh", "2x4", "--hardware", "h200-measured", "--batch",
-                 "32", "--seq", "512", "--pp", "2", "--microbatch-size", "1"]) == 0
+    # the whole command plans on it (a small preset, pp and microbatch fixed: one trace)
+    assert main(["plan", "gpt2-small", "--mesh", "2x4", "--hardware", "h200-measured", "--batch",
+                 "32", "--seq", "128", "--pp", "2", "--microbatch-size", "1"]) == 0
     out, err = capsys.readouterr()
     assert "for 2x4 h200-measured" in err and "autopar plan" in out
     unregister_topology("h200-measured")
