@@ -442,6 +442,9 @@ def _lp_backend() -> str:
 def _solve_lp(red: _Reduced, slack: float | None, time_limit_s: float) -> _LPResult:
     """Solve the LP relaxation with :func:`_lp_backend`."""
     solver = pywraplp.Solver.CreateSolver(_lp_backend())
+    solver.SuppressOutput()
+    if _lp_backend() == "HIGHS_LP":  # (its banner is printed unless this is set)
+        solver.SetSolverSpecificParametersAsString("output_flag=false")
     model = _build(solver, red, slack, integer=False)
     solver.SetTimeLimit(max(1, int(time_limit_s * 1000)))
     if solver.Solve() != pywraplp.Solver.OPTIMAL:
