@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/python -m autopar demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=15 tests
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m '' tests
