@@ -15,7 +15,7 @@ many more, each run with a new seed (hypothesis prints the seed and the failing 
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from conftest import FP32_TOL, CheckServer, assert_matches_one_process
@@ -91,6 +91,9 @@ _SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.function_scop
 
 @settings(max_examples=1, derandomize=True, **_SETTINGS)
 @given(setup=setups())
+# found by the -m slow run (2026-11-25): the free plan sharded one dim with a strided and a plain
+# shard on two axes and computed wrong numbers (strategies.space._mixes_strided)
+@example(setup="4|gpt:dim=48,heads=4,layers=4,tied=0,batch=8,seq=8,topo=slow-compute")
 def test_random_configurations_match_one_process(servers, setup):
     check_equivalence(servers, setup)
 
