@@ -256,7 +256,7 @@ class Plan:
             ``mesh_shape`` starts with the ``pp`` axis, ``nodes`` is empty and each stage's
             per-node choices are in ``pipeline.stages``), else ``None``.
         techniques: the memory and communication techniques the plan uses: ``recompute``
-            (``"none"``, ``"selective"``, ``"full"``), ``zero`` (0 or 1), ``sequence_parallel``
+            (``"none"``, ``"selective"``, ``"full"``), ``zero`` (0, 1 or 3), ``sequence_parallel``
             (whether the layer norms run sharded on the sequence dim over tp),
             ``mixed_precision`` (``"bf16-autocast"`` or the parameters' dtype); the cluster
             search adds the microbatch size and count.
