@@ -67,6 +67,7 @@ def load_model(spec: str, batch: int, seq: int) -> tuple[Any, Any]:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``plan`` and ``simulate``. ``--hardware`` offers the presets
     registered when it is built (:func:`autopar.cost_models.register_topology` adds more)."""
+    from autopar.config import ZERO_STAGES
     from autopar.cost_models.topology import preset_names
 
     parser = argparse.ArgumentParser(prog="python -m autopar", description=__doc__,
@@ -83,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("dp", "tp", "pp", "microbatch-size"):
         p.add_argument(f"--{name}", type=int, default=None, help=f"fix {name} (default: searched)")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default=None)
-    p.add_argument("--zero", type=int, choices=(0, 1, 3), default=None)
+    p.add_argument("--zero", type=int, choices=ZERO_STAGES, default=None)
     p.add_argument("--memory-gib", type=float, default=None, help="per-device budget (default: the hardware's)")
     p.add_argument("--per-operator", action="store_true",
                    help="accepted for older scripts: every plan has per-operator placements now")

@@ -8,10 +8,12 @@ from typing import Any
 
 from autopar.cost_models.pipeline import SCHEDULES
 
-__all__ = ["Config"]
+__all__ = ["Config", "ZERO_STAGES"]
 
 _UNKNOWN_OP = ("replicate", "error")
 _RECOMPUTE = ("none", "selective", "full")
+# ZeRO stages (Rajbhandari et al., SC'20, sec. 5): 1 and 2 run one program (see Config.zero)
+ZERO_STAGES = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -37,13 +39,17 @@ class Config:
         recompute: activation recomputation, ``"none"``, ``"selective"`` (attention core) or
             ``"full"`` (each block's forward re-run in the backward), or ``None``: turned on
             only when the plan does not fit memory without it.
-        zero: ZeRO stage (Rajbhandari et al., SC'20): 0; 1 (parameters stored sharded over
-            dp between steps, so the optimizer's states are too; gradients reduce-scattered,
-            parameters all-gathered where the forward first uses them and held through the
-            backward: ZeRO-2's memory and more, for an all-reduce's communication); 3 (as 1,
-            and each parameter's gathered copy freed after its last forward use and gathered
-            again for the backward, as FSDP's ``reshard_after_forward``; no pipeline yet);
-            or ``None``: 0 or 1, turned on only when the plan does not fit memory without it.
+        zero: ZeRO stage (Rajbhandari et al., SC'20, sec. 5): 0; 2 (parameters stored sharded
+            over dp between steps, so the optimizer's states are too; gradients
+            reduce-scattered into the owner's shard; parameters all-gathered where the forward
+            first uses them and held through the backward, as FSDP2's
+            ``reshard_after_forward=False``: ZeRO-2's memory and more, for an all-reduce's
+            communication); 1 (the same program as 2: stage 1 alone, gradients all-reduced whole
+            on every rank, moves the same bytes and holds more, so autopar never runs it; the
+            plan records the stage asked for); 3 (as 2, and each parameter's gathered copy
+            freed after its last forward use and gathered again for the backward, as FSDP's
+            ``reshard_after_forward=True``; no pipeline yet); or ``None``: turned on (1, then
+            3) only when the plan does not fit memory without it.
         sequence_parallel: shard the layer norms and the residual adds on the sequence dim over
             the tp axis (Megatron-LM's sequence parallelism: reduce-scatter + all-gather instead
             of all-reduce), or ``None`` to let the solver choose.
@@ -91,17 +97,13 @@ class Config:
         if self.recompute is not None and self.recompute not in _RECOMPUTE:
             raise ValueError(f"Config.recompute={self.recompute!r}: use one of {_RECOMPUTE}, or "
                              f"None to let the search choose.")
-        if self.zero == 2:
-            raise ValueError("Config.zero=2: use zero=1, which already reduce-scatters the "
-                             "gradients and stores the parameters sharded between steps (ZeRO-2's "
-                             "memory and more, at the same communication), or zero=3.")
-        if self.zero is not None and (self.zero not in (0, 1, 3) or isinstance(self.zero, bool)):
-            raise ValueError(f"Config.zero={self.zero!r}: autopar supports ZeRO stage 0, 1 or 3, "
-                             f"or None to let the search choose 0 or 1.")
+        if self.zero is not None and (self.zero not in ZERO_STAGES or isinstance(self.zero, bool)):
+            raise ValueError(f"Config.zero={self.zero!r}: use a ZeRO stage of {ZERO_STAGES}, or "
+                             f"None to let the planner choose.")
         if self.zero == 3 and self.pp is not None and self.pp > 1:
             raise ValueError(f"Config(zero=3, pp={self.pp}): ZeRO-3 runs without a pipeline so "
-                             f"far; use zero=1 (each stage gathers its parameters once a step) or "
-                             f"pp=1.")
+                             f"far; use zero=2 (each stage gathers its parameters once a step and "
+                             f"reduce-scatters its gradients) or pp=1.")
         if self.sequence_parallel not in (None, True, False):
             raise ValueError(f"Config.sequence_parallel={self.sequence_parallel!r}: use True, "
                              f"False or None.")

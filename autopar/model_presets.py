@@ -125,13 +125,18 @@ class LlamaBlock(nn.Module):
     MLP, rotary position embeddings on q and k, causal attention, SwiGLU MLP, no biases."""
 
     def __init__(self, hidden: int, heads: int, intermediate: int,
-                 dtype: torch.dtype = torch.bfloat16) -> None:
+                 dtype: torch.dtype = torch.bfloat16, kv_heads: int | None = None) -> None:
         super().__init__()
-        if hidden % heads:
-            raise ValueError(f"hidden size {hidden} must be divisible by heads {heads}")
-        self.heads = heads
+        kv_heads = kv_heads or heads
+        if hidden % heads or heads % kv_heads:
+            raise ValueError(f"hidden size {hidden} must be divisible by heads {heads}, and "
+                             f"heads by kv_heads {kv_heads}")
+        self.heads, self.kv_heads = heads, kv_heads
         self.norm1 = nn.RMSNorm(hidden, eps=1e-6, dtype=dtype)
-        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False, dtype=dtype)
+        # q, then k and v of kv_heads heads each (grouped-query attention, Ainslie et al.,
+        # arXiv:2305.13245, as Llama 2 70B: Touvron et al., arXiv:2307.09288, sec. 2.2)
+        self.qkv = nn.Linear(hidden, hidden + 2 * kv_heads * (hidden // heads), bias=False,
+                             dtype=dtype)
         self.proj = nn.Linear(hidden, hidden, bias=False, dtype=dtype)
         self.norm2 = nn.RMSNorm(hidden, eps=1e-6, dtype=dtype)
         self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False, dtype=dtype)
@@ -140,9 +145,14 @@ class LlamaBlock(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """One layer on ``x`` (batch, seq, hidden) with the rotary tables ``cos``/``sin``."""
         b, s, h = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(h, dim=2)
-        q, k, v = (t.view(b, s, self.heads, h // self.heads).transpose(1, 2) for t in (q, k, v))
+        d, kv = h // self.heads, self.kv_heads
+        q, k, v = self.qkv(self.norm1(x)).split((h, kv * d, kv * d), dim=2)
+        q = q.view(b, s, self.heads, d).transpose(1, 2)
+        k, v = (t.view(b, s, kv, d).transpose(1, 2) for t in (k, v))
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if kv < self.heads:  # each k/v head serves heads / kv query heads
+            k, v = (t[:, :, None].expand(b, kv, self.heads // kv, s, d).reshape(b, self.heads, s, d)
+                    for t in (k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, s, h))
         gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
@@ -159,11 +169,12 @@ class Llama(nn.Module):
     """Llama language model returning the mean next-token cross-entropy of ``(ids, targets)``."""
 
     def __init__(self, hidden: int, layers: int, heads: int, intermediate: int, seq: int = 2048,
-                 vocab: int = 32000, dtype: torch.dtype = torch.bfloat16) -> None:
+                 vocab: int = 32000, dtype: torch.dtype = torch.bfloat16,
+                 kv_heads: int | None = None) -> None:
         super().__init__()
         self.heads, self.seq = heads, seq
         self.embed = nn.Embedding(vocab, hidden, dtype=dtype)
-        self.blocks = nn.ModuleList(LlamaBlock(hidden, heads, intermediate, dtype)
+        self.blocks = nn.ModuleList(LlamaBlock(hidden, heads, intermediate, dtype, kv_heads)
                                     for _ in range(layers))
         self.norm = nn.RMSNorm(hidden, eps=1e-6, dtype=dtype)
         self.head = nn.Linear(hidden, vocab, bias=False, dtype=dtype)
@@ -188,6 +199,9 @@ LLAMA_CONFIGS: dict[str, dict[str, int]] = {
     "llama-7b": dict(hidden=4096, layers=32, heads=32, intermediate=11008),
     "llama-13b": dict(hidden=5120, layers=40, heads=40, intermediate=13824),
     "llama-65b": dict(hidden=8192, layers=80, heads=64, intermediate=22016),
+    # Llama 2 70B (Touvron et al., arXiv:2307.09288, Table 1 and sec. 2.2; its released config:
+    # 8 key/value heads, intermediate size 28672): 69.0B parameters at vocabulary 32000
+    "llama2-70b": dict(hidden=8192, layers=80, heads=64, intermediate=28672, kv_heads=8),
 }
 
 

@@ -24,7 +24,9 @@ its producer's placement, alive at the end of the forward. The program that runs
   recomputed too); a collective's output is never recomputed but saved (``capture.remat``);
 - with ZeRO-3 a backward reader of a parameter, or of a view or cast of one, reads a copy made
   again from the shard right before it (with its gathers), so the forward's gathered copy dies
-  after its last forward reader (``passes.lower``'s ``_regathered``).
+  after its last forward reader (``passes.lower``'s ``_regathered``); a recomputed op reading
+  one reads that copy too, made before its recomputation (``passes.recompute``), once per
+  value and placement in the backward.
 
 :func:`step_memory` walks the joint graph in program order with these rules and returns the
 peak of the live bytes plus the persistent training state. The joint graph's order is the
@@ -110,6 +112,8 @@ class _Op:
     tagged: bool = False
     recipe: list[tuple[int, int]] = field(default_factory=list)
     copy: int | None = None
+    # ZeRO-3: the (parameter chain node, placement) its recomputed copy reads gathered again
+    regathered: list[tuple[fx.Node, tuple[str, ...]]] = field(default_factory=list)
 
 
 class _Walk:
@@ -162,6 +166,8 @@ class _Walk:
         if op.copy is None:
             for r in op.recipe:
                 self.read(r, at, True)
+            for a, dst in op.regathered:  # (ZeRO-3: passes.recompute's regather)
+                self.read(self.regathered(a, dst), at, True)
             op.copy = self.new_op([self.size[b] for b in op.buffers], at)
         return op.copy
 
@@ -293,12 +299,16 @@ class _Walk:
         if backward and self.forward_end < 0:
             self.forward_end = self.step - 1
         plan, tagged = self.nodes[n.name], n.name in self.tagged
-        reads = []
+        reads, recipe, regathered = [], [], []
         for a, dst in zip(tensor_inputs(n), plan.inputs):
             ref = (self.regathered(a, dst) if backward and a.name in self.regather
                    else self.move(a, dst, tagged, backward))
             self.read(ref, self.step, backward)
             reads.append(ref)
+            if tagged and a.name in self.regather:  # recomputed from a gathered-again copy
+                regathered.append((a, tuple(dst)))
+            else:
+                recipe.append(ref)
         vals = n.meta.get("val")
         many = isinstance(vals, (tuple, list))
         if _is_view(n) and reads:
@@ -307,7 +317,8 @@ class _Walk:
         vals = list(vals) if many else [vals]
         sizes = [self.local_bytes(v, p) if isinstance(v, torch.Tensor) and p is not None else 0.0
                  for v, p in zip(vals, plan.outputs)]
-        op = self.new_op(sizes, self.step, tagged, reads)
+        op = self.new_op(sizes, self.step, tagged, recipe)
+        self.ops[op].regathered = regathered
         self.env[n.name] = [(op, i) for i in range(len(sizes))] if many else (op, 0)
 
     def output_move(self, n: fx.Node, index: int, step: int) -> None:

@@ -31,7 +31,7 @@ from autopar.strategies.space import (
     Placements, Strategy, StrategySpace, tensor_inputs, boundary_placements,
 )
 
-__all__ = ["SpaceCosts", "StepEndBucket", "deferred_gradient_matrix", "deferred_placement", "price_space",
+__all__ = ["REGATHERED_LAYERS", "SpaceCosts", "StepEndBucket", "deferred_gradient_matrix", "deferred_placement", "price_space",
            "recomputed_bytes", "reshard_time", "state_bytes_per_element", "step_end_buckets",
            "stored_dim", "stored_placement", "zero_placement"]
 
@@ -158,6 +158,13 @@ def _compute_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: To
     return op_time(flops, float(nbytes), topo, dtype, is_matmul=flops > 0)
 
 
+# layers whose gathered parameters ZeRO-3 holds at once: the one computing and the one whose
+# gather is issued ahead of it (FSDP2's default prefetch of one layer: Zhao et al., "PyTorch
+# FSDP", VLDB 2023, sec. 3.3); an upper bound of autopar's runtime, which gathers each
+# parameter right before its reader
+REGATHERED_LAYERS = 2
+
+
 def _numel(shape: Sequence[int]) -> int:
     n = 1
     for d in shape:
@@ -167,13 +174,17 @@ def _numel(shape: Sequence[int]) -> int:
 
 def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
                 optimizer: str = "adam", recompute: frozenset[str] = frozenset(),
-                zero_axes: Sequence[int] = ()) -> SpaceCosts:
+                zero_axes: Sequence[int] = (), gathered_share: float = 1.0) -> SpaceCosts:
     """Price every strategy and every edge of ``space`` on ``topology``.
 
     ``zero_axes``: the parameters are stored as :func:`zero_placement` over these axes and
     gathered once a step into the placement the strategy gives them (a pipeline stage with
     ZeRO-1: ``autopar.runtime.pipeline``); their state is priced at the stored size, plus the
-    gathered copy.
+    gathered copy. ``gathered_share``: the share of a parameter's gathered copy the step holds
+    at its peak (1: held through the step, ZeRO-1/2; ZeRO-3 frees each copy after its last
+    reader and gathers it again, so the copies of a few layers are held at once: the ILP's
+    memory is linear, so each copy counts that share of its bytes, exact when the layers are
+    alike; the plan's peak is the liveness walk, ``cost_models.liveness``).
 
     ``recompute``: forward nodes recomputed in the backward (``passes.recompute``); their compute
     is paid twice, their outputs are not saved (their inputs are), and ``recomputed`` holds the
@@ -212,7 +223,7 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
         if mkey not in cache:
             cache[mkey] = _memory(n, ns.strategies, mesh_shape, name in params, name in tied,
                                   saved.get(name, ()), optimizer, space.dp_axes,
-                                  tuple(zero_axes))
+                                  tuple(zero_axes), gathered_share)
         memory[name] = cache[mkey]
         for k, (src, idx) in enumerate(ns.inputs):
             val = _val_list(traced.node(src).meta["val"])[idx]
@@ -507,7 +518,8 @@ def _alias_root(a: fx.Node) -> tuple[fx.Node, int]:
 
 def _memory(n: fx.Node, strategies: Sequence[Strategy], mesh_shape: tuple[int, ...],
             is_param: bool, is_tied: bool, saved_outputs: Sequence[int], optimizer: str,
-            dp_axes: Sequence[int] = (), zero_axes: Sequence[int] = ()) -> np.ndarray:
+            dp_axes: Sequence[int] = (), zero_axes: Sequence[int] = (),
+            gathered_share: float = 1.0) -> np.ndarray:
     out = np.zeros(len(strategies))
     vals = _val_list(n.meta.get("val"))
     for j, s in enumerate(strategies):
@@ -522,7 +534,8 @@ def _memory(n: fx.Node, strategies: Sequence[Strategy], mesh_shape: tuple[int, .
                     optimizer, v.element_size())
                 gathered = tuple(Replicate() if a in dp_axes else p for a, p in enumerate(s.outputs[0]))
                 if gathered != tuple(stored):  # ZeRO: the step computes with a gathered copy
-                    out[j] += _numel(local_shape(v.shape, gathered, mesh_shape)) * v.element_size()
+                    out[j] += (_numel(local_shape(v.shape, gathered, mesh_shape)) * v.element_size()
+                               * gathered_share)
             elif not is_param:
                 out[j] = local * v.element_size()
             continue

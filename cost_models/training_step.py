@@ -17,7 +17,8 @@ Sources:
          core (the ``s x s`` scores, softmax, dropout and ``attn @ V``) and drops its activations.
   [ZERO] Rajbhandari et al., "ZeRO", SC'20, arXiv:1910.02054, sec. 5.1 and 7: stage 1 shards the
          optimizer state over dp; gradients are reduce-scattered and the updated parameters
-         all-gathered, the same bytes as one all-reduce.
+         all-gathered, the same bytes as one all-reduce; stage 3 (sec. 5.3, 7.2.2) gathers
+         each layer's parameters again for the backward: 1.5 times those bytes.
   [ADAM] Kingma & Ba, "Adam", ICLR'15, Alg. 1, in mixed precision (Micikevicius et al., ICLR'18):
          the update reads the 16-bit gradient, the fp32 master weight and both moments, and writes
          master, moments and the 16-bit weight: 2 + 3 * 4 + 3 * 4 + 2 = 28 bytes per parameter,
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 
 from autopar.cost_models.comm import axis_collective_time
 from autopar.cost_models.pipeline import in_flight
+from autopar.cost_models.sharding import REGATHERED_LAYERS
 from autopar.cost_models.topology import Topology
 
 __all__ = ["UnitCosts", "LayerCosts", "Setup", "StepCost", "price_setup", "RECOMPUTE",
@@ -227,6 +229,8 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
     peak = lc.block.peak(setup.recompute)
     stage_memory = [_state_memory(lc, setup, state[j], elems[j]) + act[j] * flight[j]
                     + (counts[j] > 0) * peak for j in range(stages)]
+    if setup.zero == 3 and setup.dp > 1:  # ZeRO-3's gathered layers and unreduced gradient
+        stage_memory = [m + _regathered_bytes(lc) for m in stage_memory]
     for j in range(stages):
         memory[j % p] += stage_memory[j]
     dp_s, tied_s, opt_s = _step_end(lc, setup, max(rank(elems)), topology)
@@ -272,9 +276,11 @@ def _step_end(lc: LayerCosts, setup: Setup, elements: float, topology: Topology
     grad_bytes = elements * lc.param_itemsize
     # one gradient reduction per step over dp (stride tp); ZeRO-1 does it as reduce-scatter plus
     # all-gather of the parameters, the same bytes ([ZERO])
-    if setup.zero:
+    if setup.zero:  # ZeRO-3 gathers the parameters again for the backward ([ZERO] sec. 7.2.2)
+        gathers = 2 if setup.zero == 3 else 1
         dp_s = (axis_collective_time("reduce_scatter", grad_bytes, setup.dp, setup.tp, topology)
-                + axis_collective_time("all_gather", grad_bytes, setup.dp, setup.tp, topology))
+                + gathers * axis_collective_time("all_gather", grad_bytes, setup.dp, setup.tp,
+                                                 topology))
     else:
         dp_s = axis_collective_time("all_reduce", grad_bytes, setup.dp, setup.tp, topology)
     tied_s = 0.0
@@ -316,6 +322,8 @@ def _state_memory(lc: LayerCosts, setup: Setup, state: float, elements: float) -
     :mod:`autopar.cost_models.sharding`)."""
     if not setup.zero or setup.dp == 1:
         return state
+    if setup.zero == 3:  # everything sharded; the gathered layers: _regathered_bytes
+        return state / setup.dp
     if setup.grad_sync in ("gathered", "microbatch"):
         return state / setup.dp + elements * lc.param_itemsize
     if lc.param_itemsize >= 4:
@@ -323,6 +331,15 @@ def _state_memory(lc: LayerCosts, setup: Setup, state: float, elements: float) -
     else:
         total, opt = (18, 12) if lc.optimizer == "adam" else (10, 4)
     return state * (total - opt + opt / setup.dp) / total
+
+
+def _regathered_bytes(lc: LayerCosts) -> float:
+    """What ZeRO-3 holds beside the sharded state: the gathered parameters of
+    :data:`~autopar.cost_models.sharding.REGATHERED_LAYERS` units (the one computing, the
+    one gathered ahead) and the unreduced gradient of one, at the largest unit's size
+    ([ZERO] sec. 5.3; Zhao et al., "PyTorch FSDP", VLDB 2023, sec. 3.3)."""
+    largest = max(lc.pre.param_elements, lc.block.param_elements, lc.post.param_elements)
+    return (REGATHERED_LAYERS + 1) * largest * lc.param_itemsize
 
 
 def model_flops_megatron(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:

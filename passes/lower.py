@@ -16,10 +16,11 @@ gradient where the backward produces it), so an unreduced gradient dies at its r
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import warnings
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -32,7 +33,7 @@ from autopar.graph import output_moves
 from autopar.placements import from_str
 from autopar.passes.overlap import overlap_collectives
 from autopar.capture.layers import is_backward
-from autopar.capture.remat import TAG
+from autopar.capture.remat import REGATHER, TAG
 from autopar.passes.recompute import recompute_pass
 from autopar.plan import Plan
 from autopar.strategies import fused
@@ -89,6 +90,26 @@ def _spec_like(x: DTensor, placements: tuple) -> Any:
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 
+@contextlib.contextmanager
+def _marked(regather: bool) -> Iterator[None]:
+    """Mark the local nodes traced inside as making a ZeRO-3 parameter's gathered copy
+    (``capture.remat.REGATHER``, in the ``custom`` metadata torch's tracing copies), when
+    ``regather``; the recomputation pass re-runs and merges them."""
+    meta = torch.fx.traceback.get_current_meta()
+    if not regather or meta is None:
+        yield
+        return
+    old = meta.get("custom")
+    meta["custom"] = {**(old or {}), REGATHER: True}
+    try:
+        yield
+    finally:
+        if old is None:
+            meta.pop("custom", None)
+        else:
+            meta["custom"] = old
+
+
 class _Interpreter:
     """Runs the joint graph over DTensors with the Plan's placements."""
 
@@ -121,7 +142,7 @@ class _Interpreter:
                 try:
                     # the local nodes (and the collectives feeding them) keep the joint node's
                     # metadata, "partitioner_tag" included: the forward/backward split needs it
-                    with torch.fx.traceback.set_current_meta(n):
+                    with torch.fx.traceback.set_current_meta(n), _marked(n.name in self.regather):
                         env[n.name] = self._call(n, env, moved)
                         if n.name in early:
                             self._get(n, placements_of(self.plan.output_placements[early[n.name]]), env, moved)
@@ -147,7 +168,8 @@ class _Interpreter:
     def _get(self, a: fx.Node, dst: tuple, env: dict, moved: dict) -> DTensor:
         key = (a.name, dst)
         if key not in moved:
-            moved[key] = reshard(env[a.name], dst, self.mesh)
+            with _marked(a.name in self.regather):  # a ZeRO-3 parameter's gathered copy
+                moved[key] = reshard(env[a.name], dst, self.mesh)
         return moved[key]
 
     def _regathered(self, a: fx.Node, dst: tuple, env: dict, moved: dict) -> DTensor:
@@ -156,7 +178,9 @@ class _Interpreter:
         forward's gathered copy is not read, so it dies after its last forward reader); once
         per (value, placement) in the backward."""
         key = ("backward", a.name, dst)
-        if key not in moved:
+        if key in moved:
+            return moved[key]
+        with _marked(True):
             if a.op == "placeholder":
                 value = env[a.name]
             elif ("backward", a.name) in moved:
@@ -440,7 +464,7 @@ def lower_to_local(gm: fx.GraphModule, plan: Plan, mesh: Any,
     finally:
         for n in tagged:
             n.meta.pop(TAG, None)
-    return overlap_collectives(recompute_pass(local) if tagged else local)
+    return overlap_collectives(recompute_pass(local, bool(regather)) if tagged else local)
 
 
 def _trace_local(gm: fx.GraphModule, plan: Plan, mesh: Any,

@@ -32,11 +32,15 @@ import torch.fx as fx
 from autopar.capture.layers import aten_ops, is_backward, is_op
 from autopar.graph import TracedGraph
 
-__all__ = ["POLICIES", "TAG", "is_comm", "is_forward", "is_random", "is_wait", "recompute_nodes",
-           "regathered_nodes"]
+__all__ = ["POLICIES", "REGATHER", "TAG", "is_comm", "is_forward", "is_random", "is_regather",
+           "is_wait", "recompute_nodes", "regathered_nodes"]
 
 POLICIES = ("none", "selective", "full")
 TAG = "recompute"  # the metadata key torch's tracing copies from a node to the nodes it produces
+# under ZeRO-3, the key in a lowered node's ``meta["custom"]`` (which torch's tracing copies too)
+# marking a node that makes a parameter's gathered copy from its shard: the gathers of a
+# ``regathered_nodes`` value and that chain's views and casts, in the forward and the backward
+REGATHER = "autopar_regather"
 
 _RANDOM = aten_ops("native_dropout", "bernoulli", "rand", "randn", "rand_like", "randn_like",
                    "randint", "randint_like", "randperm", "normal", "uniform", "multinomial",
@@ -72,6 +76,11 @@ def is_comm(n: fx.Node) -> bool:
 def is_wait(n: fx.Node) -> bool:
     """Whether ``n`` waits for a functional collective (``_c10d_functional.wait_tensor``)."""
     return is_op(n, _WAIT)
+
+
+def is_regather(n: fx.Node) -> bool:
+    """Whether lowered node ``n`` makes a ZeRO-3 parameter's gathered copy (:data:`REGATHER`)."""
+    return bool((n.meta.get("custom") or {}).get(REGATHER))
 
 
 def is_forward(n: fx.Node) -> bool:

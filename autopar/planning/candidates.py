@@ -45,7 +45,12 @@ def mesh_candidates(world: int, config: Config) -> list[Candidate]:
 def memory_techniques(config: Config) -> list[Config]:
     """The concrete (recompute, zero) settings ``config`` allows, cheapest first: ZeRO-1 costs
     no extra communication (a reduce-scatter and an all-gather move what one all-reduce does,
-    Rajbhandari et al., SC'20, sec. 7.2.1), recomputation costs forward compute."""
+    Rajbhandari et al., SC'20, sec. 7.2.1), recomputation costs forward compute, ZeRO-3 half
+    as much communication again (sec. 7.2.2), so it comes last."""
     recompute = [config.recompute] if config.recompute is not None else ["none", "selective", "full"]
-    zero = [config.zero] if config.zero is not None else [0, 1]
-    return [dataclasses.replace(config, recompute=r, zero=z) for r in recompute for z in zero]
+    if config.zero is not None:
+        return [dataclasses.replace(config, recompute=r, zero=config.zero) for r in recompute]
+    groups = ((0, 1),) if config.pp is not None and config.pp > 1 else ((0, 1), (3,))  # (no
+    # ZeRO-3 pipeline yet)
+    return [dataclasses.replace(config, recompute=r, zero=z) for group in groups
+            for r in recompute for z in group]

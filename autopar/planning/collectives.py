@@ -19,6 +19,8 @@ from autopar.mesh import Mesh
 from autopar.placements import from_str
 from autopar.plan import Collective, NodePlan
 from autopar.capture.layers import node_phase
+from autopar.capture.remat import is_random
+from autopar.strategies.space import tensor_inputs
 from autopar.strategies.reshard import reshard_steps
 
 __all__ = ["StepCollectives", "step_collectives", "step_end_reductions"]
@@ -39,9 +41,12 @@ class StepCollectives:
 
 class _Walk:
     def __init__(self, traced: TracedGraph, shape: Sequence[int], names: Sequence[str],
-                 nodes: dict[str, NodePlan], outputs: Sequence, mesh: Mesh) -> None:
+                 nodes: dict[str, NodePlan], outputs: Sequence, mesh: Mesh,
+                 regather: frozenset[str] = frozenset(), tagged: frozenset[str] = frozenset()
+                 ) -> None:
         self.traced, self.shape, self.names, self.nodes = traced, tuple(shape), names, nodes
         self.outputs, self.mesh = outputs, mesh
+        self.chains, self.tagged = regather, tagged  # ZeRO-3's chains; recomputed nodes
         self.strides = [int(np.prod(self.shape[a + 1:])) for a in range(len(self.shape))]
         self.done: set[tuple[str, tuple]] = set()
         self.res = StepCollectives()
@@ -83,8 +88,6 @@ class _Walk:
         """ZeRO-3: ``a`` made again for backward reader ``consumer`` from its parameter's
         shard (``passes.lower``'s ``_regathered``: the chain's own moves, then ``a``'s to
         ``dst``, once per value and placement in the backward), issued before the reader."""
-        from autopar.strategies.space import tensor_inputs
-
         key = ("backward", a.name, dst)
         if key in self.done:
             return
@@ -97,6 +100,28 @@ class _Walk:
             if s.kind != "local":
                 self.add(s.kind, s.axis, s.nbytes, "backward", layer, consumer, consumer,
                          self.previous)
+
+    def recompute(self, x: fx.Node, layer: str, consumer: str) -> None:
+        """ZeRO-3 under recomputation: the gathers of recomputed ``x``'s copy, made right
+        before backward ``consumer`` (``passes.recompute``): a parameter it reads is gathered
+        again (shared with the backward's readers), a recomputed input whose move is local is
+        recomputed too; an input moved by a collective is read as saved."""
+        if ("recomputed", x.name) in self.done:
+            return
+        self.done.add(("recomputed", x.name))
+        if x.target is operator.getitem:  # an output of its source, which is recomputed
+            if x.args[0].name in self.tagged:
+                self.recompute(x.args[0], layer, consumer)
+            return
+        for inp, dst in zip(tensor_inputs(x), self.nodes[x.name].inputs):
+            if inp.name in self.chains:
+                self.regather(inp, tuple(dst), layer, consumer)
+            elif inp.name in self.tagged and not self.communicates(inp, tuple(dst)):
+                self.recompute(inp, layer, consumer)
+
+    def communicates(self, arg: fx.Node, dst: tuple[str, ...]) -> bool:
+        """Whether moving ``arg`` to ``dst`` takes a collective."""
+        return any(s.kind != "local" for s in self.steps(arg, dst))
 
     def bucket(self, members: Sequence[int], args: dict[int, fx.Node], layer: str) -> None:
         """A gradient bucket's one all-reduce, issued when its last gradient is computed."""
@@ -113,14 +138,16 @@ class _Walk:
 def step_collectives(traced: TracedGraph, shape: Sequence[int], names: Sequence[str],
                      nodes: dict[str, NodePlan], outputs: Sequence, mesh: Mesh,
                      buckets: tuple[tuple[int, ...], ...] = (),
-                     regather: frozenset[str] = frozenset()) -> StepCollectives:
+                     regather: frozenset[str] = frozenset(),
+                     recompute: frozenset[str] = frozenset()) -> StepCollectives:
     """Walk the graph as the lowering does and list every collective (deduplicated moves);
     the gradients of a bucket (:mod:`autopar.planning.buckets`) make one all-reduce, where the
     last of them is computed. ``regather``: ZeRO-3's chains
-    (:func:`autopar.capture.remat.regathered_nodes`), gathered again for backward readers."""
-    from autopar.strategies.space import tensor_inputs
-
-    walk = _Walk(traced, shape, names, nodes, outputs, mesh)
+    (:func:`autopar.capture.remat.regathered_nodes`), gathered again for backward readers and
+    for the copies of the ``recompute`` nodes that read them (``capture.remat.recompute_nodes``)."""
+    tagged = frozenset(n.name for n in traced.gm.graph.nodes if n.name in recompute
+                       and n.op == "call_function" and not is_random(n)) if regather else frozenset()
+    walk = _Walk(traced, shape, names, nodes, outputs, mesh, regather, tagged)
     out_node = next(n for n in traced.gm.graph.nodes if n.op == "output")
     early, late = output_moves(traced.gm)
     bucket_of = {i: b for b in buckets for i in b}
@@ -129,6 +156,11 @@ def step_collectives(traced: TracedGraph, shape: Sequence[int], names: Sequence[
         layer = traced.node_layer.get(n.name, "")
         if n.op == "call_function" and n.target is not operator.getitem:
             phase = node_phase(n)
+            if phase == "backward" and tagged:  # the recomputed copies made before n
+                for a, dst in zip(tensor_inputs(n), nodes[n.name].inputs):
+                    if a.name in tagged and not ((a.name, tuple(dst)) in walk.done
+                                                 and walk.communicates(a, tuple(dst))):
+                        walk.recompute(a, layer, n.name)
             for a, dst in zip(tensor_inputs(n), nodes[n.name].inputs):
                 if phase == "backward" and a.name in regather:
                     walk.regather(a, tuple(dst), layer, n.name)

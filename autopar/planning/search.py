@@ -2,7 +2,7 @@
 
 Candidates: every factorisation of the devices into (dp, tp, pp) with tp inside a node, every
 microbatch size (and so microbatch count), schedule (1F1B; interleaved 1F1B with v chunks),
-activation recomputation (none, selective, full), ZeRO stage (0, 1) and sequence parallelism.
+activation recomputation (none, selective, full), ZeRO stage (0, 1, 3) and sequence parallelism.
 
 The model is not traced whole. Its repeated blocks are checked to be identical, and a copy with
 only two of them (``pre``, ``blocks.0``, ``blocks.1``, ``post``) is traced per microbatch size
@@ -46,7 +46,7 @@ from autopar.capture.stages import capture_with_forward, microbatch_inputs
 
 __all__ = ["LayerSolver", "SearchResult", "candidate_setups", "layer_costs", "model_flops",
            "pipelines_always", "pruned_examples", "search", "search_unsupported", "tp_degrees",
-           "TP_ACROSS_NODES_MAX"]
+           "zero_stages", "TP_ACROSS_NODES_MAX"]
 
 _MAX_MICROBATCH = 8
 # Two-block traces of the last models searched in this process, by model fingerprint (structure,
@@ -282,7 +282,7 @@ def candidate_setups(num_devices: int, gpus_per_node: int, batch: int, num_block
     ``b`` a power of two up to 8 dividing the per-replica batch (Megatron-LM's range, SC'21
     Fig. 7) with a pipeline, the whole per-replica batch without one (the runtime does not
     accumulate gradients over microbatches without a pipeline), schedules, recomputation,
-    ZeRO 0/1 and sequence parallelism (only with tp > 1)."""
+    ZeRO stages (:func:`zero_stages`) and sequence parallelism (only with tp > 1)."""
     tps = [t for t in tp_degrees(num_devices, gpus_per_node) if t <= (tp_max or t)]
     for tp in tps:
         for pp in _divisors(num_devices // tp):
@@ -302,14 +302,26 @@ def candidate_setups(num_devices: int, gpus_per_node: int, batch: int, num_block
                 m = batch // (dp * b)
                 for schedule, v in _schedule_options(pp, m, num_blocks, config):
                     for rc in RECOMPUTE:
-                        for zero in (0, 1) if dp > 1 else (0,):
+                        for zero in zero_stages(config, dp, pp):
                             for sp in (False, True) if tp > 1 else (False,):
-                                if _allowed(config, recompute=rc, zero=zero, sequence_parallel=sp):
+                                if _allowed(config, recompute=rc, sequence_parallel=sp):
                                     # the runtime reduces a pipeline's gradients once a step
                                     # (runtime.pipeline, every schedule), with ZeRO-1 as
                                     # reduce-scatter and a gather of the parameters
                                     yield Setup(dp, tp, pp, b, m, schedule, v, rc, zero, sp,
                                                 grad_sync="gathered" if zero else "step")
+
+
+def zero_stages(config: Config, dp: int, pp: int) -> tuple[int, ...]:
+    """The ZeRO stages searched for a setup of ``dp`` replicas and ``pp`` pipeline stages: the
+    one ``Config.zero`` forces, or 0, 1 and (without a pipeline, which the runtime does not run
+    under ZeRO-3 yet) 3; stage 2 runs ZeRO-1's program (``Config.zero``), so it is searched only
+    when forced. Nothing is sharded without dp."""
+    if dp == 1:
+        return (0,) if config.zero in (None, 0) else ()
+    if config.zero is not None:
+        return () if config.zero == 3 and pp > 1 else (config.zero,)
+    return (0, 1) if pp > 1 else (0, 1, 3)
 
 
 # the largest tensor-parallel group the search forms across nodes: Megatron-LM's largest tp
@@ -374,14 +386,11 @@ def search_unsupported(model: nn.Module, example_inputs: Any, mesh: Mesh,
                        config: Config) -> str | None:
     """Why the setup search cannot price ``model`` on ``mesh`` under ``config`` (``None``: it
     can): it needs two or more identical blocks in an ``nn.ModuleList``, inputs of one batch
-    size, the model's own precision, ZeRO 0 or 1, and a schedule it prices (1F1B, interleaved
-    1F1B)."""
+    size, the model's own precision, and a schedule it prices (1F1B, interleaved 1F1B)."""
     if mesh.size == 1:
         return "one device: there is no setup to search"
     if config.mixed_precision == "bf16":
         return "bf16 autocast (the search prices the model in its own dtype)"
-    if config.zero == 3:
-        return "ZeRO-3 (the search prices ZeRO stages 0 and 1)"
     if config.schedule not in (None, "1f1b", "interleaved-1f1b"):
         return f"schedule {config.schedule!r} (the search prices 1f1b and interleaved-1f1b)"
     node = mesh.topology.gpus_per_node

@@ -11,7 +11,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar.config import Config
 from autopar.cost_models.passes import run_cost_passes
-from autopar.cost_models.sharding import (SpaceCosts, deferred_gradient_matrix, price_space,
+from autopar.cost_models.sharding import (REGATHERED_LAYERS, SpaceCosts, deferred_gradient_matrix, price_space,
                                           zero_placement)
 from autopar.errors import PlanError
 from autopar.graph import TracedGraph
@@ -30,7 +30,7 @@ from autopar.capture.layers import is_backward, is_op
 from autopar.capture.remat import recompute_nodes
 from autopar.strategies.space import StrategySpace, build_space
 
-__all__ = ['replace_plan', 'solve_candidate', 'solve_space', 'unpinned_space']
+__all__ = ['regathered_share', 'replace_plan', 'solve_candidate', 'solve_space', 'unpinned_space']
 
 
 from autopar.planning.assembly import build_plan
@@ -89,8 +89,9 @@ def priced_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidat
     if sequence_parallel is not None and "tp" in cand.names:
         _pin_norms(traced, space, cand.names.index("tp"), sequence_parallel)
     recompute = recompute_nodes(traced, config.recompute or "none")
+    share = regathered_share(traced) if config.zero == 3 and not zero_once else 1.0
     costs = run_cost_passes(price_space(traced, space, mesh.topology, config.optimizer, recompute,
-                                        zero_axes),
+                                        zero_axes, share),
                             space, mesh.topology, cost_passes)
     if activation_scale != 1:
         # parameters are held once; a gradient coming in from the next stage (a tangent) is
@@ -101,6 +102,15 @@ def priced_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidat
     if gradient_share != 1.0 and cand.dp_axes:
         costs = _deferred_gradients(traced, space, costs, mesh, cand, gradient_share)
     return space, _with_recompute_peak(traced, costs)
+
+
+def regathered_share(traced: TracedGraph) -> float:
+    """The share of every parameter's gathered copy that the ILP counts under ZeRO-3 (see
+    :func:`~autopar.cost_models.sharding.price_space`):
+    :data:`~autopar.cost_models.sharding.REGATHERED_LAYERS` of the layers that read parameters."""
+    layers = {traced.node_layer.get(u.name, "") for p in traced.params
+              for u in traced.node(p.node).users}
+    return min(1.0, REGATHERED_LAYERS / max(1, len(layers)))
 
 
 def _deferred_gradients(traced: TracedGraph, space: StrategySpace, costs: SpaceCosts,
