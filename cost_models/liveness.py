@@ -26,7 +26,9 @@ its producer's placement, alive at the end of the forward. The program that runs
   again from the shard right before it (with its gathers), so the forward's gathered copy dies
   after its last forward reader (``passes.lower``'s ``_regathered``); a recomputed op reading
   one reads that copy too, made before its recomputation (``passes.recompute``), once per
-  value and placement in the backward.
+  value and placement in the backward; each layer's gathers are issued while the layer before
+  it computes (``passes.overlap.prefetch_gathers``, ``capture.remat.GatherRuns``), so their
+  outputs are alive from there.
 
 :func:`step_memory` walks the joint graph in program order with these rules and returns the
 peak of the live bytes plus the persistent training state. The joint graph's order is the
@@ -48,7 +50,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Shard
 
 from autopar.capture.layers import is_backward
-from autopar.capture.remat import is_random
+from autopar.capture.remat import GatherRuns, is_random
 from autopar.cost_models.sharding import state_bytes_per_element, zero_placement
 from autopar.graph import output_moves
 from autopar.placements import from_str
@@ -112,8 +114,9 @@ class _Op:
     tagged: bool = False
     recipe: list[tuple[int, int]] = field(default_factory=list)
     copy: int | None = None
-    # ZeRO-3: the (parameter chain node, placement) its recomputed copy reads gathered again
-    regathered: list[tuple[fx.Node, tuple[str, ...]]] = field(default_factory=list)
+    # ZeRO-3: the (parameter chain node, placement, layer) its recomputed copy reads gathered
+    # again (for a reader in that layer)
+    regathered: list[tuple[fx.Node, tuple[str, ...], str]] = field(default_factory=list)
 
 
 class _Walk:
@@ -136,6 +139,8 @@ class _Walk:
         self.largest_output = 0.0  # of a collective (not a bucket's, reduced in place)
         self.is_input: set[int] = set()
         self.placement_cache: dict[tuple[str, ...], tuple] = {}
+        self.layer = ""  # of the node being walked
+        self.runs = {False: GatherRuns(), True: GatherRuns()}  # ZeRO-3's prefetch, per part
 
     # -- buffers and references -------------------------------------------------------------
     def new_op(self, sizes: Sequence[float], born: int, tagged: bool = False,
@@ -166,8 +171,8 @@ class _Walk:
         if op.copy is None:
             for r in op.recipe:
                 self.read(r, at, True)
-            for a, dst in op.regathered:  # (ZeRO-3: passes.recompute's regather)
-                self.read(self.regathered(a, dst), at, True)
+            for a, dst, layer in op.regathered:  # (ZeRO-3: passes.recompute's regather)
+                self.read(self.regathered(a, dst, layer), at, True)
             op.copy = self.new_op([self.size[b] for b in op.buffers], at)
         return op.copy
 
@@ -190,24 +195,26 @@ class _Walk:
         are too, while its collective's output is saved."""
         key = (a.name, tuple(dst))
         if key not in self.moved:
-            self.moved[key] = self._reshard(a, tuple(dst), tagged, backward)
+            gather = self.layer if a.name in self.regather and not backward else None
+            self.moved[key] = self._reshard(a, tuple(dst), tagged, backward, gather=gather)
         return self.moved[key]
 
-    def regathered(self, a: fx.Node, dst: Sequence[str]) -> tuple[int, int]:
-        """ZeRO-3: the reference a backward reader reads ``a`` through, made again from its
-        parameter's shard (``passes.lower``'s ``_regathered``): its chain's buffers and moves
-        new at this step, once per value and placement in the backward."""
+    def regathered(self, a: fx.Node, dst: Sequence[str], layer: str) -> tuple[int, int]:
+        """ZeRO-3: the reference a backward reader in ``layer`` reads ``a`` through, made
+        again from its parameter's shard (``passes.lower``'s ``_regathered``): its chain's
+        buffers and moves new at this step, once per value and placement in the backward."""
         key = ("backward", a.name, tuple(dst))
         if key not in self.moved:
-            ref = self.env[a.name] if a.op == "placeholder" else self._remade(a)
-            self.moved[key] = self._reshard(a, tuple(dst), False, True, ref)
+            ref = self.env[a.name] if a.op == "placeholder" else self._remade(a, layer)
+            self.moved[key] = self._reshard(a, tuple(dst), False, True, ref, gather=layer)
         return self.moved[key]
 
-    def _remade(self, a: fx.Node) -> tuple[int, int]:
+    def _remade(self, a: fx.Node, layer: str) -> tuple[int, int]:
         """A chain node of ZeRO-3 (a view or cast of a parameter) run again in the backward."""
         key = ("backward", a.name)
         if key not in self.moved:
-            reads = [self.regathered(i, d) for i, d in zip(tensor_inputs(a), self.nodes[a.name].inputs)]
+            reads = [self.regathered(i, d, layer)
+                     for i, d in zip(tensor_inputs(a), self.nodes[a.name].inputs)]
             for r in reads:
                 self.read(r, self.step, True)
             if _is_view(a) and reads:
@@ -218,7 +225,11 @@ class _Walk:
         return self.moved[key]
 
     def _reshard(self, a: fx.Node, dst: tuple[str, ...], tagged: bool, backward: bool,
-                 ref: tuple[int, int] | None = None) -> tuple[int, int]:
+                 ref: tuple[int, int] | None = None, gather: str | None = None
+                 ) -> tuple[int, int]:
+        """The moves of ``a`` to ``dst`` (``ref``: the buffer moved, ``a``'s own by default);
+        ``gather``: a ZeRO-3 parameter gather for a reader in that layer, issued as
+        :class:`~autopar.capture.remat.GatherRuns` says."""
         src = self.nodes[a.name].outputs[0]
         ref = self.env[a.name] if ref is None else ref
         val = a.meta["val"]
@@ -233,7 +244,8 @@ class _Walk:
             self.read(ref, self.step, backward)
             return out
         k = comm[-1]
-        issued = self.issue_point(ref, backward)
+        issued = (self.issue_point(ref, backward) if gather is None
+                  else self.prefetched(gather, backward))
         coll = (self.new_op([self._bytes_after(val, steps[k].after)], issued), 0)
         self.read(ref, issued, backward)
         self.largest_output = max(self.largest_output, self.size[self.ops[coll[0]].buffers[0]])
@@ -258,6 +270,13 @@ class _Walk:
             floor = self.forward_end + 1 if backward else 0
             issued = min(max(self.born[op.buffers[ref[1]]], floor, self.last_collective), self.step)
         self.last_collective = issued
+        return issued
+
+    def prefetched(self, layer: str, backward: bool) -> int:
+        """The step a ZeRO-3 parameter gather for a reader in ``layer``, made at this step, is
+        issued at (``passes.overlap.prefetch_gathers``)."""
+        issued, _ = self.runs[backward].issue(layer, self.step)
+        self.last_collective = max(self.last_collective, issued)
         return issued
 
     def _bytes_after(self, val: torch.Tensor, placements: tuple) -> float:
@@ -299,14 +318,15 @@ class _Walk:
         if backward and self.forward_end < 0:
             self.forward_end = self.step - 1
         plan, tagged = self.nodes[n.name], n.name in self.tagged
+        self.layer = self.traced.node_layer.get(n.name, "")
         reads, recipe, regathered = [], [], []
         for a, dst in zip(tensor_inputs(n), plan.inputs):
-            ref = (self.regathered(a, dst) if backward and a.name in self.regather
+            ref = (self.regathered(a, dst, self.layer) if backward and a.name in self.regather
                    else self.move(a, dst, tagged, backward))
             self.read(ref, self.step, backward)
             reads.append(ref)
             if tagged and a.name in self.regather:  # recomputed from a gathered-again copy
-                regathered.append((a, tuple(dst)))
+                regathered.append((a, tuple(dst), self.layer))
             else:
                 recipe.append(ref)
         vals = n.meta.get("val")

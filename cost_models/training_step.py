@@ -233,10 +233,10 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
         stage_memory = [m + _regathered_bytes(lc) for m in stage_memory]
     for j in range(stages):
         memory[j % p] += stage_memory[j]
+    comm = m * max(rank(_comm_per_stage(lc, counts, setup.recompute)))
     dp_s, tied_s, opt_s = _step_end(lc, setup, max(rank(elems)), topology)
     if setup.grad_sync == "microbatch" and p > 1:
         dp_s = 0.0  # reduced inside every microbatch's backward (in fw, bw above)
-    comm = m * max(rank(_comm_per_stage(lc, counts, setup.recompute)))
     parts = {"pipeline_s": pipe, "bubble_s": pipe - m * max(busy), "dp_comm_s": dp_s,
              "tied_grad_s": tied_s, "optimizer_s": opt_s, "tp_comm_s": comm,
              "p2p_s": m * 2 * send if p > 1 else 0.0}

@@ -31,7 +31,7 @@ from autopar import _torch_private as private
 from autopar._torch_private import DTensorSpec, FakeTensorMode, _StridedShard
 from autopar.graph import output_moves
 from autopar.placements import from_str
-from autopar.passes.overlap import overlap_collectives
+from autopar.passes.overlap import overlap_collectives, prefetch_gathers
 from autopar.capture.layers import is_backward
 from autopar.capture.remat import REGATHER, TAG
 from autopar.passes.recompute import recompute_pass
@@ -91,16 +91,17 @@ _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 
 @contextlib.contextmanager
-def _marked(regather: bool) -> Iterator[None]:
-    """Mark the local nodes traced inside as making a ZeRO-3 parameter's gathered copy
-    (``capture.remat.REGATHER``, in the ``custom`` metadata torch's tracing copies), when
-    ``regather``; the recomputation pass re-runs and merges them."""
+def _marked(layer: str | None) -> Iterator[None]:
+    """Mark the local nodes traced inside as making a ZeRO-3 parameter's gathered copy for a
+    reader in ``layer`` (``capture.remat.REGATHER``, in the ``custom`` metadata torch's tracing
+    copies); ``None`` marks nothing. The recomputation pass re-runs and merges them, the
+    prefetch pass issues them a layer ahead (``passes.overlap.prefetch_gathers``)."""
     meta = torch.fx.traceback.get_current_meta()
-    if not regather or meta is None:
+    if layer is None or meta is None:
         yield
         return
     old = meta.get("custom")
-    meta["custom"] = {**(old or {}), REGATHER: True}
+    meta["custom"] = {**(old or {}), REGATHER: layer}
     try:
         yield
     finally:
@@ -116,6 +117,7 @@ class _Interpreter:
     def __init__(self, gm: fx.GraphModule, plan: Plan, mesh: Any,
                  regather: frozenset[str] = frozenset()) -> None:
         self.gm, self.plan, self.mesh, self.regather = gm, plan, mesh, regather
+        self.layer = ""  # the layer of the node being lowered (which a ZeRO-3 gather serves)
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
 
     def run(self, *locals_: torch.Tensor) -> list[torch.Tensor | None]:
@@ -142,7 +144,9 @@ class _Interpreter:
                 try:
                     # the local nodes (and the collectives feeding them) keep the joint node's
                     # metadata, "partitioner_tag" included: the forward/backward split needs it
-                    with torch.fx.traceback.set_current_meta(n), _marked(n.name in self.regather):
+                    self.layer = self.plan.nodes[n.name].layer
+                    with torch.fx.traceback.set_current_meta(n), \
+                            _marked(self.layer if n.name in self.regather else None):
                         env[n.name] = self._call(n, env, moved)
                         if n.name in early:
                             self._get(n, placements_of(self.plan.output_placements[early[n.name]]), env, moved)
@@ -168,7 +172,7 @@ class _Interpreter:
     def _get(self, a: fx.Node, dst: tuple, env: dict, moved: dict) -> DTensor:
         key = (a.name, dst)
         if key not in moved:
-            with _marked(a.name in self.regather):  # a ZeRO-3 parameter's gathered copy
+            with _marked(self.layer if a.name in self.regather else None):  # ZeRO-3's copy
                 moved[key] = reshard(env[a.name], dst, self.mesh)
         return moved[key]
 
@@ -180,7 +184,7 @@ class _Interpreter:
         key = ("backward", a.name, dst)
         if key in moved:
             return moved[key]
-        with _marked(True):
+        with _marked(self.layer):
             if a.op == "placeholder":
                 value = env[a.name]
             elif ("backward", a.name) in moved:
@@ -464,7 +468,8 @@ def lower_to_local(gm: fx.GraphModule, plan: Plan, mesh: Any,
     finally:
         for n in tagged:
             n.meta.pop(TAG, None)
-    return overlap_collectives(recompute_pass(local, bool(regather)) if tagged else local)
+    local = recompute_pass(local, bool(regather)) if tagged else local
+    return overlap_collectives(prefetch_gathers(local) if regather else local)
 
 
 def _trace_local(gm: fx.GraphModule, plan: Plan, mesh: Any,

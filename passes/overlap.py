@@ -1,5 +1,5 @@
-"""Overlap pass: start each collective as early as its input allows, wait for it as late as
-its result allows.
+"""Overlap pass: start each collective as early as its input allows (ZeRO-3's parameter
+gathers a layer ahead), wait for it as late as its result allows.
 
 A functional collective (``_c10d_functional.all_reduce`` and its kin) starts the communication
 and returns at once; ``wait_tensor`` blocks until it is done. Traced programs issue a collective
@@ -22,7 +22,9 @@ import operator
 import torch
 import torch.fx as fx
 
-__all__ = ["overlap_collectives", "hoist_collectives", "sink_waits"]
+from autopar.capture.remat import GatherRuns, is_regather, regather_layer
+
+__all__ = ["overlap_collectives", "hoist_collectives", "prefetch_gathers", "sink_waits"]
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _VIEWS = {
@@ -42,7 +44,8 @@ def overlap_collectives(gm: fx.GraphModule) -> fx.GraphModule:
 def hoist_collectives(gm: fx.GraphModule) -> fx.GraphModule:
     """Move each collective, with the views of its input that only it reads, up to right
     after the last node it depends on. Collectives of the program's inputs stay (a ZeRO
-    parameter's all-gather moved to the top would hold every gathered parameter at once).
+    parameter's all-gather moved to the top would hold every gathered parameter at once;
+    ZeRO-3's are issued a layer ahead by :func:`prefetch_gathers`).
 
     Requires: a local program of ``_c10d_functional`` collectives. Guarantees: the same nodes
     computing the same values; the collectives keep their order among themselves (every rank
@@ -67,6 +70,70 @@ def hoist_collectives(gm: fx.GraphModule) -> fx.GraphModule:
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+def prefetch_gathers(gm: fx.GraphModule) -> fx.GraphModule:
+    """ZeRO-3's prefetch: move each parameter gather (the nodes the lowering marks
+    ``capture.remat.REGATHER``, a collective with the marked nodes it reads) up to where
+    :class:`~autopar.capture.remat.GatherRuns` issues it: a layer's gathers together, while the
+    layer before it computes, in the forward and again in the backward. Their waits stay where
+    the gathered copies are first read.
+
+    Requires: a lowered joint program (``partitioner_tag`` set), each collective waited for by
+    one ``wait_tensor``. Guarantees: the same nodes computing the same values; a gather never
+    leaves its part of the step; every rank moves the same collectives the same way (their
+    order changes alike on every rank); a gather whose inputs include an unmarked node computed
+    after its new place stays where it is.
+    """
+    for backward in (False, True):
+        runs = GatherRuns()
+        for c in [n for n in gm.graph.nodes if _is_collective(n) and is_regather(n)
+                  and (n.meta.get("partitioner_tag") == "is_backward") == backward]:
+            wait = next((u for u in c.users if u.target is _WAIT), None)
+            if wait is None:
+                continue
+            anchor, _ = runs.issue(regather_layer(c), wait)
+            _move_before([*_marked_inputs(c), c], anchor)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _marked_inputs(c: fx.Node) -> list[fx.Node]:
+    """The marked (``REGATHER``) nodes ``c`` depends on through marked nodes, in program order;
+    an unmarked op among its inputs is returned too (and stops the move)."""
+    seen: set[fx.Node] = set()
+    todo = list(c.all_input_nodes)
+    while todo:
+        n = todo.pop()
+        if n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        if is_regather(n):
+            todo += n.all_input_nodes
+    position = {n: i for i, n in enumerate(c.graph.nodes)}
+    return sorted(seen, key=position.__getitem__)
+
+
+def _move_before(group: list[fx.Node], anchor: fx.Node) -> None:
+    """Put the nodes of ``group`` that come after ``anchor`` right before it, in order, unless
+    one of them is unmarked (it may depend on what comes before it); right after the last
+    node they read that is not before ``anchor`` (the anchor itself, when the gather reads
+    what the anchor waits for), if there is one."""
+    position = {n: i for i, n in enumerate(anchor.graph.nodes)}
+    late = [n for n in group if position[n] > position[anchor]]
+    if not late or any(not is_regather(n) for n in late):
+        return
+    moved = set(late)
+    read = [a for n in late for a in n.all_input_nodes
+            if a not in moved and position[a] >= position[anchor]]
+    if read:  # (before the first of them, which the reads all precede)
+        after = max(read, key=position.__getitem__)
+        if position[after] + 1 >= position[late[0]]:
+            return
+        anchor = after.next
+    for n in late:
+        anchor.prepend(n)
 
 
 def _root(n: fx.Node) -> fx.Node:

@@ -33,13 +33,14 @@ from autopar.capture.layers import aten_ops, is_backward, is_op
 from autopar.graph import TracedGraph
 
 __all__ = ["POLICIES", "REGATHER", "TAG", "is_comm", "is_forward", "is_random", "is_regather",
-           "is_wait", "recompute_nodes", "regathered_nodes"]
+           "is_wait", "recompute_nodes", "regather_layer", "regathered_nodes", "GatherRuns"]
 
 POLICIES = ("none", "selective", "full")
 TAG = "recompute"  # the metadata key torch's tracing copies from a node to the nodes it produces
 # under ZeRO-3, the key in a lowered node's ``meta["custom"]`` (which torch's tracing copies too)
 # marking a node that makes a parameter's gathered copy from its shard: the gathers of a
-# ``regathered_nodes`` value and that chain's views and casts, in the forward and the backward
+# ``regathered_nodes`` value and that chain's views and casts, in the forward and the backward;
+# its value is the layer of the reader the copy is made for
 REGATHER = "autopar_regather"
 
 _RANDOM = aten_ops("native_dropout", "bernoulli", "rand", "randn", "rand_like", "randn_like",
@@ -80,7 +81,38 @@ def is_wait(n: fx.Node) -> bool:
 
 def is_regather(n: fx.Node) -> bool:
     """Whether lowered node ``n`` makes a ZeRO-3 parameter's gathered copy (:data:`REGATHER`)."""
-    return bool((n.meta.get("custom") or {}).get(REGATHER))
+    return regather_layer(n) is not None
+
+
+def regather_layer(n: fx.Node) -> str | None:
+    """The layer whose reader lowered node ``n`` makes a ZeRO-3 parameter's gathered copy for
+    (:data:`REGATHER`; ``""`` outside repeated layers), or ``None`` for another node."""
+    return (n.meta.get("custom") or {}).get(REGATHER)
+
+
+class GatherRuns:
+    """ZeRO-3's prefetch (the rule of the runtime's ``passes.overlap.prefetch_gathers`` and of
+    the plan's walks of the same program, ``planning.collectives`` and
+    ``cost_models.liveness``): in each part of the step, the parameter gathers fall into runs of
+    consecutive gathers for readers of one layer; the first run is issued together where its
+    first gather was made, and each later run together where the run before it was first
+    needed, so a layer's gathers travel while the layer before it computes (FSDP2's prefetch of
+    the next layer: Zhao et al., "PyTorch FSDP", VLDB 2023, sec. 3.3) and two layers' gathered
+    copies are alive at once (``cost_models.sharding.REGATHERED_LAYERS``).
+
+    Feed the gathers of one part in program order to :meth:`issue`, each with a position token
+    of the caller's (a node, a step); it answers the token of the position the gather is issued
+    at and whether that is ahead of its run's own first gather."""
+
+    def __init__(self) -> None:
+        self.firsts: list[tuple[str, object]] = []  # per run: (layer, token of its first gather)
+
+    def issue(self, layer: str, token: object) -> tuple[object, bool]:
+        """Where the gather at ``token``, for a reader in ``layer``, is issued."""
+        if not self.firsts or self.firsts[-1][0] != layer:
+            self.firsts.append((layer, token))
+        k = len(self.firsts) - 1
+        return self.firsts[max(k - 1, 0)][1], k > 0
 
 
 def is_forward(n: fx.Node) -> bool:

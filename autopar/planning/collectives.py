@@ -19,7 +19,7 @@ from autopar.mesh import Mesh
 from autopar.placements import from_str
 from autopar.plan import Collective, NodePlan
 from autopar.capture.layers import node_phase
-from autopar.capture.remat import is_random
+from autopar.capture.remat import GatherRuns, is_random
 from autopar.strategies.space import tensor_inputs
 from autopar.strategies.reshard import reshard_steps
 
@@ -51,6 +51,11 @@ class _Walk:
         self.done: set[tuple[str, tuple]] = set()
         self.res = StepCollectives()
         self.previous: str | None = None  # the node computed last
+        # ZeRO-3's prefetch of parameter gathers, per part (capture.remat.GatherRuns), and the
+        # order of each collective on the channel: (index it is issued at, after that index's
+        # own, index made)
+        self.runs = {"forward": GatherRuns(), "backward": GatherRuns()}
+        self.order: list[tuple[int, int, int]] = []
 
     def steps(self, arg: fx.Node, dst: tuple[str, ...]) -> list:
         val = arg.meta["val"]
@@ -59,7 +64,15 @@ class _Walk:
                              self.shape)
 
     def add(self, kind: str, axis: int, nbytes: float, phase: str, layer: str, consumer: str,
-            who: str, start_after: str | None) -> None:
+            who: str, start_after: str | None, gather: bool = False) -> None:
+        """One collective; ``gather``: a ZeRO-3 parameter gather, issued where
+        :class:`~autopar.capture.remat.GatherRuns` says."""
+        index = len(self.res.comms)
+        key = (index, 0, index)
+        if gather:
+            (at, start_after), ahead = self.runs[phase].issue(layer, (index, start_after))
+            key = (at, int(ahead), index)
+        self.order.append(key)
         self.res.collectives.append(Collective(kind, self.names[axis], int(nbytes), phase, layer,
                                                consumer))
         t = axis_collective_time(kind, nbytes, self.shape[axis], self.strides[axis],
@@ -82,7 +95,8 @@ class _Walk:
         who = arg.name if consumer == "output" else consumer
         for s in self.steps(arg, dst):
             if s.kind != "local":
-                self.add(s.kind, s.axis, s.nbytes, phase, layer, consumer, who, start)
+                self.add(s.kind, s.axis, s.nbytes, phase, layer, consumer, who, start,
+                         arg.name in self.chains)
 
     def regather(self, a: fx.Node, dst: tuple[str, ...], layer: str, consumer: str) -> None:
         """ZeRO-3: ``a`` made again for backward reader ``consumer`` from its parameter's
@@ -99,7 +113,7 @@ class _Walk:
         for s in self.steps(a, dst):
             if s.kind != "local":
                 self.add(s.kind, s.axis, s.nbytes, "backward", layer, consumer, consumer,
-                         self.previous)
+                         self.previous, True)
 
     def recompute(self, x: fx.Node, layer: str, consumer: str) -> None:
         """ZeRO-3 under recomputation: the gathers of recomputed ``x``'s copy, made right
@@ -114,8 +128,8 @@ class _Walk:
                 self.recompute(x.args[0], layer, consumer)
             return
         for inp, dst in zip(tensor_inputs(x), self.nodes[x.name].inputs):
-            if inp.name in self.chains:
-                self.regather(inp, tuple(dst), layer, consumer)
+            if inp.name in self.chains:  # (marked with x's layer, as the copy of x's move)
+                self.regather(inp, tuple(dst), self.traced.node_layer.get(x.name, ""), consumer)
             elif inp.name in self.tagged and not self.communicates(inp, tuple(dst)):
                 self.recompute(inp, layer, consumer)
 
@@ -182,6 +196,9 @@ def step_collectives(traced: TracedGraph, shape: Sequence[int], names: Sequence[
                               traced.node_layer.get(a.name, ""), "output")
         if n.op == "call_function":
             walk.previous = n.name
+    order = sorted(range(len(walk.order)), key=walk.order.__getitem__)  # the channel's order
+    walk.res.comms = [walk.res.comms[i] for i in order]
+    walk.res.collectives = [walk.res.collectives[i] for i in order]
     return walk.res
 
 

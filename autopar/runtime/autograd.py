@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from autopar import _torch_private as private
 from autopar.capture.remat import is_wait
+from autopar.passes.gather_buffers import gather_into_buffers
 from autopar.runtime.faults import collective_failures
 
 __all__ = ["split_forward_backward", "split_weight_backward", "WeightSplit", "JointFunction", "FlatBucket",
@@ -42,7 +43,9 @@ def split_forward_backward(local: fx.GraphModule, placeholder_names: Sequence[st
         n.name = name
     gm.recompile()
     fwd, bwd = private.partition_joint(gm, num_fwd_outputs=num_fwd_outputs)
-    return _drop_dead_code(fwd, "is_backward"), _drop_dead_code(bwd, "is_forward")
+    # (each part's all-gathers into buffers of its own: passes.gather_buffers)
+    return (gather_into_buffers(_drop_dead_code(fwd, "is_backward")),
+            gather_into_buffers(_drop_dead_code(bwd, "is_forward")))
 
 
 def _drop_dead_code(gm: fx.GraphModule, other_part: str) -> fx.GraphModule:

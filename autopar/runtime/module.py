@@ -9,6 +9,7 @@ one local program (explicit collectives) and leaves gradients in ``p.grad``.
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Any
 
@@ -21,6 +22,7 @@ from autopar._torch_private import tree_flatten
 from autopar.errors import InputMismatchError
 from autopar.graph import TracedGraph
 from autopar.plan import Plan
+from autopar.passes.gather_buffers import gather_into_buffers
 from autopar.passes.lower import placements_of
 from autopar.capture.stages import set_module_attr
 from autopar.runtime.faults import collective_failures
@@ -40,6 +42,9 @@ class ParallelModule(StateDictMixin, nn.Module):
         self.device_mesh = mesh
         self._traced = traced
         self._program = local_program
+        # what step() runs (passes.gather_buffers, made on first use); forward() splits
+        # _program itself
+        self._runnable: fx.GraphModule | None = None
         self._compile = compile
         self._compiled: Any = None
         # seconds of each start-up phase (autopar.parallelize fills it; compile_s: the first step)
@@ -112,13 +117,15 @@ class ParallelModule(StateDictMixin, nn.Module):
         return outs[self._traced.loss_output_index].detach()
 
     def _execute(self, feeds: list[torch.Tensor]) -> Any:
+        if self._runnable is None:  # the program, its all-gathers into buffers of its own
+            self._runnable = gather_into_buffers(copy.deepcopy(self._program))
         if not self._compile:
-            return self._program(*feeds)
+            return self._runnable(*feeds)
         if self._compiled is None:  # compiled on first use, for these (static) shapes
             from autopar import _torch_private as private
 
             t0 = time.perf_counter()
-            self._compiled = private.inductor_compile(self._program, feeds)
+            self._compiled = private.inductor_compile(self._runnable, feeds)
             self.startup["compile_s"] = time.perf_counter() - t0
         return self._compiled(*feeds)
 

@@ -40,6 +40,7 @@ from autopar._torch_private import tree_flatten
 from autopar.cost_models.pipeline import TORCH_SCHEDULE_CLASSES
 from autopar.errors import InputMismatchError, PlanError
 from autopar.graph import TracedGraph
+from autopar.passes.gather_buffers import all_gather_into_buffer
 from autopar.passes.lower import placements_of
 from autopar.capture.stages import StageGraph, set_module_attr
 from autopar.plan import Plan
@@ -290,8 +291,7 @@ class PipelineModule(StateDictMixin, nn.Module):
             for bucket, group in buckets:
                 # (detached: the gradients come through the stage's sink, not autograd)
                 part = bucket.pack([self._params[n].to_local().detach() for n in bucket.names])
-                flat = funcol.wait_tensor(torch.ops._c10d_functional.all_gather_into_tensor.default(
-                    part, bucket.parts, group))
+                flat = funcol.wait_tensor(all_gather_into_buffer(part, bucket.parts, group))
                 out.update(zip(bucket.names, bucket.unpack(flat)))
             return out
 

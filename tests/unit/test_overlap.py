@@ -16,6 +16,7 @@ import torch.distributed as dist
 import autopar
 from autopar import _torch_private as private
 from autopar.capture import capture
+from autopar.capture.remat import recompute_nodes, regathered_nodes
 from autopar.passes.lower import lower_to_local
 from autopar.planning.buckets import FIRST_BUCKET_BYTES
 from autopar.planning.per_unit import make_plan
@@ -44,7 +45,9 @@ def _lowered(kind: str, config: autopar.Config, topology: str = "a100-dgx", **mo
     mesh = autopar.Mesh.virtual(topology, gpus_per_node=2)
     plan = make_plan(traced, mesh, config, (), None, model, inputs)
     dm = init_device_mesh("cpu", plan.mesh_shape, mesh_dim_names=plan.axis_names)
-    return plan, lower_to_local(traced.gm, plan, dm)
+    regather = regathered_nodes(traced) if plan.techniques["zero"] == 3 else frozenset()
+    return plan, lower_to_local(traced.gm, plan, dm, recompute_nodes(traced, plan.techniques["recompute"]),
+                                regather)
 
 
 # large batch, narrow layers on A100s: plain data parallelism (as in test_equivalence.py)
@@ -147,3 +150,61 @@ def test_a_zero_parameter_is_gathered_where_it_is_used(fake_world):
                    or n.target in (torch.ops.aten.t.default, torch.ops.aten.view.default)
                    for n in between), [str(n.target) for n in between]
 
+
+
+GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+GATHER_OUT = torch.ops._c10d_functional.all_gather_into_tensor_out.default
+
+
+def test_zero3_gathers_each_layer_while_the_layer_before_computes(fake_world):
+    """ZeRO-3's prefetch (passes.overlap.prefetch_gathers): in the forward and again in the
+    backward, the gathers of a block's parameters are issued before the block before it reads
+    any gathered parameter (one layer ahead, as FSDP2); a block's gathers are never issued
+    two layers ahead."""
+    from autopar.capture.remat import regather_layer
+
+    plan, local = _lowered("gpt", autopar.Config(dp=2, zero=3), **DP)
+    assert plan.techniques["zero"] == 3
+    nodes = list(local.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    for part in ("is_forward", "is_backward"):
+        gathers = [n for n in nodes if n.target is GATHER and regather_layer(n) is not None
+                   and (n.meta.get("partitioner_tag") == "is_backward") == (part == "is_backward")]
+        runs: list[tuple[str, list]] = []
+        for g in gathers:
+            if not runs or runs[-1][0] != regather_layer(g):
+                runs.append((regather_layer(g), []))
+            runs[-1][1].append(g)
+        blocks = [(layer, gs) for layer, gs in runs if layer.startswith("blocks.")]
+        assert len(blocks) == 2, [r[0] for r in runs]
+
+        def first_read(gs: list) -> int:  # the first op computing with a gathered copy of gs
+            waits = [u for g in gs for u in g.users if u.target is WAIT]
+            return min(pos[u] for w in waits for u in w.users)
+
+        for (_, before), (_, after) in zip(runs, runs[1:]):
+            assert max(pos[g] for g in after) < first_read(before)
+        for (_, two_before), _, (_, after) in zip(runs, runs[1:], runs[2:]):
+            assert min(pos[g] for g in after) > min(pos[g] for g in two_before)
+
+
+def test_all_gathers_go_into_buffers_of_their_own(fake_world):
+    """passes.gather_buffers: the program that runs gathers into buffers it allocates
+    (all_gather_into_tensor_out), never through the functional op whose gloo form
+    (ALLGATHER_COALESCED) races in torch 2.13's ProcessGroupGloo::runLoop; the same
+    collectives, shapes and order, and so in the forward and backward graphs."""
+    import copy
+
+    from autopar.passes.gather_buffers import gather_into_buffers
+    from autopar.runtime.autograd import split_forward_backward
+
+    _, local = _lowered("gpt", autopar.Config(dp=2, zero=3), **DP)
+    before = [tuple(n.meta["val"].shape) for n in local.graph.nodes if n.target is GATHER]
+    runs = gather_into_buffers(copy.deepcopy(local))
+    assert not [n for n in runs.graph.nodes if n.target is GATHER]
+    after = [n for n in runs.graph.nodes if n.target is GATHER_OUT]
+    assert [tuple(n.kwargs["out"].meta["val"].shape) for n in after] == before and before
+    order = [n.name for n in local.graph.nodes if n.op == "placeholder"]
+    for graph in split_forward_backward(local, order):
+        assert not [n for n in graph.graph.nodes if n.target is GATHER]
+        assert [n for n in graph.graph.nodes if n.target is GATHER_OUT]

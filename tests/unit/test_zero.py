@@ -37,7 +37,8 @@ def test_zero3_with_full_recomputation_gathers_again_instead_of_saving_the_gathe
     """A recomputed block reads its parameters gathered again in the backward, shared with the
     backward's own readers (passes.recompute): each weight gathered once forward and once
     backward, as without recomputation, and the forward's copies not held to the backward."""
-    model, inputs = build("gpt", dim=64, layers=2, batch=256, seq=128)
+    # four blocks, so that the two layers' copies the prefetch holds are not all of them
+    model, inputs = build("gpt", dim=128, layers=4, batch=16, seq=64)
     mesh = autopar.Mesh.virtual("a100-dgx", gpus_per_node=2)
     cfg = dict(dp=2, zero=3, bucket_bytes=0)
     plain, full = (autopar.plan(model, mesh, inputs, config=autopar.Config(recompute=r, **cfg))
@@ -93,8 +94,9 @@ def test_a_model_that_fits_with_zero1_is_not_given_zero3():
 
 def test_zero3_price_shards_everything_and_gathers_twice():
     """The closed form (cost_models.training_step): ZeRO-3 holds 1/dp of the state plus the
-    gathered layers in flight, and moves 1.5 times ZeRO-1's bytes over dp
-    (Rajbhandari et al., SC'20, sec. 7.2)."""
+    gathered layers in flight, and moves 1.5 times ZeRO-1's bytes over dp (Rajbhandari et al.,
+    SC'20, sec. 7.2), priced not overlapped as ZeRO-1's are (the per-operator plan overlaps
+    both as the runtime runs them)."""
     model, inputs, mesh = _llama_on_64_h100s("llama-7b")
     layers = LayerSolver(model, inputs, mesh, autopar.Config(tp=1, pp=1), ())
     base = Setup(64, 1, 1, 1, 1, "none", 1, "full", 1, False, grad_sync="gathered")
