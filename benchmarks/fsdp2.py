@@ -25,7 +25,6 @@ compare the ratios of one run, not figures across runs.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -36,7 +35,9 @@ import torch.distributed as dist
 import autopar
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from runtime_vs_torch import SIZES, Step, _backward, compare, make_model, table  # noqa: E402
+from runtime_vs_torch import (  # noqa: E402
+    SIZES, Step, as_rank, backward_loss, compare, make_model, report,
+)
 
 
 def hand_fsdp(size: dict, compile: bool) -> tuple[Step, list]:
@@ -56,7 +57,7 @@ def hand_fsdp(size: dict, compile: bool) -> tuple[Step, list]:
 
     def step(ids: Any, tgt: Any) -> Any:
         n = ids.shape[0] // world
-        return _backward(model(ids[rank * n:(rank + 1) * n], tgt[rank * n:(rank + 1) * n]))
+        return backward_loss(model(ids[rank * n:(rank + 1) * n], tgt[rank * n:(rank + 1) * n]))
 
     return step, list(model.parameters())
 
@@ -68,13 +69,7 @@ def worker(args: argparse.Namespace) -> None:
     results = [compare(f"dp={n} ZeRO-3", size, config, lambda c: hand_fsdp(size, c), c,
                        args.repeats, args.warmup)
                for c in ([False, True] if args.compile else [False])]
-    if dist.get_rank() == 0:
-        print(f"BenchGPT {size}, {n} processes (gloo), FSDP2 as torch; median of "
-              f"{args.repeats} interleaved steps after {args.warmup} warm-up steps")
-        print(table(results))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"size": size, "processes": n, "results": results}, f, indent=1)
+    report(results, size, args, ", FSDP2 as torch")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -95,12 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     if "RANK" in os.environ:
-        dist.init_process_group("gloo")
-        try:
-            worker(args)
-        finally:
-            dist.destroy_process_group()
-        return 0
+        return as_rank(worker, args)
     status = 0
     for n in args.procs:
         inner = ["--size", args.size, "--repeats", str(args.repeats), "--warmup", str(args.warmup)]

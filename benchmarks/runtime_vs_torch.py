@@ -130,7 +130,7 @@ def hand_tp(size: dict, compile: bool) -> tuple[Step, list[nn.Parameter]]:
         layout.update({f"blocks.{i}.{n}": RowwiseParallel() for n in ("proj", "fc2")})
     parallelize_module(model, mesh, layout)
     run = torch.compile(model) if compile else model
-    return (lambda ids, tgt: _backward(run(ids, tgt))), list(model.parameters())
+    return (lambda ids, tgt: backward_loss(run(ids, tgt))), list(model.parameters())
 
 
 def hand_dp(size: dict, compile: bool) -> tuple[Step, list[nn.Parameter]]:
@@ -145,7 +145,7 @@ def hand_dp(size: dict, compile: bool) -> tuple[Step, list[nn.Parameter]]:
 
     def step(ids: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
         n = ids.shape[0] // world
-        return _backward(run(ids[rank * n:(rank + 1) * n], tgt[rank * n:(rank + 1) * n]))
+        return backward_loss(run(ids[rank * n:(rank + 1) * n], tgt[rank * n:(rank + 1) * n]))
 
     return step, list(model.parameters())
 
@@ -196,7 +196,7 @@ def hand_pp(size: dict, compile: bool, microbatches: int) -> tuple[Step, list[nn
     return step, list(stage_mod.parameters())
 
 
-def _backward(loss: torch.Tensor) -> torch.Tensor:
+def backward_loss(loss: torch.Tensor) -> torch.Tensor:
     loss.backward()
     return loss.detach()
 
@@ -316,13 +316,29 @@ def worker(args: argparse.Namespace) -> None:
     modes = [False] + ([True] if args.compile else [])
     results = [compare(name, size, cfg, hand, c, args.repeats, args.warmup)
                for name, cfg, hand, c in rows(size, modes, args.microbatch_size, args.only)]
+    report(results, size, args)
+
+
+def report(results: list[dict], size: dict, args: argparse.Namespace, torch_is: str = "") -> None:
+    """Print the table on rank 0 (and write every figure to ``args.json``)."""
     if dist.get_rank() == 0:
-        print(f"BenchGPT {size}, {dist.get_world_size()} processes (gloo), median of "
+        print(f"BenchGPT {size}, {dist.get_world_size()} processes (gloo){torch_is}, median of "
               f"{args.repeats} interleaved steps after {args.warmup} warm-up steps")
         print(table(results))
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"size": size, "results": results}, f, indent=1)
+                json.dump({"size": size, "processes": dist.get_world_size(), "results": results},
+                          f, indent=1)
+
+
+def as_rank(body: Callable[[argparse.Namespace], None], args: argparse.Namespace) -> int:
+    """Run ``body(args)`` as this rank of a gloo job (inside ``torchrun``)."""
+    dist.init_process_group("gloo")
+    try:
+        body(args)
+    finally:
+        dist.destroy_process_group()
+    return 0
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -345,12 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:])]
         return subprocess.call(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    dist.init_process_group("gloo")
-    try:
-        worker(args)
-    finally:
-        dist.destroy_process_group()
-    return 0
+    return as_rank(worker, args)
 
 
 if __name__ == "__main__":
