@@ -50,6 +50,12 @@ class Config:
             freed after its last forward use and gathered again for the backward, as FSDP's
             ``reshard_after_forward=True``; no pipeline yet); or ``None``: turned on (1, then
             3) only when the plan does not fit memory without it.
+        dp_shard: the data-parallel ranks ZeRO shards a parameter (its gradient and optimizer
+            states) over: all of them (``None`` or ``dp``), or fewer (hybrid sharding, HSDP as
+            FSDP2 runs it: shard groups of ``dp_shard`` consecutive ranks, inside a node first,
+            each parameter replicated across the ``dp / dp_shard`` groups; its gradients
+            reduce-scattered within a group and all-reduced across groups). Needs ``zero`` 1 to
+            3 and no pipeline so far; ``None`` lets the setup search choose it.
         sequence_parallel: shard the layer norms and the residual adds on the sequence dim over
             the tp axis (Megatron-LM's sequence parallelism: reduce-scatter + all-gather instead
             of all-reduce), or ``None`` to let the solver choose.
@@ -75,12 +81,13 @@ class Config:
     microbatch_size: int | None = None
     recompute: str | None = None
     zero: int | None = None
+    dp_shard: int | None = None
     sequence_parallel: bool | None = None
     mixed_precision: str | None = None
     bucket_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "virtual_stages", "microbatch_size"):
+        for name in ("dp", "tp", "pp", "virtual_stages", "microbatch_size", "dp_shard"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(
@@ -104,6 +111,7 @@ class Config:
             raise ValueError(f"Config(zero=3, pp={self.pp}): ZeRO-3 runs without a pipeline so "
                              f"far; use zero=2 (each stage gathers its parameters once a step and "
                              f"reduce-scatters its gradients) or pp=1.")
+        self._check_dp_shard()
         if self.sequence_parallel not in (None, True, False):
             raise ValueError(f"Config.sequence_parallel={self.sequence_parallel!r}: use True, "
                              f"False or None.")
@@ -127,6 +135,23 @@ class Config:
             raise ValueError(
                 f"Config.solver_time_limit_s={self.solver_time_limit_s!r} must be positive."
             )
+
+    def _check_dp_shard(self) -> None:
+        if self.dp_shard is None:
+            return
+        if self.dp_shard == 1:
+            raise ValueError("Config(dp_shard=1) shards nothing: use zero=0 (every rank holds "
+                             "everything), or a shard group of 2 or more ranks.")
+        if self.zero == 0:
+            raise ValueError(f"Config(dp_shard={self.dp_shard}, zero=0): dp_shard is the group "
+                             f"ZeRO shards over; set zero to 1, 2 or 3 (or None), or leave "
+                             f"dp_shard None.")
+        if self.dp is not None and self.dp % self.dp_shard:
+            raise ValueError(f"Config(dp={self.dp}, dp_shard={self.dp_shard}): the shard group "
+                             f"must divide dp; use a divisor of {self.dp}.")
+        if self.pp is not None and self.pp > 1 and self.dp_shard != self.dp:
+            raise ValueError(f"Config(dp_shard={self.dp_shard}, pp={self.pp}): hybrid sharding "
+                             f"runs without a pipeline so far; use pp=1 or leave dp_shard None.")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form."""

@@ -159,9 +159,8 @@ def _compute_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: To
 
 
 # layers whose gathered parameters ZeRO-3 holds at once: the one computing and the one whose
-# gather is issued ahead of it (FSDP2's default prefetch of one layer: Zhao et al., "PyTorch
-# FSDP", VLDB 2023, sec. 3.3); an upper bound of autopar's runtime, which gathers each
-# parameter right before its reader
+# gathers are issued ahead of it (FSDP2's default prefetch of one layer: Zhao et al., "PyTorch
+# FSDP", VLDB 2023, sec. 3.3; autopar's runtime: passes.overlap.prefetch_gathers)
 REGATHERED_LAYERS = 2
 
 

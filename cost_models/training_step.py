@@ -115,6 +115,14 @@ class Setup:
     # sharded over dp, gathered once a step, gradients reduce-scattered once a step) or
     # "microbatch" (in every microbatch's backward, the parameters gathered in every forward)
     grad_sync: str = "step"
+    # the data-parallel ranks ZeRO shards over: 0 for all of dp, fewer for hybrid sharding
+    # (shard groups of dp_shard consecutive ranks, replicated across the dp / dp_shard groups)
+    dp_shard: int = 0
+
+    @property
+    def shard(self) -> int:
+        """The ranks a parameter is sharded over under ZeRO (dp, or the hybrid group)."""
+        return self.dp_shard or self.dp
 
     def describe(self) -> str:
         """One line such as ``dp=32 tp=8 pp=4 b=1 m=56 interleaved-1f1b v=2 full zero1 sp``."""
@@ -122,6 +130,7 @@ class Setup:
             f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
         return (f"dp={self.dp} tp={self.tp} pp={self.pp} b={self.microbatch_size} "
                 f"m={self.microbatches}{sched} recompute={self.recompute} zero={self.zero}"
+                f"{f' dp_shard={self.dp_shard}' if self.dp_shard else ''}"
                 f"{' sp' if self.sequence_parallel else ''}")
 
 
@@ -275,19 +284,24 @@ def _step_end(lc: LayerCosts, setup: Setup, elements: float, topology: Topology
     the tied weight's gradient sum and the optimizer, for the rank holding ``elements``."""
     grad_bytes = elements * lc.param_itemsize
     # one gradient reduction per step over dp (stride tp); ZeRO-1 does it as reduce-scatter plus
-    # all-gather of the parameters, the same bytes ([ZERO])
+    # all-gather of the parameters, the same bytes ([ZERO]); hybrid sharding reduce-scatters
+    # within its shard group (stride tp) and all-reduces the shard across the groups
+    # (stride dp_shard * tp): FSDP2's HSDP
     if setup.zero:  # ZeRO-3 gathers the parameters again for the backward ([ZERO] sec. 7.2.2)
         gathers = 2 if setup.zero == 3 else 1
-        dp_s = (axis_collective_time("reduce_scatter", grad_bytes, setup.dp, setup.tp, topology)
-                + gathers * axis_collective_time("all_gather", grad_bytes, setup.dp, setup.tp,
-                                                 topology))
+        g = setup.shard
+        dp_s = (axis_collective_time("reduce_scatter", grad_bytes, g, setup.tp, topology)
+                + gathers * axis_collective_time("all_gather", grad_bytes, g, setup.tp, topology))
+        if g < setup.dp:
+            dp_s += axis_collective_time("all_reduce", grad_bytes / g, setup.dp // g,
+                                         g * setup.tp, topology)
     else:
         dp_s = axis_collective_time("all_reduce", grad_bytes, setup.dp, setup.tp, topology)
     tied_s = 0.0
     if setup.pp > 1 and lc.tied_elements:  # the first and last stage sum the tied weight's grad
         tied_s = axis_collective_time("all_reduce", lc.tied_elements * lc.param_itemsize, 2,
                                       setup.dp * setup.tp, topology)
-    opt_s = optimizer_step_time(elements / (setup.dp if setup.zero else 1), lc.optimizer, topology)
+    opt_s = optimizer_step_time(elements / (setup.shard if setup.zero else 1), lc.optimizer, topology)
     return dp_s, tied_s, opt_s
 
 
@@ -323,14 +337,14 @@ def _state_memory(lc: LayerCosts, setup: Setup, state: float, elements: float) -
     if not setup.zero or setup.dp == 1:
         return state
     if setup.zero == 3:  # everything sharded; the gathered layers: _regathered_bytes
-        return state / setup.dp
+        return state / setup.shard
     if setup.grad_sync in ("gathered", "microbatch"):
-        return state / setup.dp + elements * lc.param_itemsize
+        return state / setup.shard + elements * lc.param_itemsize
     if lc.param_itemsize >= 4:
         total, opt = (16, 8) if lc.optimizer == "adam" else (8, 0)
     else:
         total, opt = (18, 12) if lc.optimizer == "adam" else (10, 4)
-    return state * (total - opt + opt / setup.dp) / total
+    return state * (total - opt + opt / setup.shard) / total
 
 
 def _regathered_bytes(lc: LayerCosts) -> float:

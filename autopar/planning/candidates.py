@@ -9,19 +9,35 @@ from dataclasses import dataclass
 from autopar.config import Config
 from autopar.errors import PlanError
 
-__all__ = ['Candidate', 'memory_techniques', 'mesh_candidates']
+__all__ = ['Candidate', 'HSDP_AXES', 'memory_techniques', 'mesh_candidates']
 
 
 @dataclass(frozen=True)
 class Candidate:
+    """A logical mesh of one pipeline stage: its axes' sizes and names, the axes the batch is
+    split over (``dp_axes``) and, if not all of those, the ones ZeRO shards parameters over
+    (``shard_axes``: hybrid sharding's inner data axis)."""
+
     shape: tuple[int, ...]
     names: tuple[str, ...]
     dp_axes: tuple[int, ...]
+    shard_axes: tuple[int, ...] | None = None
+
+    @property
+    def zero_axes(self) -> tuple[int, ...]:
+        """The axes ZeRO shards the parameters over."""
+        return self.dp_axes if self.shard_axes is None else self.shard_axes
+
+
+# hybrid sharding's data axes: across the shard groups, and within one (FSDP2's HSDP mesh)
+HSDP_AXES = ("dp_replicate", "dp_shard")
 
 
 def mesh_candidates(world: int, config: Config) -> list[Candidate]:
     """Logical meshes to try: (dp, tp) factorisations of ``world`` allowed by the config
-    (``world`` is the devices of one pipeline stage)."""
+    (``world`` is the devices of one pipeline stage); with ``Config.dp_shard`` smaller than
+    dp, the dp axis is cut into (``dp_replicate``, ``dp_shard``), the shard groups being
+    consecutive ranks (inside a node first)."""
     out = []
     for tp in range(1, world + 1):
         if world % tp:
@@ -29,7 +45,13 @@ def mesh_candidates(world: int, config: Config) -> list[Candidate]:
         dp = world // tp
         if (config.tp is not None and config.tp != tp) or (config.dp is not None and config.dp != dp):
             continue
-        if dp > 1 and tp > 1:
+        shard = config.dp_shard
+        if shard is not None and shard not in (1, dp) and config.zero != 0 and dp > 1:
+            if dp % shard:
+                continue
+            tail = ((tp,), ("tp",)) if tp > 1 else ((), ())
+            out.append(Candidate((dp // shard, shard, *tail[0]), (*HSDP_AXES, *tail[1]), (0, 1), (1,)))
+        elif dp > 1 and tp > 1:
             out.append(Candidate((dp, tp), ("dp", "tp"), (0,)))
         elif tp > 1 or world == 1:
             out.append(Candidate((tp,), ("tp",), ()))

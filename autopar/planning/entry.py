@@ -24,6 +24,7 @@ a billion parameters, which is why models of identical blocks take the search.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any, Callable, Sequence
 
@@ -41,7 +42,7 @@ from autopar.plan import Plan
 from autopar.solver.ilp import InfeasibleMemoryError, format_bytes
 from autopar.planning.pipeline import ModelFacts, PipelineSetup, build_pipeline_plan
 from autopar.planning.assembly import traced_flops
-from autopar.planning.candidates import mesh_candidates
+from autopar.planning.candidates import HSDP_AXES, mesh_candidates
 from autopar.planning.per_unit import make_plan
 from autopar.planning.solve import solve_candidate
 from autopar.planning.search import (
@@ -125,7 +126,10 @@ def _check_forced(plan: Plan, config: Config) -> None:
     # to split the batch too: plan.degrees says what each axis does, the mesh what was asked)
     sizes = dict(zip(plan.axis_names, plan.mesh_shape))
     held |= {k: sizes.get(k, 1) for k in ("dp", "tp", "pp")}
+    if HSDP_AXES[0] in sizes:  # (hybrid sharding cuts dp in two axes)
+        held["dp"] = math.prod(sizes[a] for a in HSDP_AXES)
     held["bucket_bytes"] = plan.techniques.get("bucket_bytes")
+    held["dp_shard"] = plan.techniques.get("dp_shard")
     if config.mixed_precision == "bf16":
         held["mixed_precision"] = "bf16" if plan.techniques.get("mixed_precision") == "bf16-autocast" \
             else plan.techniques.get("mixed_precision")
@@ -238,6 +242,7 @@ def _concrete(config: Config, cost: StepCost) -> Config:
     """``config`` with the setup's techniques fixed (what the per-operator solve runs with)."""
     st = cost.setup
     return dataclasses.replace(config, recompute=st.recompute, zero=st.zero,
+                               dp_shard=st.dp_shard or config.dp_shard,
                                sequence_parallel=st.sequence_parallel if st.tp > 1
                                else config.sequence_parallel)
 
@@ -248,7 +253,8 @@ def _realize(cost: StepCost, model: nn.Module, mesh: Mesh, example_inputs: Any, 
     st = cost.setup
     concrete = _concrete(config, cost)
     budget = _budget(config, mesh)
-    pinned = dataclasses.replace(config, dp=st.dp, tp=st.tp, pp=None)
+    pinned = dataclasses.replace(config, dp=st.dp, tp=st.tp, pp=None,
+                                 dp_shard=st.dp_shard or config.dp_shard)
     if st.pp == 1:
         if whole[0] is None:
             whole[0] = capture(model, example_inputs, config.mixed_precision)
@@ -281,7 +287,9 @@ def _logical_mesh(cost: StepCost) -> dict[str, tuple]:
     ``pp`` outermost when pipelined, then ``dp`` and ``tp`` where larger than 1 (a lone ``tp``
     of one device when both are 1)."""
     st = cost.setup
-    axes = [(n, d) for n, d in (("dp", st.dp), ("tp", st.tp)) if d > 1] or [("tp", 1)]
+    data = [(HSDP_AXES[0], st.dp // st.dp_shard), (HSDP_AXES[1], st.dp_shard)] if st.dp_shard \
+        else [("dp", st.dp)]
+    axes = [(n, d) for n, d in (*data, ("tp", st.tp)) if d > 1] or [("tp", 1)]
     if st.pp > 1:
         axes.insert(0, ("pp", st.pp))
     return {"mesh_shape": tuple(d for _, d in axes), "axis_names": tuple(n for n, _ in axes)}

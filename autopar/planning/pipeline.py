@@ -478,7 +478,7 @@ def _assemble(model: Any, facts: ModelFacts, mesh: Mesh, config: Config, setup: 
     holders: dict[str, set[int]] = {}
     # ZeRO-1 (a stage's reductions are deferred to the step's end, runtime.pipeline): stored
     # sharded over dp, gathered once a step
-    zero_axes = tuple(cand.dp_axes) if config.zero else ()
+    zero_axes = tuple(cand.zero_axes) if config.zero else ()
     stored: list[dict[str, tuple[str, ...]]] = []
     for (st, traced), plan in zip(stages, plans):
         collectives += [c for _ in range(m) for c in plan.collectives]

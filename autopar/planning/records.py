@@ -3,6 +3,8 @@ the techniques it really applies; the parameter elements a device holds; the pre
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 from typing import Any, Sequence
 
@@ -79,11 +81,14 @@ def applied_techniques(traced: TracedGraph, config: Config, cand: Any,
         recompute = "none"
     stored = stored_params(traced, nodes, cand, zero_axes)
     zero = (config.zero or 0) if any(
-        stored[p.name][a].startswith("S") for p in traced.params for a in cand.dp_axes) else 0
+        stored[p.name][a].startswith("S") for p in traced.params for a in cand.zero_axes) else 0
     if config.zero and not zero:
         notes.append(f"zero={config.zero} shards nothing on this mesh (no data-parallel axis, or "
                      f"no parameter dim divides by it); the optimizer state is not sharded")
-    return {"recompute": recompute, "zero": zero, "sequence_parallel": _sequence_sharded(
+    # the data-parallel ranks a parameter is sharded over (fewer than dp: hybrid sharding)
+    shard = math.prod(cand.shape[a] for a in cand.zero_axes) if zero else 1
+    return {"recompute": recompute, "zero": zero, "dp_shard": shard,
+            "sequence_parallel": _sequence_sharded(
         traced, cand, nodes), "mixed_precision": precision(traced, config)}, notes
 
 

@@ -90,7 +90,7 @@ class LayerSolver:
                             "Config.mixed_precision None.")
         # the layer ILP prices one microbatch's block as it runs; recomputation and ZeRO are
         # priced in closed form on top of it (cost_models/training_step.py), not twice
-        self.config = dataclasses.replace(config, recompute="none", zero=0)
+        self.config = dataclasses.replace(config, recompute="none", zero=0, dp_shard=None)
         self.mesh, self.cost_passes = mesh, cost_passes
         self.example_inputs = example_inputs
         self.batch = batch_size(example_inputs)
@@ -302,14 +302,15 @@ def candidate_setups(num_devices: int, gpus_per_node: int, batch: int, num_block
                 m = batch // (dp * b)
                 for schedule, v in _schedule_options(pp, m, num_blocks, config):
                     for rc in RECOMPUTE:
-                        for zero in zero_stages(config, dp, pp):
+                        for zero, shard in _sharding(config, dp, pp):
                             for sp in (False, True) if tp > 1 else (False,):
                                 if _allowed(config, recompute=rc, sequence_parallel=sp):
                                     # the runtime reduces a pipeline's gradients once a step
                                     # (runtime.pipeline, every schedule), with ZeRO-1 as
                                     # reduce-scatter and a gather of the parameters
                                     yield Setup(dp, tp, pp, b, m, schedule, v, rc, zero, sp,
-                                                grad_sync="gathered" if zero else "step")
+                                                grad_sync="gathered" if zero else "step",
+                                                dp_shard=shard)
 
 
 def zero_stages(config: Config, dp: int, pp: int) -> tuple[int, ...]:
@@ -322,6 +323,22 @@ def zero_stages(config: Config, dp: int, pp: int) -> tuple[int, ...]:
     if config.zero is not None:
         return () if config.zero == 3 and pp > 1 else (config.zero,)
     return (0, 1) if pp > 1 else (0, 1, 3)
+
+
+def _sharding(config: Config, dp: int, pp: int) -> Iterator[tuple[int, int]]:
+    """(ZeRO stage, shard group) pairs of a setup: each of :func:`zero_stages`, sharded over
+    all of dp (0) or, without a pipeline (the runtime's hybrid sharding has none yet), over
+    groups of each divisor of dp in between (hybrid sharding), or as ``Config.dp_shard`` says."""
+    for zero in zero_stages(config, dp, pp):
+        if zero == 0 or pp > 1:
+            if config.dp_shard in (None, dp):
+                yield zero, 0
+            continue
+        groups = [config.dp_shard] if config.dp_shard is not None else \
+            [g for g in _divisors(dp) if 1 < g < dp] + [dp]
+        for g in groups:
+            if dp % g == 0:
+                yield zero, 0 if g == dp else g
 
 
 # the largest tensor-parallel group the search forms across nodes: Megatron-LM's largest tp
@@ -368,7 +385,8 @@ def _only_when_needed(ranked: list[StepCost]) -> list[StepCost]:
     def key(setup: Setup) -> Setup:
         """The setup with the stage split and the gradient-sync mode normalised (an even-split
         variant is the same twin; the mode follows from ZeRO)."""
-        return dataclasses.replace(setup, even_split=False, grad_sync="step")
+        return dataclasses.replace(setup, even_split=False, grad_sync="step",
+                                   dp_shard=setup.dp_shard if setup.zero else 0)
 
     fits = {key(c.setup) for c in ranked}
 

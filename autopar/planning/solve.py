@@ -78,8 +78,8 @@ def priced_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidat
     if base_space is None:
         base_space = unpinned_space(traced, cand, config)
     space = dataclasses.replace(base_space, nodes=dict(base_space.nodes))
-    zero_axes = tuple(cand.dp_axes) if config.zero and zero_once else ()
-    if config.zero and cand.dp_axes and not zero_once:
+    zero_axes = tuple(cand.zero_axes) if config.zero and zero_once else ()
+    if config.zero and cand.zero_axes and not zero_once:
         _shard_states(traced, space, cand)
     for p in traced.params:
         if fixed and p.name in fixed:
@@ -145,12 +145,13 @@ def _pin(space: StrategySpace, node: str, name: str, placement: tuple[str, ...])
 
 
 def _shard_states(traced: TracedGraph, space: StrategySpace, cand: Candidate) -> None:
-    """Give every parameter its :func:`zero_placement` on the dp axes (ZeRO-1)."""
+    """Give every parameter its :func:`zero_placement` on the axes ZeRO shards over (the dp
+    axes, or hybrid sharding's inner one)."""
     for p in traced.params:
         ns = space.nodes[p.node]
         shape = tuple(traced.node(p.node).meta["val"].shape)
         strategies = tuple(dataclasses.replace(s, outputs=(zero_placement(
-            s.outputs[0], shape, cand.shape, cand.dp_axes),)) for s in ns.strategies)
+            s.outputs[0], shape, cand.shape, cand.zero_axes),)) for s in ns.strategies)
         space.nodes[p.node] = dataclasses.replace(ns, strategies=tuple(dict.fromkeys(strategies)))
 
 
@@ -228,7 +229,7 @@ def solve_candidate(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candi
                           defer_axes=cand.dp_axes if defer_grad_sync else (),
                           stage=StageRun(activation_scale, microbatches,
                                          split_backward=split_backward,
-                                         zero_axes=tuple(cand.dp_axes) if zero_once else ())
+                                         zero_axes=tuple(cand.zero_axes) if zero_once else ())
                           if stage is not None else None)
         return space, costs, res, plan
 

@@ -48,7 +48,9 @@ MEMORY_SLOW = {2: [MEMORY_BY_TECHNIQUE[k] for k in ("hf", "llama", "explicit", "
                4: [f"gpt:pp=2,dp=2,tp=1,microbatch_size=2,schedule=1f1b,zero=1,{_MEM}"]}
 MEMORY = {2: [c for c in MEMORY_BY_TECHNIQUE.values() if c not in MEMORY_SLOW[2]],
           4: [f"gpt:dp=2,tp=2,recompute=full,zero=1,sequence_parallel=1,{_MEM}",
-              f"gpt:dp=2,tp=2,zero=3,{_MEM}"]}
+              f"gpt:dp=2,tp=2,zero=3,{_MEM}",
+              # hybrid sharding (HSDP): shard groups of 2, replicated across 2 groups
+              f"gpt:dp=4,zero=3,dp_shard=2,{_MEM}"]}
 TECHNIQUES = {2: [c for c in MEMORY[2] if "bf16" not in c], 4: MEMORY[4]}
 TECHNIQUES_SLOW = {2: MEMORY_SLOW[2], 4: [*MEMORY_SLOW[4], "gpt2:dp=2,tp=2,recompute=selective,zero=1"]}
 # bf16 autocast against a single-process bf16 autocast run: one step with tp=2 (and its
@@ -245,10 +247,15 @@ def test_each_technique_alone_and_combined_matches_one_process(world):
             # run time, equal to the plan: assert_matches_one_process)
             assert r["techniques"]["zero"] == 3, r["techniques"]
             assert any(c[:2] == ["all_gather", "backward"] for c in r["collectives"]), r["collectives"]
-            # measured: each rank holds 1/dp of the parameters between steps (every dim of this
-            # GPT divides: exactly); with tp too, at most that (a bias tp shards stays whole on dp)
-            held, whole, dp = r["held_elements"], r["ref_elements"], r["degrees"]["dp"]
-            assert held * dp == whole if r["degrees"]["tp"] == 1 else held * dp <= whole, (held, whole)
+            # measured: each rank holds 1/dp of the parameters between steps (1/dp_shard with
+            # hybrid sharding; every dim of this GPT divides: exactly); with tp too, at most
+            # that (a bias tp shards stays whole on dp)
+            held, whole, shard = r["held_elements"], r["ref_elements"], r["techniques"]["dp_shard"]
+            assert held * shard == whole if r["degrees"]["tp"] == 1 else held * shard <= whole, \
+                (held, whole)
+        if "dp_shard=" in check:  # sharded within the group, replicated across the groups
+            assert r["mesh_shape"] == [2, 2] and r["techniques"]["dp_shard"] == 2
+            assert all(p[0] == "R" and p[1].startswith("S") for p in r["params"].values())
 
 
 def test_bf16_matches_a_single_process_bf16_run(world):

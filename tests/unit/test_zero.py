@@ -89,7 +89,8 @@ def test_a_model_that_fits_with_zero1_is_not_given_zero3():
     assert best.setup.zero in (0, 1), best.setup.describe()
     three = layers.price(dataclasses.replace(best.setup, zero=3))
     assert three.fits and three.step_time_s > best.step_time_s
-    assert all(c.setup.zero != 3 for c in result.ranked)
+    # nor is any setup sharded as the best one (a smaller shard group may need ZeRO-3 to fit)
+    assert all(c.setup.zero != 3 for c in result.ranked if c.setup.dp_shard == best.setup.dp_shard)
 
 
 def test_zero3_price_shards_everything_and_gathers_twice():
@@ -115,5 +116,35 @@ def test_70b_llama_plan_on_64_h100s_is_zero3_and_fits_80gb():
     plan = autopar.plan(model, mesh, inputs, config=autopar.Config(tp=1, pp=1))
     assert plan.techniques["zero"] == 3 and plan.degrees == {"dp": 64, "tp": 1, "pp": 1}
     assert plan.predicted["peak_memory_bytes"] <= 80 * 1e9
-    # every parameter stored sharded over the 64 ranks between steps (each dim divides)
-    assert all(p == ("S(0)",) or p == ("S(1)",) for p in map(tuple, plan.params.values())), plan.params
+    # every parameter stored sharded over the shard group between steps (each dim divides),
+    # replicated across the groups when the search chose hybrid sharding
+    shard = plan.techniques["dp_shard"]
+    stored = {tuple(p)[-1] for p in plan.params.values()}
+    assert stored <= {"S(0)", "S(1)"} and 64 % shard == 0, (plan.params, shard)
+
+
+def test_hybrid_sharding_shards_within_groups_and_replicates_across_them():
+    """Config.dp_shard (HSDP): the dp axis cut into (dp_replicate, dp_shard), each parameter
+    stored sharded over dp_shard and replicated over dp_replicate, its gradient
+    reduce-scattered over the one and all-reduced over the other; the search prices every shard
+    group of a ZeRO setup and keeps a forced one (on 4 processes: test_equivalence.py)."""
+    model, inputs = build("gpt", dim=64, layers=2, batch=256, seq=128)
+    mesh = autopar.Mesh.virtual("a100-dgx", gpus_per_node=4)
+    plan = autopar.plan(model, mesh, inputs, config=autopar.Config(dp=4, zero=3, dp_shard=2))
+    assert plan.axis_names == ("dp_replicate", "dp_shard") and plan.mesh_shape == (2, 2)
+    assert plan.degrees["dp"] == 4 and plan.techniques["dp_shard"] == 2
+    assert {p[0] for p in plan.params.values()} == {"R"}
+    assert all(p[1].startswith("S") for p in plan.params.values())
+    kinds = {(c.kind, c.axis) for c in plan.collectives if c.node == "output"}
+    assert ("reduce_scatter", "dp_shard") in kinds and ("all_reduce", "dp_replicate") in kinds
+    for bad in (dict(dp_shard=1, zero=3), dict(dp_shard=2, zero=0), dict(dp=4, dp_shard=3, zero=1),
+                dict(pp=2, dp_shard=2, zero=1)):
+        with pytest.raises(ValueError, match="dp_shard"):
+            autopar.Config(**bad)
+    # the search: every shard group of each ZeRO setup, or the one forced
+    big, big_inputs, h100s = _llama_on_64_h100s("llama2-70b")
+    found = search(big, big_inputs, h100s, autopar.Config(tp=1, pp=1))
+    groups = {c.setup.dp_shard for c in (*found.ranked, *found.pruned) if c.setup.zero}
+    assert groups == {0, 2, 4, 8, 16, 32}
+    forced = search(big, big_inputs, h100s, autopar.Config(tp=1, pp=1, dp_shard=32))
+    assert {c.setup.dp_shard for c in (*forced.ranked, *forced.pruned)} == {32}
