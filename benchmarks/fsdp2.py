@@ -5,7 +5,7 @@
 starts one ``torchrun`` job per process count (CPU processes, gloo) and, on the GPT-2-style
 model of ``runtime_vs_torch.py`` (:class:`BenchGPT`) and one batch, compares
 
-- autopar ``Config(dp=n, tp=1, pp=1, zero=3)``: parameters stored sharded over the n ranks,
+- autopar ``Config(dp=n, tp=1, pp=1, zero=3, dp_shard=n)``: parameters stored sharded over the n ranks,
   each gathered where the forward uses it, freed after its last forward reader, gathered again
   for the backward, gradients reduce-scattered;
 - FSDP2 as torchtitan applies it: ``fully_shard`` on every block and on the root (the
@@ -65,7 +65,7 @@ def hand_fsdp(size: dict, compile: bool) -> tuple[Step, list]:
 def worker(args: argparse.Namespace) -> None:
     """Body of each rank: the eager and compiled comparisons."""
     size, n = SIZES[args.size], dist.get_world_size()
-    config = autopar.Config(dp=n, tp=1, pp=1, zero=3)
+    config = autopar.Config(dp=n, tp=1, pp=1, zero=3, dp_shard=n)
     results = [compare(f"dp={n} ZeRO-3", size, config, lambda c: hand_fsdp(size, c), c,
                        args.repeats, args.warmup)
                for c in ([False, True] if args.compile else [False])]
