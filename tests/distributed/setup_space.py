@@ -5,7 +5,8 @@ search prices (not a copy of it): every (dp, tp, pp), microbatch size, schedule,
 recomputation, ZeRO and sequence parallelism it allows for the test GPT on 2 or 4 devices. The
 per-unit planner also emits the GPipe and zero-bubble schedules (when a Config asks for them):
 each 1F1B setup is added as GPipe too, each interleaved one as zero-bubble (the same stages). A setup's *kind* is what changes the program (the
-schedule, v > 1, tp > 1, dp > 1, sequence parallelism, ZeRO, recomputation, precision); sizes
+schedule, v > 1, tp > 1, dp > 1, sequence parallelism, ZeRO and hybrid sharding, recomputation,
+precision); sizes
 within a kind do not.
 """
 
@@ -42,12 +43,14 @@ class Kind:
     zero: int
     recompute: str
     precision: str = "fp32"
+    hybrid: bool = False  # ZeRO sharded over a part of dp (Config.dp_shard)
 
     def row(self) -> list[str]:
         """The kind as a table row."""
+        zero = f"zero{self.zero}{' hsdp' if self.hybrid else ''}" if self.zero else ""
         return [self.schedule, "v>1" if self.interleaved else "", "tp" if self.tp else "",
                 "dp" if self.dp else "", "sp" if self.sequence_parallel else "",
-                f"zero{self.zero}" if self.zero else "", self.recompute, self.precision]
+                zero, self.recompute, self.precision]
 
 
 def space(world: int) -> list:
@@ -64,7 +67,7 @@ def kind_of(setup, precision: str = "fp32") -> Kind:
     """The kind of a setup (see the module docstring)."""
     return Kind(setup.schedule if setup.pp > 1 else "none", setup.virtual_stages > 1,
                 setup.tp > 1, setup.dp > 1, setup.sequence_parallel, setup.zero, setup.recompute,
-                precision)
+                precision, bool(setup.dp_shard))
 
 
 def as_check(setup, precision: str = "fp32", model: str = MODEL) -> str:
@@ -73,6 +76,8 @@ def as_check(setup, precision: str = "fp32", model: str = MODEL) -> str:
     fields = [model, f"dp={setup.dp}", f"tp={setup.tp}", f"pp={setup.pp}",
               f"recompute={setup.recompute}", f"zero={setup.zero}",
               f"sequence_parallel={int(setup.sequence_parallel)}"]
+    if setup.dp_shard:
+        fields.append(f"dp_shard={setup.dp_shard}")
     if setup.pp > 1:
         fields += [f"schedule={setup.schedule}", f"virtual_stages={setup.virtual_stages}",
                    f"microbatch_size={setup.microbatch_size * setup.dp}"]
