@@ -48,8 +48,10 @@ class Config:
             on every rank, moves the same bytes and holds more, so autopar never runs it; the
             plan records the stage asked for); 3 (as 2, and each parameter's gathered copy
             freed after its last forward use and gathered again for the backward, as FSDP's
-            ``reshard_after_forward=True``; no pipeline yet); or ``None``: turned on (1, then
-            3) only when the plan does not fit memory without it.
+            ``reshard_after_forward=True``; in a pipeline, each stage's parameters gathered for
+            every microbatch's forward and again for its backward, freed in between, their
+            gradients summed over the microbatches and reduce-scattered once a step); or
+            ``None``: turned on (1, then 3) only when the plan does not fit memory without it.
         dp_shard: the data-parallel ranks ZeRO shards a parameter (its gradient and optimizer
             states) over: all of them (``None`` or ``dp``), or fewer (hybrid sharding, HSDP as
             FSDP2 runs it: shard groups of ``dp_shard`` consecutive ranks, inside a node first,
@@ -107,10 +109,6 @@ class Config:
         if self.zero is not None and (self.zero not in ZERO_STAGES or isinstance(self.zero, bool)):
             raise ValueError(f"Config.zero={self.zero!r}: use a ZeRO stage of {ZERO_STAGES}, or "
                              f"None to let the planner choose.")
-        if self.zero == 3 and self.pp is not None and self.pp > 1:
-            raise ValueError(f"Config(zero=3, pp={self.pp}): ZeRO-3 runs without a pipeline so "
-                             f"far; use zero=2 (each stage gathers its parameters once a step and "
-                             f"reduce-scatters its gradients) or pp=1.")
         self._check_dp_shard()
         if self.sequence_parallel not in (None, True, False):
             raise ValueError(f"Config.sequence_parallel={self.sequence_parallel!r}: use True, "

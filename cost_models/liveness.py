@@ -77,12 +77,15 @@ class StageRun:
     are stored as ``cost_models.sharding.zero_placement`` over these axes of the placement the
     program computes with, with their gradients and optimizer states; the stage gathers them
     before its first forward (the gathered flat buffer and the parameters made from it, both
-    alive then) and computes with the gathered copy through the step."""
+    alive then) and computes with the gathered copy through the step. ``regather`` (ZeRO-3):
+    it gathers them for every microbatch's forward and again for its backward and frees them
+    in between, so what it holds while another stage of its rank runs has no gathered copy."""
 
     in_flight: int = 1
     microbatches: int = 1
     split_backward: bool = False
     zero_axes: tuple[int, ...] = ()
+    regather: bool = False
 
 
 @dataclass(frozen=True)
@@ -496,6 +499,12 @@ def step_memory(traced: Any, mesh_shape: Sequence[int], nodes: dict, outputs: Se
     # a ZeRO stage's gather before its first forward: the flat buffer beside the parameters
     peak = max(peak, persistent + gathered)
     held = persistent + in_flight * (saved + stash) + walk.sink_bytes
+    if stage is not None and stage.regather:
+        # ZeRO-3: each backward gathers the parameters again, its flat buffer beside the new
+        # copy while every microbatch in flight holds its saved values and the sink its sums;
+        # between the stage's computations no gathered copy is held
+        peak = max(peak, persistent + gathered + in_flight * (saved + stash) + walk.sink_bytes)
+        held -= gathered
     return StepMemory(peak, persistent, saved + stash, min(held, peak), at)
 
 

@@ -113,7 +113,9 @@ class Setup:
     # microbatch: Megatron-LM, with ZeRO-1 as its distributed optimizer, and autopar's pipeline
     # runtime without ZeRO), "gathered" (ZeRO-1 as autopar's runtime runs it: parameters stored
     # sharded over dp, gathered once a step, gradients reduce-scattered once a step) or
-    # "microbatch" (in every microbatch's backward, the parameters gathered in every forward)
+    # "microbatch" (in every microbatch's backward, the parameters gathered in every forward) or
+    # "regathered" (ZeRO-3 as autopar's pipeline runs it: the parameters gathered for every
+    # microbatch's forward and again for its backward, the gradients reduce-scattered once)
     grad_sync: str = "step"
     # the data-parallel ranks ZeRO shards over: 0 for all of dp, fewer for hybrid sharding
     # (shard groups of dp_shard consecutive ranks, replicated across the dp / dp_shard groups)
@@ -226,6 +228,8 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
                      + last * lc.post.param_elements - shared * lc.tied_elements)
     if setup.grad_sync == "microbatch" and p > 1 and setup.dp > 1:
         fw, bw = _sync_per_microbatch(lc, setup, elems, fw, bw, topology)
+    if setup.grad_sync == "regathered" and p > 1 and setup.dp > 1:  # ZeRO-3's gathers
+        fw, bw = _gather_per_microbatch(lc, setup, elems, fw, bw, topology)
     rank = lambda xs: [sum(xs[j] for j in range(r, stages, p)) for r in range(p)]  # noqa: E731
     busy = [f + b for f, b in zip(rank(fw), rank(bw))]
     # [MEG] Eq. 1 generalised to unequal stages: m rounds of the busiest rank, plus the fill
@@ -238,10 +242,15 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
     peak = lc.block.peak(setup.recompute)
     stage_memory = [_state_memory(lc, setup, state[j], elems[j]) + act[j] * flight[j]
                     + (counts[j] > 0) * peak for j in range(stages)]
-    if setup.zero == 3 and setup.dp > 1:  # ZeRO-3's gathered layers and unreduced gradient
+    if setup.zero == 3 and setup.dp > 1 and p == 1:  # the gathered layers, one unreduced grad
         stage_memory = [m + _regathered_bytes(lc) for m in stage_memory]
     for j in range(stages):
         memory[j % p] += stage_memory[j]
+    if setup.zero == 3 and setup.dp > 1 and p > 1:
+        # the computing stage's gathered parameters and the flat buffer they came from (one
+        # stage of a rank computes at a time; the others hold no gathered copy)
+        memory = [mem + 2 * max(elems[j] for j in range(r, stages, p)) * lc.param_itemsize
+                  for r, mem in enumerate(memory)]
     comm = m * max(rank(_comm_per_stage(lc, counts, setup.recompute)))
     dp_s, tied_s, opt_s = _step_end(lc, setup, max(rank(elems)), topology)
     if setup.grad_sync == "microbatch" and p > 1:
@@ -278,6 +287,21 @@ def _sync_per_microbatch(lc: LayerCosts, setup: Setup, elems: list[float], fw: l
     return out_f, out_b
 
 
+def _gather_per_microbatch(lc: LayerCosts, setup: Setup, elements: list[float],
+                           fw: list[float], bw: list[float], topology: Topology
+                           ) -> tuple[list[float], list[float]]:
+    """Stage times when a ZeRO-3 pipeline stage gathers its parameters for every microbatch's
+    forward and again for its backward (``runtime.pipeline``: one flat all-gather over dp each,
+    waited for at once)."""
+    out_f, out_b = [], []
+    for f, b, n in zip(fw, bw, elements):
+        gather = axis_collective_time("all_gather", n * lc.param_itemsize, setup.dp, setup.tp,
+                                      topology)
+        out_f.append(f + gather)
+        out_b.append(b + gather)
+    return out_f, out_b
+
+
 def _step_end(lc: LayerCosts, setup: Setup, elements: float, topology: Topology
               ) -> tuple[float, float, float]:
     """Seconds of what follows the pipeline once per step: the data-parallel gradient reduction,
@@ -287,8 +311,9 @@ def _step_end(lc: LayerCosts, setup: Setup, elements: float, topology: Topology
     # all-gather of the parameters, the same bytes ([ZERO]); hybrid sharding reduce-scatters
     # within its shard group (stride tp) and all-reduces the shard across the groups
     # (stride dp_shard * tp): FSDP2's HSDP
-    if setup.zero:  # ZeRO-3 gathers the parameters again for the backward ([ZERO] sec. 7.2.2)
-        gathers = 2 if setup.zero == 3 else 1
+    if setup.zero:  # ZeRO-3 gathers the parameters again for the backward ([ZERO] sec. 7.2.2);
+        # in a pipeline, for every microbatch (in its stage times: _gather_per_microbatch)
+        gathers = 0 if setup.grad_sync == "regathered" else 2 if setup.zero == 3 else 1
         g = setup.shard
         dp_s = (axis_collective_time("reduce_scatter", grad_bytes, g, setup.tp, topology)
                 + gathers * axis_collective_time("all_gather", grad_bytes, g, setup.tp, topology))

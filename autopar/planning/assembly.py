@@ -103,8 +103,10 @@ def build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate,
     node_compute = {n: float(costs.compute[n][i]) for n, i in res.choice.items()}
     zero_axes = stage.zero_axes if stage is not None else ()
     techniques, applied_notes = applied_techniques(traced, config, cand, nodes, zero_axes)
-    # ZeRO-3 (no pipeline): the backward gathers its parameters again (runtime: api.py)
-    regather = regathered_nodes(traced) if techniques["zero"] == 3 else frozenset()
+    # ZeRO-3 (no pipeline): the backward gathers its parameters again (runtime: api.py); a
+    # pipeline stage's program computes with its gathered copy (StageRun.regather)
+    regather = regathered_nodes(traced) if techniques["zero"] == 3 and not zero_axes \
+        else frozenset()
     recomputed = recompute_nodes(traced, config.recompute or "none")
     step_s, cap, buckets, comm = _communication(traced, cand, mesh, config, nodes, outputs,
                                                 set(param_of_grad), node_compute, regather,

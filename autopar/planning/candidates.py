@@ -72,7 +72,5 @@ def memory_techniques(config: Config) -> list[Config]:
     recompute = [config.recompute] if config.recompute is not None else ["none", "selective", "full"]
     if config.zero is not None:
         return [dataclasses.replace(config, recompute=r, zero=config.zero) for r in recompute]
-    groups = ((0, 1),) if config.pp is not None and config.pp > 1 else ((0, 1), (3,))  # (no
-    # ZeRO-3 pipeline yet)
-    return [dataclasses.replace(config, recompute=r, zero=z) for group in groups
+    return [dataclasses.replace(config, recompute=r, zero=z) for group in ((0, 1), (3,))
             for r in recompute for z in group]

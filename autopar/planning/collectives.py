@@ -203,28 +203,39 @@ def step_collectives(traced: TracedGraph, shape: Sequence[int], names: Sequence[
 
 
 def step_end_reductions(stages: list, plans: list, pp: int, cand: Any, mesh: Mesh,
-                        stored: Sequence[dict[str, tuple[str, ...]]] | None = None
-                        ) -> tuple[list[Collective], float]:
+                        stored: Sequence[dict[str, tuple[str, ...]]] | None = None,
+                        regathers: int = 0) -> tuple[list[Collective], float, list[float]]:
     """The data-parallel collectives a pipeline runs once a step per stage and bucket of the
     gradients the stage left unreduced (:func:`autopar.cost_models.sharding.step_end_buckets`,
     the runtime's buckets): an all-reduce issued when the stage's last backward is done; with
     ZeRO-1 (a stage's parameters ``stored`` sharded where its program replicates them) a
     reduce-scatter there, and an all-gather of the parameters before the stage's first forward.
-    Also the seconds of the busiest pipeline rank's, one after another (an upper bound: a
-    rank's earlier stages' buckets overlap its later backward). ``stages``: ``(StageGraph,
-    TracedGraph)`` pairs, ``plans`` their plans, ``stored`` their parameters' placements between
-    steps (default: as the plans place them), ``cand`` the stage mesh."""
+    With ZeRO-3 (``regathers``: the step's microbatches) the parameters are gathered for every
+    microbatch's forward and again for its backward instead: ``regathers`` of each, whose
+    seconds are in the stage's time (the third value, per stage: one gather's), not the
+    step end's. Also the seconds of the busiest pipeline rank's step-end collectives, one after
+    another (an upper bound: a rank's earlier stages' buckets overlap its later backward).
+    ``stages``: ``(StageGraph, TracedGraph)`` pairs, ``plans`` their plans, ``stored`` their
+    parameters' placements between steps (default: as the plans place them), ``cand`` the
+    stage mesh."""
     collectives: list[Collective] = []
     seconds = [0.0] * pp
+    per_gather = [0.0] * len(stages)
     strides = [math.prod(cand.shape[a + 1:]) for a in range(len(cand.shape))]
     for j, ((st, traced), plan) in enumerate(zip(stages, plans)):
         kept = stored[j] if stored is not None else None
         for bucket in step_end_buckets(traced, plan.output_placements, plan.params, cand.shape, kept):
             gather = bucket.kind == "all_gather"
             what = f"{len(bucket.params)} {'parameters' if gather else 'gradients'}"
+            t = axis_collective_time(bucket.kind, bucket.bytes, cand.shape[bucket.axis],
+                                     strides[bucket.axis], mesh.topology)
+            if gather and regathers:
+                for phase in ("forward", "backward"):
+                    collectives += [Collective("all_gather", cand.names[bucket.axis], bucket.bytes,
+                                               phase, "", what, st.index)] * regathers
+                per_gather[j] += t
+                continue
             collectives.append(Collective(bucket.kind, cand.names[bucket.axis], bucket.bytes,
                                           "forward" if gather else "backward", "", what, st.index))
-            seconds[st.index % pp] += axis_collective_time(
-                bucket.kind, bucket.bytes, cand.shape[bucket.axis], strides[bucket.axis],
-                mesh.topology)
-    return collectives, max(seconds)
+            seconds[st.index % pp] += t
+    return collectives, max(seconds), per_gather

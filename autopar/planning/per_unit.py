@@ -127,7 +127,7 @@ def _search_pipelines(config: Config, mesh: Mesh, flat_plans: list[Plan], fallba
     keep tensor parallelism on the fast links inside a node). On one node with a plan that fits,
     tensor and data parallelism over the node's links beat a pipeline bubble and the search
     (a trace per microbatch size) is skipped."""
-    if mesh.size == 1 or config.pp == 1 or config.zero == 3:  # (no ZeRO-3 pipeline yet)
+    if mesh.size == 1 or config.pp == 1:
         return False
     return config.pp is not None or (fallback and not flat_plans) or mesh.nodes > 1
 

@@ -468,6 +468,17 @@ def _assemble(model: Any, facts: ModelFacts, mesh: Mesh, config: Config, setup: 
     m, pp, cand = setup.microbatches, setup.pp, setup.cand
     fw = [p.predicted["forward_s"] for p in plans]
     bw = [p.predicted["step_time_s"] - f for p, f in zip(plans, fw)]
+    # ZeRO-1 (a stage's reductions are deferred to the step's end, runtime.pipeline): stored
+    # sharded over dp, gathered once a step; ZeRO-3: gathered for every microbatch's forward
+    # and backward (in the stage's times)
+    zero_axes = tuple(cand.zero_axes) if config.zero else ()
+    stored = [{p.name: stored_placement(plan.params[p.name], p.shape, cand.shape, zero_axes)
+               for p in traced.params} for (_, traced), plan in zip(stages, plans)]
+    regathers = m if config.zero == 3 and zero_axes else 0
+    reductions, reduce_s, gather_s = step_end_reductions(stages, plans, pp, cand, mesh, stored,
+                                                         regathers)
+    fw = [f + g for f, g in zip(fw, gather_s)]
+    bw = [b + g for b, g in zip(bw, gather_s)]
     sends = _send_times(fwd, fwd.units, cand, pp, mesh)
     starts = [i for i in range(1, len(setup.stage_of_unit)) if setup.stage_of_unit[i] != setup.stage_of_unit[i - 1]]
     p2p = max((sends[i - 1] for i in starts), default=0.0) / 2
@@ -476,17 +487,11 @@ def _assemble(model: Any, facts: ModelFacts, mesh: Mesh, config: Config, setup: 
     collectives: list[Collective] = []
     params: dict[str, tuple[str, ...]] = {}  # as stored between steps
     holders: dict[str, set[int]] = {}
-    # ZeRO-1 (a stage's reductions are deferred to the step's end, runtime.pipeline): stored
-    # sharded over dp, gathered once a step
-    zero_axes = tuple(cand.zero_axes) if config.zero else ()
-    stored: list[dict[str, tuple[str, ...]]] = []
-    for (st, traced), plan in zip(stages, plans):
+    for ((st, traced), plan), kept in zip(zip(stages, plans), stored):
         collectives += [c for _ in range(m) for c in plan.collectives]
-        stored.append({p.name: stored_placement(plan.params[p.name], p.shape, cand.shape, zero_axes)
-                       for p in traced.params})
         for p in traced.params:
             name = fwd.canonical.get(p.name, p.name)
-            params.setdefault(name, stored[-1][p.name])
+            params.setdefault(name, kept[p.name])
             holders.setdefault(name, set()).add(st.index % pp)
     stride = math.prod(cand.shape)
     tied_s = 0.0
@@ -497,7 +502,6 @@ def _assemble(model: Any, facts: ModelFacts, mesh: Mesh, config: Config, setup: 
         tied_s += axis_collective_time("all_reduce", nbytes, pp, stride, mesh.topology)
     collectives.append(Collective("all_reduce", "pp", 4, "forward", "", "loss", None))
     collectives += _point_to_point(stages, cand, m)
-    reductions, reduce_s = step_end_reductions(stages, plans, pp, cand, mesh, stored)
     collectives += reductions
     memory = _rank_memory(plans, setup, pp)
     inputs = _input_placements(len(facts.input_shapes), stages, plans)

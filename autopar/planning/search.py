@@ -309,20 +309,26 @@ def candidate_setups(num_devices: int, gpus_per_node: int, batch: int, num_block
                                     # (runtime.pipeline, every schedule), with ZeRO-1 as
                                     # reduce-scatter and a gather of the parameters
                                     yield Setup(dp, tp, pp, b, m, schedule, v, rc, zero, sp,
-                                                grad_sync="gathered" if zero else "step",
-                                                dp_shard=shard)
+                                                grad_sync=_grad_sync(zero, pp), dp_shard=shard)
 
 
 def zero_stages(config: Config, dp: int, pp: int) -> tuple[int, ...]:
-    """The ZeRO stages searched for a setup of ``dp`` replicas and ``pp`` pipeline stages: the
-    one ``Config.zero`` forces, or 0, 1 and (without a pipeline, which the runtime does not run
-    under ZeRO-3 yet) 3; stage 2 runs ZeRO-1's program (``Config.zero``), so it is searched only
-    when forced. Nothing is sharded without dp."""
+    """The ZeRO stages searched for a setup of ``dp`` replicas (and ``pp`` pipeline stages,
+    which all run under every stage): the one ``Config.zero`` forces, or 0, 1 and 3; stage 2
+    runs ZeRO-1's program (``Config.zero``), so it is searched only when forced. Nothing is
+    sharded without dp."""
     if dp == 1:
         return (0,) if config.zero in (None, 0) else ()
     if config.zero is not None:
-        return () if config.zero == 3 and pp > 1 else (config.zero,)
-    return (0, 1) if pp > 1 else (0, 1, 3)
+        return (config.zero,)
+    return (0, 1, 3)
+
+
+def _grad_sync(zero: int, pp: int) -> str:
+    """How the runtime synchronises a setup's data-parallel gradients (``Setup.grad_sync``)."""
+    if not zero:
+        return "step"
+    return "regathered" if zero == 3 and pp > 1 else "gathered"
 
 
 def _sharding(config: Config, dp: int, pp: int) -> Iterator[tuple[int, int]]:

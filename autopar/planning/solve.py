@@ -213,7 +213,8 @@ def solve_candidate(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candi
     gathers its parameters once a step, before its first forward, and reduce-scatters their
     gradients after its last backward (``runtime.pipeline``): the program computes with them as
     placed (replicated over dp), and they are stored as :func:`zero_placement` of that
-    (``StageRun.zero_axes``).
+    (``StageRun.zero_axes``); with ZeRO-3 it gathers them for every microbatch's forward and
+    backward instead (``StageRun.regather``).
     """
     defer_grad_sync = stage is not None
     zero_once = defer_grad_sync and bool(config.zero)
@@ -229,7 +230,8 @@ def solve_candidate(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candi
                           defer_axes=cand.dp_axes if defer_grad_sync else (),
                           stage=StageRun(activation_scale, microbatches,
                                          split_backward=split_backward,
-                                         zero_axes=tuple(cand.zero_axes) if zero_once else ())
+                                         zero_axes=tuple(cand.zero_axes) if zero_once else (),
+                                         regather=zero_once and config.zero == 3)
                           if stage is not None else None)
         return space, costs, res, plan
 

@@ -92,13 +92,16 @@ class WeightSplit(torch.nn.Module):
     """A backward graph cut in two (zero-bubble pipelines, Qi et al., ICLR'24, section 2):
     ``input_part`` computes the gradients of the positions in ``input_positions`` and the
     ``num_stash`` values the rest needs; ``weight_part`` takes the backward's inputs and those
-    values and computes every other gradient."""
+    values and computes every other gradient; it takes only the backward's inputs it reads,
+    those at ``weight_inputs`` (so the others need not be kept for it), then the values."""
 
     def __init__(self, input_part: fx.GraphModule, weight_part: fx.GraphModule,
-                 input_positions: tuple[int, ...], num_outputs: int, num_stash: int) -> None:
+                 input_positions: tuple[int, ...], num_outputs: int, num_stash: int,
+                 weight_inputs: tuple[int, ...]) -> None:
         super().__init__()
         self.input_part, self.weight_part = input_part, weight_part
         self.input_positions, self.num_outputs, self.num_stash = input_positions, num_outputs, num_stash
+        self.weight_inputs = weight_inputs
 
 
 def _ancestors(roots: Sequence[fx.Node]) -> set[fx.Node]:
@@ -147,7 +150,13 @@ def split_weight_backward(bwd: fx.GraphModule, input_positions: Sequence[int]) -
         if n in second and n not in first and n.op != "placeholder":
             env2[n] = g2.node_copy(n, lambda a: env2[a])
     g2.output(tuple(env2[o] if o is not None and i not in in_pos else None for i, o in enumerate(outs)))
-    return WeightSplit(fx.GraphModule(bwd, g1), fx.GraphModule(bwd, g2), in_pos, len(outs), len(stash))
+    inputs = [env2[n] for n in order if n.op == "placeholder"]
+    for x in inputs:  # (an input only the input gradients read is not kept for the weights)
+        if not x.users:
+            g2.erase_node(x)
+    reads = tuple(i for i, x in enumerate(inputs) if x.users)
+    return WeightSplit(fx.GraphModule(bwd, g1), fx.GraphModule(bwd, g2), in_pos, len(outs),
+                       len(stash), reads)
 
 
 class LazyCompiled(torch.nn.Module):
@@ -334,17 +343,52 @@ class GradSink:
         return grads
 
 
+def _regathered_views(saved: list, primals: Sequence[Any], sink: tuple | None
+                      ) -> dict[int, tuple[str, tuple, tuple, int]]:
+    """The saved values of :class:`JointFunction` that its ``regather`` makes again: each one
+    a gathered parameter or a view of one, by position, with the parameter's name and the
+    view's size, stride and storage offset from the parameter's own. The gathered parameters
+    are contiguous and may share one storage (:meth:`FlatBucket.unpack` returns views of the
+    gathered buffer where it can): a view belongs to the one whose elements its first element
+    lies in."""
+    if sink is None or len(sink) < 3 or sink[2] is None:
+        return {}
+    names, gathered = sink[1], sink[2][1]
+    spans: dict[int, list[tuple[int, int, str]]] = {}  # storage -> (start, end, name)
+    for p, name in zip(primals[1:], names):
+        if name in gathered and isinstance(p, torch.Tensor) and p.is_contiguous():
+            start = p.storage_offset()
+            spans.setdefault(p.untyped_storage().data_ptr(), []).append(
+                (start, start + p.numel(), name))
+    out = {}
+    for i, s in enumerate(saved):
+        if not isinstance(s, torch.Tensor):
+            continue
+        offset = s.storage_offset()
+        owner = [(start, name) for start, end, name in spans.get(s.untyped_storage().data_ptr(), ())
+                 if start <= offset < end or (start == offset == end)]
+        if len(owner) == 1:
+            start, name = owner[0]
+            out[i] = (name, tuple(s.size()), tuple(s.stride()), offset - start)
+    return out
+
+
 class JointFunction(torch.autograd.Function):
     """Runs the forward graph; its backward runs the backward graph.
 
     ``forward(ctx, fwd, bwd, grad_slots, num_outputs, split_backward, sink, *primals)``
     returns the forward's first ``num_outputs`` results (one tensor when ``num_outputs == 1``).
     ``grad_slots[j]`` is the position of primal ``j``'s gradient among the backward graph's
-    outputs, or ``None``. ``sink``: ``None``, or ``(GradSink, names)`` with ``names[j]`` the
-    name under which primal ``j``'s gradient goes to the sink instead of to autograd (``None``
-    for the primals whose gradient autograd takes); then the first primal is an anchor, a
-    scalar that requires grad and that the graphs do not read, so that the outputs require
-    grad even when no other primal does (a first pipeline stage).
+    outputs, or ``None``. ``sink``: ``None``, or ``(GradSink, names, regather)`` with
+    ``names[j]`` the name under which primal ``j``'s gradient goes to the sink instead of to
+    autograd (``None`` for the primals whose gradient autograd takes); then the first primal is
+    an anchor, a scalar that requires grad and that the graphs do not read, so that the outputs
+    require grad even when no other primal does (a first pipeline stage). ``regather`` (ZeRO-3
+    in a pipeline, or ``None``): ``(gather, names)``, a callable gathering the named primals
+    (parameters) again and those names, called once before every backward (as the plan
+    counts it); a saved value that is one of them, or a view of one, is not kept from the
+    forward but made again from the new copy (``torch.as_strided``: the same layout), so the
+    forward's copy is freed after the forward.
 
     The backward computes every gradient at once, unless ``bwd`` is a :class:`WeightSplit`
     (``split_backward``, a zero-bubble pipeline; a sink is required): autograd's backward then
@@ -362,7 +406,10 @@ class JointFunction(torch.autograd.Function):
             raise ValueError("JointFunction: a split (zero-bubble) backward needs a gradient "
                              "sink to receive its weight step's gradients.")
         outs = fwd(*(primals[1:] if sink is not None else primals))
-        results, saved = outs[:num_outputs], outs[num_outputs:]
+        results, saved = outs[:num_outputs], list(outs[num_outputs:])
+        ctx.remade = _regathered_views(saved, primals, sink)
+        for i in ctx.remade:
+            saved[i] = None  # (made again in the backward: the gathered copy is not kept)
         tensors = [s for s in saved if isinstance(s, torch.Tensor)]
         ctx.save_for_backward(*tensors)
         ctx.saved_layout = [isinstance(s, torch.Tensor) for s in saved]
@@ -377,12 +424,19 @@ class JointFunction(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> Any:
         tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
         saved = [next(tensors) if is_t else next(others) for is_t in ctx.saved_layout]
+        if ctx.sink is not None and len(ctx.sink) > 2 and ctx.sink[2] is not None:
+            # (gathered even when no saved value is remade from it, as the plan counts: a
+            # stage's backward that reads no parameter is rare; it wastes one gather)
+            fresh = ctx.sink[2][0]()
+            for i, (name, size, stride, offset) in ctx.remade.items():
+                base = fresh[name]
+                saved[i] = torch.as_strided(base, size, stride, base.storage_offset() + offset)
         if ctx.split_backward:
             return JointFunction._input_step(ctx, saved, grad_outputs)
         with collective_failures("the backward", None):
             grads = ctx.bwd(*saved, *grad_outputs)
         if ctx.sink is not None:
-            sink, names = ctx.sink
+            sink, names = ctx.sink[:2]
             for k, name in zip(ctx.grad_slots, names):
                 if k is not None and name is not None:
                     sink.add(name, grads[k])
@@ -398,7 +452,7 @@ class JointFunction(torch.autograd.Function):
         """A split backward's first part (the input gradients, returned to autograd); its
         weight part is deferred to the sink with the values it reads."""
         split: WeightSplit = ctx.bwd
-        sink, names = ctx.sink
+        sink, names = ctx.sink[:2]
         with collective_failures("the backward (input gradients)", None):
             res = split.input_part(*saved, *grad_outputs)
         grads: list[Any] = [None] * split.num_outputs
@@ -406,10 +460,15 @@ class JointFunction(torch.autograd.Function):
             grads[pos] = g
         stash = res[len(split.input_positions):]
         slots = ctx.grad_slots
+        # (what the weight step does not read is not kept for it: activations only the input
+        # gradients needed, and a ZeRO-3 stage's gathered parameters)
+        every = (*saved, *grad_outputs)
+        kept = [every[i] for i in split.weight_inputs]
+        del saved, grad_outputs, every
 
         def weight_step() -> None:
             with collective_failures("the backward (weight gradients)", None):
-                wgrads = split.weight_part(*saved, *grad_outputs, *stash)
+                wgrads = split.weight_part(*kept, *stash)
             for k, name in zip(slots, names):
                 if k is not None and name is not None and k not in split.input_positions:
                     sink.add(name, wgrads[k])

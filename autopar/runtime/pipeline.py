@@ -110,9 +110,12 @@ class StageModule(nn.Module):
         self._label_graphs()
         self._params = params
         # ZeRO-1 once a step: a callable gathering the stage's parameters (by model name),
-        # called at the stage's first forward of a step; what it gave, until the step ends
+        # called at the stage's first forward of a step; what it gave, until the step ends.
+        # ZeRO-3 (``regather``): called for every microbatch's forward and again for its
+        # backward, the copy freed in between (JointFunction's ``regather``)
         self.gather: Any = None
         self.gathered: dict[str, torch.Tensor] | None = None
+        self.regather = False
         # the parameters' gradients, summed over the microbatches as local tensors (GradSink)
         # and set once per step; a split backward's weight step (zero-bubble) is deferred to
         # the sink by the input step and run by the schedule through ``weight_step``
@@ -152,9 +155,12 @@ class StageModule(nn.Module):
         boundary = iter(args if self.stage.index > 0 else ())
         users = iter(user)
         primals = [self._anchor]
-        if self.gathered is None and self.gather is not None:
-            self.gathered = self.gather()
-        gathered = self.gathered or {}
+        if self.regather:  # (this microbatch's copy, not kept: ZeRO-3)
+            gathered = self.gather()
+        else:
+            if self.gathered is None and self.gather is not None:
+                self.gathered = self.gather()
+            gathered = self.gathered or {}
         for name, pname in zip(self._order, self._param_names):
             if pname in gathered:
                 primals.append(gathered[pname])
@@ -167,7 +173,8 @@ class StageModule(nn.Module):
                 primals.append(self._buffers_by_node[name])
             else:
                 primals.append(next(users))
-        sink = (self.sink, tuple(self._param_names))
+        regather = (self.gather, frozenset(gathered)) if self.regather else None
+        sink = (self.sink, tuple(self._param_names), regather)
         return JointFunction.apply(self.fwd, self.bwd, self._slots, self.traced.num_forward_outputs,
                                    self.split_backward, sink, *primals)
 
@@ -274,6 +281,7 @@ class PipelineModule(StateDictMixin, nn.Module):
         stage.sink = GradSink([flat[i] for i in reduced], self.plan.pipeline.microbatches, issue)
         gathers = [(flat[i], groups[i]) for i, b in enumerate(buckets) if b.kind == "all_gather"]
         stage.gather = self._gatherer(gathers) if gathers else None
+        stage.regather = bool(gathers) and self.plan.techniques.get("zero") == 3
         scattered = {n for b in buckets if b.kind == "reduce_scatter" for n in b.params}
         for p in traced.params:
             kept = stored_dim(p.name, tuple(splan.params[p.name]), tuple(stored[p.name]))
@@ -290,8 +298,11 @@ class PipelineModule(StateDictMixin, nn.Module):
             out: dict[str, torch.Tensor] = {}
             for bucket, group in buckets:
                 # (detached: the gradients come through the stage's sink, not autograd)
-                part = bucket.pack([self._params[n].to_local().detach() for n in bucket.names])
-                flat = funcol.wait_tensor(all_gather_into_buffer(part, bucket.parts, group))
+                # (the packed shard is not kept past the gather: ZeRO-3 gathers again in every
+                # backward, beside the saved values of the microbatches in flight)
+                flat = funcol.wait_tensor(all_gather_into_buffer(
+                    bucket.pack([self._params[n].to_local().detach() for n in bucket.names]),
+                    bucket.parts, group))
                 out.update(zip(bucket.names, bucket.unpack(flat)))
             return out
 

@@ -41,14 +41,17 @@ MEMORY_BY_TECHNIQUE = {
     "zero-bubble": f"gpt:{_PP}=zero-bubble,virtual_stages=2,{_MEM}",
 }
 # (for the default suite's time, test_slow.py runs the memory of the Hugging Face models,
-# explicit attention, GPipe, zero-bubble, selective recomputation and sequence parallelism on
-# 2 processes and a ZeRO-1 pipeline on 4)
+# explicit attention, GPipe, interleaved and zero-bubble pipelines, selective recomputation
+# and sequence parallelism on 2 processes, and a ZeRO-1 pipeline and part 4's techniques
+# together (dp x tp, ZeRO-1, full recomputation, SP) on 4; a ZeRO-3 pipeline's memory is in
+# test_pipeline.py)
 MEMORY_SLOW = {2: [MEMORY_BY_TECHNIQUE[k] for k in ("hf", "llama", "explicit", "gpipe",
-                                                     "zero-bubble", "selective", "sp")],
-               4: [f"gpt:pp=2,dp=2,tp=1,microbatch_size=2,schedule=1f1b,zero=1,{_MEM}"]}
+                                                     "interleaved", "zero-bubble", "selective",
+                                                     "sp")],
+               4: [f"gpt:pp=2,dp=2,tp=1,microbatch_size=2,schedule=1f1b,zero=1,{_MEM}",
+                   f"gpt:dp=2,tp=2,recompute=full,zero=1,sequence_parallel=1,{_MEM}"]}
 MEMORY = {2: [c for c in MEMORY_BY_TECHNIQUE.values() if c not in MEMORY_SLOW[2]],
-          4: [f"gpt:dp=2,tp=2,recompute=full,zero=1,sequence_parallel=1,{_MEM}",
-              f"gpt:dp=2,tp=2,zero=3,{_MEM}",
+          4: [f"gpt:dp=2,tp=2,zero=3,{_MEM}",
               # hybrid sharding (HSDP): shard groups of 2, replicated across 2 groups
               f"gpt:dp=4,zero=3,dp_shard=2,{_MEM}"]}
 TECHNIQUES = {2: [c for c in MEMORY[2] if "bf16" not in c], 4: MEMORY[4]}

@@ -54,9 +54,9 @@ def test_zero3_on_more_models_and_techniques(results_dir):
 
 def test_memory_techniques_and_examples_left_out_of_the_default_suite(results_dir):
     """What the default suite leaves out for time: the memory of the Hugging Face models,
-    explicit attention, GPipe, zero-bubble, selective recomputation and sequence parallelism (2
-    processes) and of a ZeRO-1 pipeline (4), a
-    combined technique on GPT-2 (4), and the Hugging Face training examples."""
+    explicit attention, GPipe, interleaved and zero-bubble pipelines, selective recomputation and
+    sequence parallelism (2 processes) and of a ZeRO-1 pipeline and part 4's techniques together
+    (4), a combined technique on GPT-2 (4), and the Hugging Face training examples."""
     from test_equivalence import MEMORY_BY_TECHNIQUE, MEMORY_SLOW, TECHNIQUES_SLOW, check_memory
 
     examples = ["example:gpt2", "example:llama"]

@@ -148,3 +148,38 @@ def test_hybrid_sharding_shards_within_groups_and_replicates_across_them():
     assert groups == {0, 2, 4, 8, 16, 32}
     forced = search(big, big_inputs, h100s, autopar.Config(tp=1, pp=1, dp_shard=32))
     assert {c.setup.dp_shard for c in (*forced.ranked, *forced.pruned)} == {32}
+
+
+def test_zero3_in_a_pipeline_gathers_every_microbatch_and_holds_one_stage_gathered():
+    """ZeRO-3 in a pipeline (runtime.pipeline): each stage's parameters gathered for every
+    microbatch's forward and again for its backward (2m gathers of each bucket a step, against
+    ZeRO-1's one), freed in between, so a rank running two interleaved stages holds one stage's
+    gathered copy at a time, not both; the per-operator plan and the search's closed form agree
+    on both (on 4 processes: test_pipeline.py)."""
+    model, inputs = build("gpt", dim=64, heads=4, layers=4, batch=8, seq=16)
+    mesh = autopar.Mesh.virtual("a100-dgx", gpus_per_node=4)
+    plans = {z: autopar.plan(model, mesh, inputs, config=autopar.Config(
+        pp=2, dp=2, tp=1, microbatch_size=2, schedule="interleaved-1f1b", virtual_stages=2,
+        zero=z)) for z in (1, 3)}
+    m = plans[3].pipeline.microbatches
+
+    def gathers(plan: autopar.Plan, phase: str) -> list:
+        return sorted((c.stage, c.bytes) for c in plan.collectives
+                      if c.kind == "all_gather" and c.node.endswith(" parameters") and c.phase == phase)
+
+    once = gathers(plans[1], "forward")
+    assert once and gathers(plans[1], "backward") == []
+    assert gathers(plans[3], "forward") == gathers(plans[3], "backward") == sorted(once * m)
+    one, three = (plans[z].pipeline.predicted for z in (1, 3))
+    assert all(t < o for t, o in zip(three["peak_memory_bytes"], one["peak_memory_bytes"]))
+    assert three["step_time_s"] > one["step_time_s"]
+    # the closed form the search prices with: the computing stage's copy and the flat buffer
+    # of its gather (priced beside the activations in flight; ZeRO-1's at the first forward,
+    # without them) against every stage's copy, so fewer bytes from v = 3 stages a rank
+    model, inputs = build("gpt", dim=256, heads=4, layers=8, batch=8, seq=16)
+    layers = LayerSolver(model, inputs, mesh, autopar.Config(pp=2, dp=2, tp=1), ())
+    base = Setup(2, 1, 2, 2, 4, "interleaved-1f1b", 4, "none", 1, False, grad_sync="gathered")
+    z1, z3 = layers.price(base), layers.price(dataclasses.replace(base, zero=3,
+                                                                  grad_sync="regathered"))
+    assert max(z3.rank_memory_bytes) < max(z1.rank_memory_bytes)
+    assert z3.parts["pipeline_s"] > z1.parts["pipeline_s"] and z3.parts["dp_comm_s"] < z1.parts["dp_comm_s"]
