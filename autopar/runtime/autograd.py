@@ -351,7 +351,7 @@ def _regathered_views(saved: list, primals: Sequence[Any], sink: tuple | None
     are contiguous and may share one storage (:meth:`FlatBucket.unpack` returns views of the
     gathered buffer where it can): a view belongs to the one whose elements its first element
     lies in."""
-    if sink is None or len(sink) < 3 or sink[2] is None:
+    if sink is None or sink[2] is None:
         return {}
     names, gathered = sink[1], sink[2][1]
     spans: dict[int, list[tuple[int, int, str]]] = {}  # storage -> (start, end, name)
@@ -424,7 +424,7 @@ class JointFunction(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: torch.Tensor) -> Any:
         tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
         saved = [next(tensors) if is_t else next(others) for is_t in ctx.saved_layout]
-        if ctx.sink is not None and len(ctx.sink) > 2 and ctx.sink[2] is not None:
+        if ctx.sink is not None and ctx.sink[2] is not None:
             # (gathered even when no saved value is remade from it, as the plan counts: a
             # stage's backward that reads no parameter is rare; it wastes one gather)
             fresh = ctx.sink[2][0]()
@@ -436,7 +436,7 @@ class JointFunction(torch.autograd.Function):
         with collective_failures("the backward", None):
             grads = ctx.bwd(*saved, *grad_outputs)
         if ctx.sink is not None:
-            sink, names = ctx.sink[:2]
+            sink, names, _ = ctx.sink
             for k, name in zip(ctx.grad_slots, names):
                 if k is not None and name is not None:
                     sink.add(name, grads[k])
@@ -452,7 +452,7 @@ class JointFunction(torch.autograd.Function):
         """A split backward's first part (the input gradients, returned to autograd); its
         weight part is deferred to the sink with the values it reads."""
         split: WeightSplit = ctx.bwd
-        sink, names = ctx.sink[:2]
+        sink, names, _ = ctx.sink
         with collective_failures("the backward (input gradients)", None):
             res = split.input_part(*saved, *grad_outputs)
         grads: list[Any] = [None] * split.num_outputs

@@ -226,7 +226,7 @@ def test_zero_bubble_backward_runs_input_and_weight_parts_once_each():
     sink = GradSink()
     by_name = tuple(params[n].name if n in params else None for n in names)
     anchor = torch.zeros((), requires_grad=True)
-    loss = JointFunction.apply(f, split, slots, 1, True, (sink, by_name), anchor, *got_in)
+    loss = JointFunction.apply(f, split, slots, 1, True, (sink, by_name, None), anchor, *got_in)
     loss.backward()  # the schedule's input step
     assert calls == {"input": 1, "weight": 0}  # weights not touched yet
     boundary = [t for n, t in zip(names, got_in) if n in traced.boundary_inputs][0]
