@@ -140,8 +140,9 @@ def parallelize(model: nn.Module, mesh: Mesh, example_inputs: Any = None, *,
     if the_plan.pipeline is not None:
         pmodel = _pipelined(model, example_inputs, traced, the_plan, dm, mesh.timeout_s, compile)
     else:
+        prefetch, regather = _zero_gathers(traced, the_plan)
         local = lower_to_local(traced.gm, the_plan, dm, _recomputed(traced, the_plan),
-                               _regathered(traced, the_plan))
+                               regather, prefetch)
         pmodel = ParallelModule(model, traced, the_plan, dm, local, compile=compile,
                                 timeout_s=mesh.timeout_s)
     startup["lower_s"] = time.perf_counter() - t2
@@ -210,11 +211,12 @@ def _recomputed(traced: Any, the_plan: Plan) -> frozenset[str]:
     return recompute_nodes(traced, the_plan.techniques.get("recompute", "none"))
 
 
-def _regathered(traced: Any, the_plan: Plan) -> frozenset[str]:
-    """What a ZeRO-3 plan (no pipeline) gathers again for the backward."""
-    from autopar.capture.remat import regathered_nodes
+def _zero_gathers(traced: Any, the_plan: Plan) -> tuple[frozenset[str], frozenset[str]]:
+    """The chains a ZeRO plan without a pipeline prefetches, and gathers again for the
+    backward (``capture.remat.zero_gathers``)."""
+    from autopar.capture.remat import zero_gathers
 
-    return regathered_nodes(traced) if the_plan.techniques.get("zero") == 3 else frozenset()
+    return zero_gathers(traced, the_plan.techniques.get("zero", 0))
 
 
 def _pipelined(model: nn.Module, example_inputs: Any, traced: Any, the_plan: Plan, dm: Any,

@@ -6,8 +6,9 @@ starts one ``torchrun`` job per process count (CPU processes, gloo) and, on the 
 model of ``runtime_vs_torch.py`` (:class:`BenchGPT`) and one batch, compares
 
 - autopar ``Config(dp=n, tp=1, pp=1, zero=3, dp_shard=n)``: parameters stored sharded over the n ranks,
-  each gathered where the forward uses it, freed after its last forward reader, gathered again
-  for the backward, gradients reduce-scattered;
+  each layer's gathered as one flat all-gather a layer ahead of its use, freed after its last
+  forward reader, gathered again for the backward, gradients reduce-scattered in the plan's
+  buckets;
 - FSDP2 as torchtitan applies it: ``fully_shard`` on every block and on the root (the
   embeddings, final norm and LM head), ``reshard_after_forward=True`` (ZeRO-3), its default
   prefetch of the next block's gather; each rank runs its 1/n of the batch; compiled, each block

@@ -126,9 +126,11 @@ class _Walk:
     """Buffers (bytes, birth, last read) of the lowered program, in joint-graph steps."""
 
     def __init__(self, traced: Any, mesh_shape: Sequence[int], nodes: dict, tagged: frozenset,
-                 stage: StageRun | None = None, regather: frozenset = frozenset()):
+                 stage: StageRun | None = None, regather: frozenset = frozenset(),
+                 prefetch: frozenset = frozenset()):
         self.traced, self.mesh_shape, self.nodes, self.tagged = traced, tuple(mesh_shape), nodes, tagged
         self.regather = regather
+        self.prefetch = prefetch | regather  # the ZeRO chains whose gathers are prefetched
         self.stage = stage
         self.size: list[float] = []
         self.born: list[int] = []
@@ -144,6 +146,10 @@ class _Walk:
         self.placement_cache: dict[tuple[str, ...], tuple] = {}
         self.layer = ""  # of the node being walked
         self.runs = {False: GatherRuns(), True: GatherRuns()}  # ZeRO-3's prefetch, per part
+        # ZeRO-3's flat gather buckets: per (part, run, axis, dtype), the gathered copies'
+        # buffers with the step each is issued at, the run's first step and the group size
+        self.gather_buckets: dict[tuple, list[tuple[int, int, int, int]]] = {}
+        self.scattering: int | None = None  # the packed buffer of a reduce-scatter bucket
 
     # -- buffers and references -------------------------------------------------------------
     def new_op(self, sizes: Sequence[float], born: int, tagged: bool = False,
@@ -198,7 +204,7 @@ class _Walk:
         are too, while its collective's output is saved."""
         key = (a.name, tuple(dst))
         if key not in self.moved:
-            gather = self.layer if a.name in self.regather and not backward else None
+            gather = self.layer if a.name in self.prefetch else None
             self.moved[key] = self._reshard(a, tuple(dst), tagged, backward, gather=gather)
         return self.moved[key]
 
@@ -250,6 +256,10 @@ class _Walk:
         issued = (self.issue_point(ref, backward) if gather is None
                   else self.prefetched(gather, backward))
         coll = (self.new_op([self._bytes_after(val, steps[k].after)], issued), 0)
+        if gather is not None and steps[k].kind == "all_gather":
+            run, start = self.runs[backward].run
+            self.gather_buckets.setdefault((backward, run, steps[k].axis, val.dtype), []).append(
+                (self.ops[coll[0]].buffers[0], issued, start, self.mesh_shape[steps[k].axis]))
         self.read(ref, issued, backward)
         self.largest_output = max(self.largest_output, self.size[self.ops[coll[0]].buffers[0]])
         before = steps[k - 1].after if k else self.placements(src)
@@ -274,6 +284,22 @@ class _Walk:
             issued = min(max(self.born[op.buffers[ref[1]]], floor, self.last_collective), self.step)
         self.last_collective = issued
         return issued
+
+    def flat_buckets(self) -> None:
+        """ZeRO's flat gather buckets (``passes.gather_buckets``): a run of two or more
+        gathers with one key holds its packed shards until its collective is waited for and
+        its flat buffer until its first step, where the gathered copies are made (copied out);
+        one issued ahead (prefetched) is issued after the copy-out of the run before it."""
+        for members in self.gather_buckets.values():
+            if len(members) < 2:
+                continue
+            issued, start, group = members[0][1], members[0][2], members[0][3]
+            issued = min(issued + 1, start) if issued < start else issued
+            total = sum(self.size[b] for b, *_ in members)
+            packed, flat = self.ops[self.new_op([total / group, total], issued)].buffers
+            self.last[packed], self.last[flat] = max(issued, start - 1), start
+            for b, *_ in members:
+                self.born[b] = max(self.born[b], start)
 
     def prefetched(self, layer: str, backward: bool) -> int:
         """The step a ZeRO-3 parameter gather for a reader in ``layer``, made at this step, is
@@ -347,7 +373,9 @@ class _Walk:
     def output_move(self, n: fx.Node, index: int, step: int) -> None:
         """A gradient, moved where it is computed: to its parameter's placement, or into its
         bucket's flat buffer once the bucket's last gradient is computed (all-reduced in
-        place; one gradient that nothing else reads is reduced in its own memory)."""
+        place, one gradient that nothing else reads in its own memory; or reduce-scattered
+        into a new buffer of the rank's shards, the packed one held until the next
+        reduce-scatter bucket is issued: ``passes.grad_buckets``)."""
         bucket = self.bucket_of.get(index)
         if bucket is None:
             self.final[index] = self.move(n, self.outputs[index], False, True)
@@ -358,10 +386,19 @@ class _Walk:
         refs = [self.pending.pop(i) for i in bucket]
         for r in refs:
             self.read(r, step, True)
-        if len(bucket) == 1 and _owned(n):
+        total = sum(self.size[self.ops[o].buffers[i]] for o, i in refs)
+        scatter = _scatter_axis(self.nodes[n.name].outputs[0], self.outputs[index])
+        if scatter is not None:
+            if self.scattering is not None:  # (waited for now)
+                self.last[self.scattering] = step
+            packed = self.ops[self.new_op([total], step)].buffers[0]
+            self.scattering = packed
+            self.last[packed] = step  # (to the end, unless another one is issued: finish)
+            flat = (self.new_op([total / self.mesh_shape[scatter]], step), 0)
+        elif len(bucket) == 1 and _owned(n):
             flat = refs[0]
         else:
-            flat = (self.new_op([sum(self.size[self.ops[o].buffers[i]] for o, i in refs)], step), 0)
+            flat = (self.new_op([total], step), 0)
         self.last_collective = step
         self.final.update({i: flat for i in bucket})
 
@@ -370,6 +407,8 @@ class _Walk:
         into its ``p.grad`` (``ParallelModule.step``: one new gradient at a time, the old one
         freed when replaced), which the last step here holds."""
         end = self.step + 1
+        if self.scattering is not None:  # the last reduce-scatter bucket, waited for at the end
+            self.last[self.scattering] = end
         for i, a in enumerate(out.args[0]):
             if a is None:
                 continue
@@ -404,6 +443,15 @@ class _Walk:
         boundary = self.forward_end
         saved = float(size[(born <= boundary) & (last > boundary)].sum()) if boundary >= 0 else 0.0
         return float(live[at]), self.node_at[at] if at < len(self.node_at) else "", saved
+
+
+def _scatter_axis(src: Sequence[str] | None, dst: Sequence[str] | None) -> int | None:
+    """The mesh axis a gradient bucket reduce-scatters over (``Partial`` becoming ``Shard``:
+    ``planning.buckets.single_reduction``), or ``None`` for an all-reduce bucket."""
+    if src is None or dst is None:
+        return None
+    return next((a for a, (s, d) in enumerate(zip(src, dst))
+                 if s.startswith("P") and d.startswith("S")), None)
 
 
 def _gathers_inner_dim(step: Any, before: tuple) -> bool:
@@ -474,7 +522,8 @@ def _persistent_bytes(traced: Any, nodes: dict, mesh_shape: tuple, optimizer: st
 def step_memory(traced: Any, mesh_shape: Sequence[int], nodes: dict, outputs: Sequence,
                 buckets: Sequence[Sequence[int]] = (), recompute: frozenset[str] = frozenset(),
                 optimizer: str = "adam", stage: StageRun | None = None,
-                regather: frozenset[str] = frozenset()) -> StepMemory:
+                regather: frozenset[str] = frozenset(),
+                prefetch: frozenset[str] = frozenset()) -> StepMemory:
     """Peak bytes per rank of the step the plan lowers to (module docstring).
 
     ``nodes``: the plan's placements per joint-graph node (``NodePlan``, text form, ``getitem``
@@ -483,12 +532,14 @@ def step_memory(traced: Any, mesh_shape: Sequence[int], nodes: dict, outputs: Se
     (``capture.remat.recompute_nodes``). ``stage``: the program is a pipeline stage's
     (:class:`StageRun`); each microbatch in flight beyond one holds its saved values
     (``saved_bytes``) beside the step of the one at its peak. ``regather``: ZeRO-3's chains
-    (``capture.remat.regathered_nodes``), made again for their backward readers.
+    (``capture.remat.regathered_nodes``), made again for their backward readers; ``prefetch``:
+    ZeRO-1/2's, whose gathers are issued a layer ahead and bucketed as ZeRO-3's are.
     """
     tagged = frozenset(n.name for n in traced.gm.graph.nodes if n.name in recompute
                        and n.op == "call_function" and not is_backward(n) and not is_random(n))
-    walk = _Walk(traced, mesh_shape, nodes, tagged, stage, regather)
+    walk = _Walk(traced, mesh_shape, nodes, tagged, stage, regather, prefetch)
     walk.run(outputs, buckets)
+    walk.flat_buckets()
     live, at, saved = walk.peak()
     persistent, gathered = _persistent_bytes(traced, nodes, tuple(mesh_shape), optimizer,
                                              stage.microbatches if stage is not None else 1,

@@ -375,10 +375,11 @@ def _state_memory(lc: LayerCosts, setup: Setup, state: float, elements: float) -
 def _regathered_bytes(lc: LayerCosts) -> float:
     """What ZeRO-3 holds beside the sharded state: the gathered parameters of
     :data:`~autopar.cost_models.sharding.REGATHERED_LAYERS` units (the one computing, the
-    one gathered ahead) and the unreduced gradient of one, at the largest unit's size
-    ([ZERO] sec. 5.3; Zhao et al., "PyTorch FSDP", VLDB 2023, sec. 3.3)."""
+    one gathered ahead), the flat buffer a unit's copies are made from (``passes.
+    gather_buckets``) and the unreduced gradient of one, at the largest unit's size
+    ([ZERO] sec. 5.3; Zhao et al., "PyTorch FSDP", VLDB 2023, sec. 3.3 and 4.1)."""
     largest = max(lc.pre.param_elements, lc.block.param_elements, lc.post.param_elements)
-    return (REGATHERED_LAYERS + 1) * largest * lc.param_itemsize
+    return (REGATHERED_LAYERS + 2) * largest * lc.param_itemsize
 
 
 def model_flops_megatron(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:

@@ -16,11 +16,9 @@ gradient where the backward produces it), so an unreduced gradient dies at its r
 
 from __future__ import annotations
 
-import contextlib
-import math
 import operator
 import warnings
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
@@ -31,15 +29,17 @@ from autopar import _torch_private as private
 from autopar._torch_private import DTensorSpec, FakeTensorMode, _StridedShard
 from autopar.graph import output_moves
 from autopar.placements import from_str
+from autopar.passes.gather_buckets import bucket_gathers
+from autopar.passes.grad_buckets import GradientBuckets
 from autopar.passes.overlap import overlap_collectives, prefetch_gathers
 from autopar.capture.layers import is_backward
-from autopar.capture.remat import REGATHER, TAG
+from autopar.capture.remat import REGATHER, TAG, marked
 from autopar.passes.recompute import recompute_pass
 from autopar.plan import Plan
 from autopar.strategies import fused
 from autopar.strategies.reshard import local_shape, reshard_steps
 
-__all__ = ["lower_to_local", "placements_of", "reshard", "GradientBuckets"]
+__all__ = ["lower_to_local", "placements_of", "reshard"]
 
 
 def placements_of(text: Sequence[str]) -> tuple:
@@ -90,33 +90,14 @@ def _spec_like(x: DTensor, placements: tuple) -> Any:
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 
-@contextlib.contextmanager
-def _marked(layer: str | None) -> Iterator[None]:
-    """Mark the local nodes traced inside as making a ZeRO-3 parameter's gathered copy for a
-    reader in ``layer`` (``capture.remat.REGATHER``, in the ``custom`` metadata torch's tracing
-    copies); ``None`` marks nothing. The recomputation pass re-runs and merges them, the
-    prefetch pass issues them a layer ahead (``passes.overlap.prefetch_gathers``)."""
-    meta = torch.fx.traceback.get_current_meta()
-    if layer is None or meta is None:
-        yield
-        return
-    old = meta.get("custom")
-    meta["custom"] = {**(old or {}), REGATHER: layer}
-    try:
-        yield
-    finally:
-        if old is None:
-            meta.pop("custom", None)
-        else:
-            meta["custom"] = old
-
-
 class _Interpreter:
     """Runs the joint graph over DTensors with the Plan's placements."""
 
     def __init__(self, gm: fx.GraphModule, plan: Plan, mesh: Any,
-                 regather: frozenset[str] = frozenset()) -> None:
+                 regather: frozenset[str] = frozenset(), prefetch: frozenset[str] = frozenset()
+                 ) -> None:
         self.gm, self.plan, self.mesh, self.regather = gm, plan, mesh, regather
+        self.prefetch = prefetch | regather  # the chains whose gathers are marked
         self.layer = ""  # the layer of the node being lowered (which a ZeRO-3 gather serves)
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
 
@@ -146,7 +127,7 @@ class _Interpreter:
                     # metadata, "partitioner_tag" included: the forward/backward split needs it
                     self.layer = self.plan.nodes[n.name].layer
                     with torch.fx.traceback.set_current_meta(n), \
-                            _marked(self.layer if n.name in self.regather else None):
+                            marked(REGATHER, self.layer if n.name in self.prefetch else None):
                         env[n.name] = self._call(n, env, moved)
                         if n.name in early:
                             self._get(n, placements_of(self.plan.output_placements[early[n.name]]), env, moved)
@@ -172,7 +153,7 @@ class _Interpreter:
     def _get(self, a: fx.Node, dst: tuple, env: dict, moved: dict) -> DTensor:
         key = (a.name, dst)
         if key not in moved:
-            with _marked(self.layer if a.name in self.regather else None):  # ZeRO-3's copy
+            with marked(REGATHER, self.layer if a.name in self.prefetch else None):  # ZeRO's copy
                 moved[key] = reshard(env[a.name], dst, self.mesh)
         return moved[key]
 
@@ -184,7 +165,7 @@ class _Interpreter:
         key = ("backward", a.name, dst)
         if key in moved:
             return moved[key]
-        with _marked(self.layer):
+        with marked(REGATHER, self.layer):
             if a.op == "placeholder":
                 value = env[a.name]
             elif ("backward", a.name) in moved:
@@ -262,74 +243,6 @@ class _Interpreter:
         return res
 
 
-class GradientBuckets:
-    """Executes ``Plan.grad_buckets`` (the policy is :mod:`autopar.planning.buckets`): the local
-    gradients of a bucket are flattened into one buffer, all-reduced with one collective when
-    the last of them is computed, and waited for at the end of the program (the outputs), so
-    the reduction runs while the rest of the backward computes; the results are views of the
-    reduced buffer. The collective is the raw functional op, not DTensor's (whose
-    traced form waits at once)."""
-
-    def __init__(self, buckets: Sequence[Sequence[int]], mesh: Any) -> None:
-        self.mesh = mesh
-        self.bucket_of = {i: tuple(b) for b in buckets for i in b}
-        self.local: dict[int, torch.Tensor] = {}
-        self.issued: dict[tuple[int, ...], torch.Tensor] = {}
-        self.shapes: dict[tuple[int, ...], list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
-        self.owned: dict[int, bool] = {}
-        self.results: dict[int, torch.Tensor] = {}
-
-    def __contains__(self, index: int) -> bool:
-        return index in self.bucket_of
-
-    def add(self, index: int, value: DTensor, dst: tuple, owned: bool = False) -> None:
-        """Gradient ``index`` is computed (``value``, Partial on one axis, ``dst`` Replicate
-        there); issue its bucket's all-reduce if it is the bucket's last gradient. ``owned``:
-        nothing else reads the gradient or what it views, so a bucket of it alone is reduced in
-        its own memory (no copy)."""
-        axes = [a for a, (p, q) in enumerate(zip(value.placements, dst)) if p != q]
-        if len(axes) != 1 or not isinstance(value.placements[axes[0]], Partial) \
-                or not isinstance(dst[axes[0]], Replicate):
-            raise RuntimeError(f"internal: gradient output {index} is bucketed but moves "
-                               f"{tuple(value.placements)} -> {dst}, not one all-reduce. Please "
-                               f"report this with the model.")
-        self.local[index] = value.to_local()
-        self.owned[index] = owned
-        bucket = self.bucket_of[index]
-        if index != bucket[-1]:
-            return
-        missing = [i for i in bucket if i not in self.local]
-        if missing:
-            raise RuntimeError(f"internal: gradient bucket {bucket} issued before gradients "
-                               f"{missing} were computed. Please report this with the model.")
-        # each gradient flattened in its memory order (a transposed one through its transpose:
-        # no copy before the one into the bucket)
-        parts = [_dense_permutation(self.local.pop(i)) for i in bucket]
-        self.shapes[bucket] = [(tuple(x.shape), perm) for x, perm in parts]
-        alone = parts[0][0] if len(bucket) == 1 and self.owned[bucket[0]] else None
-        if alone is not None and alone.is_contiguous() and alone.storage_offset() == 0 \
-                and alone.untyped_storage().nbytes() == alone.numel() * alone.element_size():
-            flat = alone.reshape(-1)  # the gradient's own memory
-        else:
-            flat = torch.cat([x.reshape(-1) for x, _ in parts])
-        group = self.mesh.get_group(axes[0]).group_name
-        op = value.placements[axes[0]].reduce_op
-        # in place: the buffer is the bucket's own (the out-of-place op would copy it first)
-        self.issued[bucket] = torch.ops._c10d_functional.all_reduce_.default(flat, op, group)
-
-    def result(self, index: int) -> torch.Tensor:
-        """The reduced local gradient ``index`` (waits for its bucket the first time)."""
-        if index not in self.results:
-            bucket = self.bucket_of[index]
-            reduced = torch.ops._c10d_functional.wait_tensor.default(self.issued.pop(bucket))
-            shapes = self.shapes[bucket]
-            parts = torch.split(reduced, [math.prod(s) for s, _ in shapes])
-            for i, part, (shape, perm) in zip(bucket, parts, shapes):
-                inverse = sorted(range(len(perm)), key=perm.__getitem__)
-                self.results[i] = part.view(shape).permute(inverse)
-        return self.results[index]
-
-
 def _owned(n: fx.Node) -> bool:
     """Whether joint-graph node ``n`` (a graph output) and every tensor it views are read by
     nothing but the next in that chain (and ``n`` by the output alone): the ops' schemas say
@@ -345,16 +258,6 @@ def _owned(n: fx.Node) -> bool:
             return False
         n = n.args[0]
     return False
-
-
-def _dense_permutation(x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-    """``(x.permute(perm), perm)`` with ``x.permute(perm)`` contiguous when ``x`` is a
-    permutation of a contiguous tensor (a transposed gradient); else ``(x, identity)``."""
-    perm = tuple(sorted(range(x.dim()), key=lambda d: -x.stride(d)))
-    y = x.permute(perm)
-    if y.is_contiguous():
-        return y, perm
-    return x, tuple(range(x.dim()))
 
 
 class _LazyInputs(dict):
@@ -449,7 +352,8 @@ def _map_tensor_args(args: Any, fn: Any) -> Any:
 
 def lower_to_local(gm: fx.GraphModule, plan: Plan, mesh: Any,
                    recompute: frozenset[str] = frozenset(),
-                   regather: frozenset[str] = frozenset()) -> fx.GraphModule:
+                   regather: frozenset[str] = frozenset(),
+                   prefetch: frozenset[str] = frozenset()) -> fx.GraphModule:
     """Trace the plan's per-rank program (see module docstring).
 
     ``recompute``: joint-graph nodes to recompute in the backward
@@ -457,24 +361,30 @@ def lower_to_local(gm: fx.GraphModule, plan: Plan, mesh: Any,
     are tagged while tracing and :func:`~autopar.passes.recompute.recompute_pass` rewrites the
     program. ``regather``: ZeRO-3's parameters and their views and casts
     (:func:`autopar.capture.remat.regathered_nodes`), made again from the shards, with their
-    gathers, for their backward readers. Last, :func:`~autopar.passes.overlap.overlap_collectives` issues each collective
-    as soon as its input exists and waits for it where its result is first needed.
+    gathers, for their backward readers. ``prefetch``: ZeRO-1/2's chains, whose gathers are
+    issued a layer ahead and bucketed as ZeRO-3's are (``capture.remat.zero_gathers``). Last, :func:`~autopar.passes.overlap.overlap_collectives` issues each collective
+    as soon as its input exists and waits for it where its result is first needed, and
+    :func:`~autopar.passes.gather_buckets.bucket_gathers` merges each layer's ZeRO-3 gathers
+    into one flat all-gather.
     """
     tagged = [n for n in gm.graph.nodes if n.name in recompute]
     for n in tagged:
         n.meta[TAG] = True
     try:
-        local = _trace_local(gm, plan, mesh, regather)
+        local = _trace_local(gm, plan, mesh, regather, prefetch)
     finally:
         for n in tagged:
             n.meta.pop(TAG, None)
     local = recompute_pass(local, bool(regather)) if tagged else local
-    return overlap_collectives(prefetch_gathers(local) if regather else local)
+    if not regather and not prefetch:
+        return overlap_collectives(local)
+    return bucket_gathers(overlap_collectives(prefetch_gathers(local)))
 
 
 def _trace_local(gm: fx.GraphModule, plan: Plan, mesh: Any,
-                 regather: frozenset[str] = frozenset()) -> fx.GraphModule:
-    interp = _Interpreter(gm, plan, mesh, regather)
+                 regather: frozenset[str] = frozenset(), prefetch: frozenset[str] = frozenset()
+                 ) -> fx.GraphModule:
+    interp = _Interpreter(gm, plan, mesh, regather, prefetch)
     mesh_shape = tuple(mesh.shape)
     with FakeTensorMode(allow_non_fake_inputs=True):
         fakes = []

@@ -10,7 +10,7 @@ computing its input, and every wait (with the views of its result that follow it
 the compute in between runs while the communication does: a column-parallel layer's input-gradient all-reduce overlaps its weight-gradient GEMM
 (Megatron-LM's asynchronous all-reduce, Narayanan et al., SC'21, sec. 4.2 and 3.3 of Korthikanti
 et al., MLSys'23), a gradient bucket's all-reduce overlaps the rest of the backward
-(:class:`autopar.passes.lower.GradientBuckets`). On GPUs, inductor schedules within the same
+(:class:`autopar.passes.grad_buckets.GradientBuckets`). On GPUs, inductor schedules within the same
 freedom; on CPU ranks (gloo) the eager program does, gloo running the collective on its own
 thread.
 """
@@ -23,8 +23,9 @@ import torch
 import torch.fx as fx
 
 from autopar.capture.remat import GatherRuns, is_regather, regather_layer
+from autopar.passes.grad_buckets import WAIT_HERE
 
-__all__ = ["overlap_collectives", "hoist_collectives", "prefetch_gathers", "sink_waits"]
+__all__ = ["overlap_collectives", "hoist_collectives", "marked_inputs", "prefetch_gathers", "sink_waits"]
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _VIEWS = {
@@ -43,7 +44,9 @@ def overlap_collectives(gm: fx.GraphModule) -> fx.GraphModule:
 
 def hoist_collectives(gm: fx.GraphModule) -> fx.GraphModule:
     """Move each collective, with the views of its input that only it reads, up to right
-    after the last node it depends on. Collectives of the program's inputs stay (a ZeRO
+    after the last node it depends on, not before the collective before it nor a wait that
+    stays where it is (:data:`~autopar.passes.grad_buckets.WAIT_HERE`). Collectives of the
+    program's inputs stay (a ZeRO
     parameter's all-gather moved to the top would hold every gathered parameter at once;
     ZeRO-3's are issued a layer ahead by :func:`prefetch_gathers`).
 
@@ -61,7 +64,7 @@ def hoist_collectives(gm: fx.GraphModule) -> fx.GraphModule:
             continue  # a program input (a parameter's shard under ZeRO): gathered where used
         previous = _previous_collective(c)
         floor = max([position[a] for a in outside] + [_last_of_other_tag(c, position, first)]
-                    + ([position[previous]] if previous is not None else []))
+                    + [position[p] for p in (previous, _previous_pinned_wait(c)) if p is not None])
         anchor = list(position)[floor] if floor >= 0 else None
         if anchor is not None and position[anchor] < first - 1:
             for n in group:
@@ -93,13 +96,13 @@ def prefetch_gathers(gm: fx.GraphModule) -> fx.GraphModule:
             if wait is None:
                 continue
             anchor, _ = runs.issue(regather_layer(c), wait)
-            _move_before([*_marked_inputs(c), c], anchor)
+            _move_before([*marked_inputs(c), c], anchor)
     gm.graph.lint()
     gm.recompile()
     return gm
 
 
-def _marked_inputs(c: fx.Node) -> list[fx.Node]:
+def marked_inputs(c: fx.Node) -> list[fx.Node]:
     """The marked (``REGATHER``) nodes ``c`` depends on through marked nodes, in program order;
     an unmarked op among its inputs is returned too (and stops the move)."""
     seen: set[fx.Node] = set()
@@ -171,6 +174,17 @@ def _last_of_other_tag(c: fx.Node, position: dict[fx.Node, int], first: int) -> 
     return last
 
 
+def _previous_pinned_wait(c: fx.Node) -> fx.Node | None:
+    """The last wait before ``c`` marked to stay where it is (``grad_buckets.WAIT_HERE``):
+    ``c`` is not issued before it (the collectives it waits for are kept one in flight)."""
+    n = c.prev
+    while n.op != "root":
+        if n.target is _WAIT and (n.meta.get("custom") or {}).get(WAIT_HERE):
+            return n
+        n = n.prev
+    return None
+
+
 def _previous_collective(c: fx.Node) -> fx.Node | None:
     """The collective issued last before ``c`` (their order must not change)."""
     n = c.prev
@@ -188,9 +202,11 @@ def sink_waits(gm: fx.GraphModule) -> fx.GraphModule:
     Requires: a local program whose collectives are ``_c10d_functional`` ops, each waited for
     by one ``wait_tensor``. Guarantees: the same nodes computing the same values (only their
     order changes); the collectives in the same order; a wait never crosses into another
-    ``partitioner_tag`` (forward or backward part), so the forward/backward split is unchanged.
+    ``partitioner_tag`` (forward or backward part), so the forward/backward split is unchanged;
+    a wait marked :data:`~autopar.passes.grad_buckets.WAIT_HERE` stays where it is.
     """
-    for wait in [n for n in gm.graph.nodes if n.target is _WAIT]:
+    for wait in [n for n in gm.graph.nodes if n.target is _WAIT
+                 and not (n.meta.get("custom") or {}).get(WAIT_HERE)]:
         position = {n: i for i, n in enumerate(gm.graph.nodes)}  # (earlier groups moved)
         group = _wait_group(wait, position)
         target = group.pop()

@@ -23,8 +23,9 @@ out on the lowered per-rank program.
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 import torch.fx as fx
@@ -33,11 +34,11 @@ from autopar.capture.layers import aten_ops, is_backward, is_op
 from autopar.graph import TracedGraph
 
 __all__ = ["POLICIES", "REGATHER", "TAG", "is_comm", "is_forward", "is_random", "is_regather",
-           "is_wait", "recompute_nodes", "regather_layer", "regathered_nodes", "GatherRuns"]
+           "is_wait", "marked", "recompute_nodes", "regather_layer", "gather_bucket_key", "regathered_nodes", "zero_gathers", "GatherRuns"]
 
 POLICIES = ("none", "selective", "full")
 TAG = "recompute"  # the metadata key torch's tracing copies from a node to the nodes it produces
-# under ZeRO-3, the key in a lowered node's ``meta["custom"]`` (which torch's tracing copies too)
+# under ZeRO (no pipeline), the key in a lowered node's ``meta["custom"]`` (which torch's tracing copies too)
 # marking a node that makes a parameter's gathered copy from its shard: the gathers of a
 # ``regathered_nodes`` value and that chain's views and casts, in the forward and the backward;
 # its value is the layer of the reader the copy is made for
@@ -69,6 +70,26 @@ def is_random(n: fx.Node) -> bool:
     return is_op(n, _ALIAS) and bool(n.all_input_nodes) and is_random(n.all_input_nodes[0])
 
 
+@contextlib.contextmanager
+def marked(key: str, value: object) -> Iterator[None]:
+    """Mark the nodes traced inside (by the lowering, under ``fx.traceback``'s current node
+    metadata) with ``meta["custom"][key] = value`` (torch's tracing copies ``custom`` to the
+    nodes it makes); ``None`` marks nothing."""
+    meta = torch.fx.traceback.get_current_meta()
+    if value is None or meta is None:
+        yield
+        return
+    old = meta.get("custom")
+    meta["custom"] = {**(old or {}), key: value}
+    try:
+        yield
+    finally:
+        if old is None:
+            meta.pop("custom", None)
+        else:
+            meta["custom"] = old
+
+
 def is_comm(n: fx.Node) -> bool:
     """Whether ``n`` is a functional collective of a lowered program (or a collective's wait)."""
     return n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional"
@@ -80,7 +101,7 @@ def is_wait(n: fx.Node) -> bool:
 
 
 def is_regather(n: fx.Node) -> bool:
-    """Whether lowered node ``n`` makes a ZeRO-3 parameter's gathered copy (:data:`REGATHER`)."""
+    """Whether lowered node ``n`` makes a ZeRO parameter's gathered copy (:data:`REGATHER`)."""
     return regather_layer(n) is not None
 
 
@@ -113,6 +134,21 @@ class GatherRuns:
             self.firsts.append((layer, token))
         k = len(self.firsts) - 1
         return self.firsts[max(k - 1, 0)][1], k > 0
+
+    @property
+    def run(self) -> tuple[int, object]:
+        """The index of the run the last gather fed to :meth:`issue` is in, and the token of
+        that run's first gather (where the run is first needed: its flat bucket is copied
+        out there, ``passes.gather_buckets``)."""
+        return len(self.firsts) - 1, self.firsts[-1][1]
+
+
+def gather_bucket_key(part: str, layer: str, group: object, dtype: torch.dtype) -> tuple:
+    """What consecutive ZeRO-3 parameter gathers share to travel as one flat all-gather (the
+    runtime's ``passes.gather_buckets``; the plan's walk, ``planning.collectives``, merges its
+    gathers by the same key): the part of the step, the layer of their readers (one run of
+    :class:`GatherRuns`), the process group (mesh axis) and the dtype."""
+    return (part, layer, group, dtype)
 
 
 def is_forward(n: fx.Node) -> bool:
@@ -164,6 +200,15 @@ def regathered_nodes(traced: TracedGraph) -> frozenset[str]:
                 and n.all_input_nodes[0].name in chain:
             chain.add(n.name)
     return frozenset(chain)
+
+
+def zero_gathers(traced: TracedGraph, zero: int) -> tuple[frozenset[str], frozenset[str]]:
+    """The ZeRO chains of a plan without a pipeline (:func:`regathered_nodes`): those whose
+    gathers are issued a layer ahead and merged per layer (:class:`GatherRuns`,
+    ``passes.gather_buckets``; every ZeRO stage, as each stores its parameters sharded), and
+    those gathered again for the backward (ZeRO-3 alone)."""
+    chains = regathered_nodes(traced) if zero else frozenset()
+    return chains, chains if zero == 3 else frozenset()
 
 
 def _attention_core(fwd: list[fx.Node], layer: dict[str, str]) -> set[str]:

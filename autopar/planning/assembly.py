@@ -9,7 +9,7 @@ from typing import Any
 from torch.distributed.tensor import Replicate
 
 from autopar.config import Config
-from autopar.capture.remat import recompute_nodes, regathered_nodes
+from autopar.capture.remat import recompute_nodes, zero_gathers
 from autopar.cost_models.compute import graph_flops, mfu
 from autopar.cost_models.liveness import StageRun, step_memory
 from autopar.cost_models.overlap import overlapped_step_time
@@ -103,17 +103,18 @@ def build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate,
     node_compute = {n: float(costs.compute[n][i]) for n, i in res.choice.items()}
     zero_axes = stage.zero_axes if stage is not None else ()
     techniques, applied_notes = applied_techniques(traced, config, cand, nodes, zero_axes)
-    # ZeRO-3 (no pipeline): the backward gathers its parameters again (runtime: api.py); a
-    # pipeline stage's program computes with its gathered copy (StageRun.regather)
-    regather = regathered_nodes(traced) if techniques["zero"] == 3 and not zero_axes \
-        else frozenset()
+    # no pipeline: ZeRO's gathers prefetched and bucketed, ZeRO-3's made again for the backward
+    # (runtime: api.py); a pipeline stage's program computes with its gathered copy
+    # (StageRun.regather)
+    prefetch, regather = (zero_gathers(traced, techniques["zero"]) if not zero_axes
+                          else (frozenset(), frozenset()))
     recomputed = recompute_nodes(traced, config.recompute or "none")
     step_s, cap, buckets, comm = _communication(traced, cand, mesh, config, nodes, outputs,
                                                 set(param_of_grad), node_compute, regather,
-                                                recomputed)
+                                                recomputed, prefetch)
     collectives, comm_s, comm_fwd = comm.collectives, comm.total_s, comm.forward_s
     held = step_memory(traced, cand.shape, nodes, outputs, buckets, recomputed, config.optimizer,
-                       stage, regather)
+                       stage, regather, prefetch)
     nodes = describe_nodes(traced, nodes, node_compute, comm.per_node)
     compute_s = float(sum(node_compute.values()))
     params = {p.node for p in traced.params}
@@ -169,12 +170,13 @@ BUCKET_CAPS = (25 * 2**20, 4 * 2**20, 2**20)  # tried when Config.bucket_bytes i
 def _communication(traced: TracedGraph, cand: Candidate, mesh: Mesh, config: Config,
                    nodes: dict[str, NodePlan], outputs: list, grads: set[int],
                    node_compute: dict[str, float], regather: frozenset[str] = frozenset(),
-                   recompute: frozenset[str] = frozenset()) -> tuple[float, int, tuple, Any]:
+                   recompute: frozenset[str] = frozenset(), prefetch: frozenset[str] = frozenset()
+                   ) -> tuple[float, int, tuple, Any]:
     """The step's collectives and its time as the lowered program runs it (collectives
     overlapping the compute between their issue and their first use: autopar.passes.overlap,
     cost_models.overlap), for the gradient bucket cap of the config or, left to the planner,
     the cap of :data:`BUCKET_CAPS` with the shortest step (the largest on a tie: fewer
-    collectives). ``regather``, ``recompute``: as ``step_collectives``. Returns ``(step
+    collectives). ``regather``, ``recompute``, ``prefetch``: as ``step_collectives``. Returns ``(step
     seconds, cap, buckets, StepCollectives)``."""
     order = [n.name for n in traced.gm.graph.nodes]
     placements = {k: v.outputs[0] for k, v in nodes.items()}
@@ -187,7 +189,7 @@ def _communication(traced: TracedGraph, cand: Candidate, mesh: Mesh, config: Con
             continue
         seen.add(buckets)
         comm = step_collectives(traced, cand.shape, cand.names, nodes, outputs, mesh, buckets,
-                                regather, recompute)
+                                regather, recompute, prefetch)
         step = overlapped_step_time(order, node_compute, comm.comms)
         if best is None or step < best[0] * (1 - 1e-9):
             best = (step, cap, buckets, comm)

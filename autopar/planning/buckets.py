@@ -1,4 +1,4 @@
-"""Gradient buckets: which gradient all-reduces of a step are merged into one collective.
+"""Gradient buckets: which gradient reductions of a step are merged into one collective.
 
 Data parallelism reduces every parameter's gradient over the dp axis. One collective per
 gradient pays the collective's fixed cost (latency, launch) once per parameter; merging them
@@ -19,8 +19,10 @@ so that it can join a bucket. A gradient of at least the cap is a bucket of its 
 its own memory.
 
 A gradient is bucketed when moving it to its parameter's placement is one all-reduce (a
-``Partial`` on one mesh axis becoming ``Replicate``); gradients of one bucket share that axis
-and a dtype. Other moves (a reduce-scatter under ZeRO, several steps) stay as they are.
+``Partial`` on one mesh axis becoming ``Replicate``) or, under ZeRO, one reduce-scatter (a
+``Partial`` becoming ``Shard`` of a dim the axis divides evenly: FSDP's flat reduce-scatter,
+Zhao et al., VLDB 2023, sec. 4.1); gradients of one bucket share the kind, the axis and a
+dtype. Other moves (several steps, an uneven shard) stay as they are.
 """
 
 from __future__ import annotations
@@ -28,14 +30,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch.fx as fx
-from torch.distributed.tensor import Partial
+from torch.distributed.tensor import Partial, Shard
 
 from autopar.graph import output_moves
 from autopar.placements import from_str
-from autopar.strategies.reshard import reshard_steps
+from autopar.strategies.reshard import local_shape, reshard_steps
 from autopar.strategies.space import StrategySpace
 
-__all__ = ["FIRST_BUCKET_BYTES", "gradient_buckets", "reduce_at_outputs"]
+__all__ = ["FIRST_BUCKET_BYTES", "gradient_buckets", "reduce_at_outputs", "single_reduction"]
 
 FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket (VLDB 2020, sec. 4.2)
 
@@ -59,8 +61,8 @@ def gradient_buckets(gm: fx.GraphModule, node_outputs: dict[str, tuple[str, ...]
     for pos, (name, index) in enumerate(output_moves(gm)[1].items()):
         if index not in grad_outputs or output_placements[index] is None:
             continue
-        key_nbytes = _single_all_reduce(nodes[name], node_outputs[name], output_placements[index],
-                                        mesh_shape)
+        key_nbytes = single_reduction(nodes[name], node_outputs[name], output_placements[index],
+                                      mesh_shape)
         if key_nbytes is None:
             continue
         key, nbytes = key_nbytes
@@ -80,18 +82,25 @@ def gradient_buckets(gm: fx.GraphModule, node_outputs: dict[str, tuple[str, ...]
     return tuple(tuple(members) for _, members in closed)
 
 
-def _single_all_reduce(node: fx.Node, src: tuple[str, ...], dst: tuple[str, ...],
-                       mesh_shape: Sequence[int]) -> tuple[tuple, int] | None:
-    """``((axis, dtype), bytes)`` when moving ``node``'s value from ``src`` to ``dst`` is one
-    all-reduce, else ``None``."""
+def single_reduction(node: fx.Node, src: tuple[str, ...], dst: tuple[str, ...],
+                     mesh_shape: Sequence[int]) -> tuple[tuple, int] | None:
+    """``((kind, axis, dtype), bytes)`` when moving ``node``'s value from ``src`` to ``dst`` is
+    one all-reduce, or one reduce-scatter to an even ``Shard`` (each rank's part of every
+    gradient the same size: the bucket's flat buffer splits into equal rows), else ``None``."""
     val = node.meta.get("val")
     if val is None or not hasattr(val, "shape"):
         return None
-    steps = reshard_steps(tuple(map(from_str, src)), tuple(map(from_str, dst)),
-                          tuple(val.shape), val.element_size(), tuple(mesh_shape))
-    if len(steps) != 1 or steps[0].kind != "all_reduce":
+    before, after = tuple(map(from_str, src)), tuple(map(from_str, dst))
+    steps = reshard_steps(before, after, tuple(val.shape), val.element_size(), tuple(mesh_shape))
+    if len(steps) != 1 or steps[0].kind not in ("all_reduce", "reduce_scatter"):
         return None
-    return (steps[0].axis, val.dtype), int(steps[0].nbytes)
+    axis = steps[0].axis
+    if steps[0].kind == "reduce_scatter":
+        p = after[axis]
+        if type(p) is not Shard or local_shape(tuple(val.shape), before, tuple(mesh_shape))[p.dim] \
+                % mesh_shape[axis]:
+            return None
+    return (steps[0].kind, axis, val.dtype), int(steps[0].nbytes)
 
 
 def reduce_at_outputs(gm: fx.GraphModule, space: StrategySpace, choice: dict[str, int],

@@ -3,6 +3,7 @@ times and where each is issued and needed (for the overlapped step time)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from autopar.mesh import Mesh
 from autopar.placements import from_str
 from autopar.plan import Collective, NodePlan
 from autopar.capture.layers import node_phase
-from autopar.capture.remat import GatherRuns, is_random
+from autopar.capture.remat import GatherRuns, gather_bucket_key, is_random
 from autopar.strategies.space import tensor_inputs
 from autopar.strategies.reshard import reshard_steps
 
@@ -42,11 +43,12 @@ class StepCollectives:
 class _Walk:
     def __init__(self, traced: TracedGraph, shape: Sequence[int], names: Sequence[str],
                  nodes: dict[str, NodePlan], outputs: Sequence, mesh: Mesh,
-                 regather: frozenset[str] = frozenset(), tagged: frozenset[str] = frozenset()
-                 ) -> None:
+                 regather: frozenset[str] = frozenset(), tagged: frozenset[str] = frozenset(),
+                 prefetch: frozenset[str] = frozenset()) -> None:
         self.traced, self.shape, self.names, self.nodes = traced, tuple(shape), names, nodes
         self.outputs, self.mesh = outputs, mesh
         self.chains, self.tagged = regather, tagged  # ZeRO-3's chains; recomputed nodes
+        self.prefetch = prefetch | regather  # the chains whose gathers are prefetched
         self.strides = [int(np.prod(self.shape[a + 1:])) for a in range(len(self.shape))]
         self.done: set[tuple[str, tuple]] = set()
         self.res = StepCollectives()
@@ -56,6 +58,9 @@ class _Walk:
         # own, index made)
         self.runs = {"forward": GatherRuns(), "backward": GatherRuns()}
         self.order: list[tuple[int, int, int]] = []
+        # per collective: its flat-bucket key (a ZeRO-3 gather's, else None), who needs it, seconds
+        self.merge: list[tuple[tuple | None, str, float]] = []
+        self.after_comm: set = set()  # ZeRO chain values made from a collective's result
 
     def steps(self, arg: fx.Node, dst: tuple[str, ...]) -> list:
         val = arg.meta["val"]
@@ -64,12 +69,14 @@ class _Walk:
                              self.shape)
 
     def add(self, kind: str, axis: int, nbytes: float, phase: str, layer: str, consumer: str,
-            who: str, start_after: str | None, gather: bool = False) -> None:
-        """One collective; ``gather``: a ZeRO-3 parameter gather, issued where
-        :class:`~autopar.capture.remat.GatherRuns` says."""
+            who: str, start_after: str | None, gather: Any = None, bucket: bool = False) -> None:
+        """One collective; ``gather``: the dtype of a ZeRO parameter gather, issued where
+        :class:`~autopar.capture.remat.GatherRuns` says; ``bucket``: merged with the gathers
+        next to it by :func:`~autopar.capture.remat.gather_bucket_key` (:func:`_merge_buckets`:
+        a gather reading no other collective's result, as ``passes.gather_buckets`` merges)."""
         index = len(self.res.comms)
         key = (index, 0, index)
-        if gather:
+        if gather is not None:
             (at, start_after), ahead = self.runs[phase].issue(layer, (index, start_after))
             key = (at, int(ahead), index)
         self.order.append(key)
@@ -81,6 +88,28 @@ class _Walk:
         self.res.forward_s += t if phase == "forward" else 0.0
         self.res.per_node[who] = self.res.per_node.get(who, 0.0) + t
         self.res.comms.append(Comm(start_after, None if consumer == "output" else consumer, t))
+        merged = (gather_bucket_key(phase, layer, axis, gather)
+                  if gather is not None and bucket and kind == "all_gather" else None)
+        self.merge.append((merged, who, t))
+
+    def _add_steps(self, arg: fx.Node, dst: tuple[str, ...], phase: str, layer: str,
+                   consumer: str, who: str, start: str | None, after_comm: bool) -> None:
+        """The collectives of ``arg``'s move to ``dst``; of a ZeRO chain's, the first is a
+        bucketed gather unless ``after_comm`` (the value moved was made from a collective's)."""
+        chain = arg.name in self.prefetch
+        for s in self.steps(arg, dst):
+            if s.kind != "local":
+                self.add(s.kind, s.axis, s.nbytes, phase, layer, consumer, who, start,
+                         arg.meta["val"].dtype if chain else None, chain and not after_comm)
+                after_comm = True
+
+    def note_chain(self, n: fx.Node) -> None:
+        """ZeRO chain node ``n`` (a view or cast of a parameter) is computed: whether its value
+        is made from a collective's result (then its own gathers are not bucketed)."""
+        for a, dst in zip(tensor_inputs(n), self.nodes[n.name].inputs):
+            if a.name in self.after_comm or (a.name in self.prefetch
+                                             and self.communicates(a, tuple(dst))):
+                self.after_comm.add(n.name)
 
     def move(self, arg: fx.Node, dst: tuple[str, ...], phase: str, layer: str,
              consumer: str) -> None:
@@ -93,10 +122,7 @@ class _Walk:
         same_part = arg.op == "call_function" and node_phase(arg) == phase
         start = arg.name if same_part else self.previous
         who = arg.name if consumer == "output" else consumer
-        for s in self.steps(arg, dst):
-            if s.kind != "local":
-                self.add(s.kind, s.axis, s.nbytes, phase, layer, consumer, who, start,
-                         arg.name in self.chains)
+        self._add_steps(arg, dst, phase, layer, consumer, who, start, arg.name in self.after_comm)
 
     def regather(self, a: fx.Node, dst: tuple[str, ...], layer: str, consumer: str) -> None:
         """ZeRO-3: ``a`` made again for backward reader ``consumer`` from its parameter's
@@ -110,10 +136,10 @@ class _Walk:
             self.done.add(("backward", a.name))
             for inp, src_dst in zip(tensor_inputs(a), self.nodes[a.name].inputs):
                 self.regather(inp, src_dst, layer, consumer)
-        for s in self.steps(a, dst):
-            if s.kind != "local":
-                self.add(s.kind, s.axis, s.nbytes, "backward", layer, consumer, consumer,
-                         self.previous, True)
+                if ("backward", inp.name) in self.after_comm or self.communicates(inp, tuple(src_dst)):
+                    self.after_comm.add(("backward", a.name))
+        self._add_steps(a, dst, "backward", layer, consumer, consumer, self.previous,
+                        ("backward", a.name) in self.after_comm)
 
     def recompute(self, x: fx.Node, layer: str, consumer: str) -> None:
         """ZeRO-3 under recomputation: the gathers of recomputed ``x``'s copy, made right
@@ -138,7 +164,8 @@ class _Walk:
         return any(s.kind != "local" for s in self.steps(arg, dst))
 
     def bucket(self, members: Sequence[int], args: dict[int, fx.Node], layer: str) -> None:
-        """A gradient bucket's one all-reduce, issued when its last gradient is computed."""
+        """A gradient bucket's one all-reduce or reduce-scatter, issued when its last gradient
+        is computed."""
         first = None
         nbytes = 0
         for i in members:
@@ -146,22 +173,25 @@ class _Walk:
             (step,) = self.steps(args[i], self.outputs[i])
             first, nbytes = step if first is None else first, nbytes + step.nbytes
         last = args[members[-1]].name
-        self.add("all_reduce", first.axis, nbytes, "backward", layer, "output", last, last)
+        self.add(first.kind, first.axis, nbytes, "backward", layer, "output", last, last)
 
 
 def step_collectives(traced: TracedGraph, shape: Sequence[int], names: Sequence[str],
                      nodes: dict[str, NodePlan], outputs: Sequence, mesh: Mesh,
                      buckets: tuple[tuple[int, ...], ...] = (),
                      regather: frozenset[str] = frozenset(),
-                     recompute: frozenset[str] = frozenset()) -> StepCollectives:
+                     recompute: frozenset[str] = frozenset(),
+                     prefetch: frozenset[str] = frozenset()) -> StepCollectives:
     """Walk the graph as the lowering does and list every collective (deduplicated moves);
     the gradients of a bucket (:mod:`autopar.planning.buckets`) make one all-reduce, where the
     last of them is computed. ``regather``: ZeRO-3's chains
     (:func:`autopar.capture.remat.regathered_nodes`), gathered again for backward readers and
-    for the copies of the ``recompute`` nodes that read them (``capture.remat.recompute_nodes``)."""
+    for the copies of the ``recompute`` nodes that read them (``capture.remat.recompute_nodes``);
+    ``prefetch``: ZeRO-1/2's chains, whose gathers are issued a layer ahead and bucketed as
+    ZeRO-3's are (``capture.remat.zero_gathers``)."""
     tagged = frozenset(n.name for n in traced.gm.graph.nodes if n.name in recompute
                        and n.op == "call_function" and not is_random(n)) if regather else frozenset()
-    walk = _Walk(traced, shape, names, nodes, outputs, mesh, regather, tagged)
+    walk = _Walk(traced, shape, names, nodes, outputs, mesh, regather, tagged, prefetch)
     out_node = next(n for n in traced.gm.graph.nodes if n.op == "output")
     early, late = output_moves(traced.gm)
     bucket_of = {i: b for b in buckets for i in b}
@@ -180,6 +210,8 @@ def step_collectives(traced: TracedGraph, shape: Sequence[int], names: Sequence[
                     walk.regather(a, tuple(dst), layer, n.name)
                 else:
                     walk.move(a, dst, phase, layer, n.name)
+            if n.name in walk.prefetch and phase == "forward":
+                walk.note_chain(n)
             if n.name in early:
                 walk.move(n, outputs[early[n.name]], "forward", layer, "output")
         if n.op == "call_function" and n.name in late:
@@ -199,7 +231,40 @@ def step_collectives(traced: TracedGraph, shape: Sequence[int], names: Sequence[
     order = sorted(range(len(walk.order)), key=walk.order.__getitem__)  # the channel's order
     walk.res.comms = [walk.res.comms[i] for i in order]
     walk.res.collectives = [walk.res.collectives[i] for i in order]
-    return walk.res
+    walk.merge = [walk.merge[i] for i in order]
+    return _merge_buckets(walk.res, walk.merge, shape, mesh)
+
+
+def _merge_buckets(res: StepCollectives, merge: list[tuple[tuple | None, str, float]],
+                   shape: Sequence[int], mesh: Mesh) -> StepCollectives:
+    """ZeRO's flat gather buckets (the runtime's ``passes.gather_buckets``): consecutive
+    bucketed gathers (in the channel's order; the other collectives between them do not
+    count) with one bucket key become one all-gather of their bytes, listed where the first
+    was, needed by the first of them (its node waits for all of them), priced as one
+    collective."""
+    strides = [int(np.prod(shape[a + 1:])) for a in range(len(shape))]
+    out = StepCollectives(per_node=dict(res.per_node))
+    last_key, first, first_who = None, 0, ""
+    for c, comm, (key, who, t) in zip(res.collectives, res.comms, merge):
+        out.per_node[who] -= t
+        if key is not None and key == last_key:
+            prev = out.collectives[first]
+            axis = key[2]  # (the mesh axis: the gather's process group)
+            t = axis_collective_time("all_gather", prev.bytes + c.bytes, shape[axis],
+                                     strides[axis], mesh.topology)
+            out.per_node[first_who] += t - out.comms[first].seconds
+            out.collectives[first] = dataclasses.replace(prev, bytes=prev.bytes + c.bytes)
+            out.comms[first] = dataclasses.replace(out.comms[first], seconds=t)
+            continue
+        out.per_node[who] += t
+        out.collectives.append(c)
+        out.comms.append(comm)
+        if key is not None:
+            last_key, first, first_who = key, len(out.collectives) - 1, who
+    out.total_s = sum(c.seconds for c in out.comms)
+    out.forward_s = sum(m.seconds for c, m in zip(out.collectives, out.comms)
+                        if c.phase == "forward")
+    return out
 
 
 def step_end_reductions(stages: list, plans: list, pp: int, cand: Any, mesh: Mesh,

@@ -59,3 +59,19 @@ def test_startup_benchmark_reads_the_plan_from_the_cache_the_second_time():
     assert rows["first"][1] == "miss" and rows["second"][1] == "hit", text
     # the second launch skips the search: its planning takes a fraction of the first's
     assert float(rows["second"][3]) < float(rows["first"][3]), text
+
+
+@pytest.mark.slow
+def test_fsdp2_benchmark_runs_at_tiny_size(tmp_path):
+    """benchmarks/fsdp2.py: autopar's ZeRO-3 next to fully_shard; autopar moves exactly the
+    plan's bytes (its per-layer flat gathers and bucketed reduce-scatters included)."""
+    out = tmp_path / "fsdp2.json"
+    _run("fsdp2.py", "--procs", "2", "--size", "tiny", "--repeats", "2", "--warmup", "1",
+         "--no-compile", "--json", str(out))
+    (r,) = json.loads((tmp_path / "fsdp2_2.json").read_text())["results"]
+    assert r["comparison"] == "dp=2 ZeRO-3" and r["autopar_s"] > 0 and r["torch_s"] > 0
+    for rank in r["ranks"]:
+        planned = {k: v for k, v in rank["plan"]["bytes"].items() if v}
+        assert rank["autopar"]["bytes"] == planned, rank
+        assert planned.get("all_gather"), planned  # (ZeRO-3 gathers its parameters)
+        assert sum(rank["torch"]["bytes"].values()) > 0

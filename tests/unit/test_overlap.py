@@ -16,7 +16,7 @@ import torch.distributed as dist
 import autopar
 from autopar import _torch_private as private
 from autopar.capture import capture
-from autopar.capture.remat import recompute_nodes, regathered_nodes
+from autopar.capture.remat import recompute_nodes, zero_gathers
 from autopar.passes.lower import lower_to_local
 from autopar.planning.buckets import FIRST_BUCKET_BYTES
 from autopar.planning.per_unit import make_plan
@@ -45,9 +45,9 @@ def _lowered(kind: str, config: autopar.Config, topology: str = "a100-dgx", **mo
     mesh = autopar.Mesh.virtual(topology, gpus_per_node=2)
     plan = make_plan(traced, mesh, config, (), None, model, inputs)
     dm = init_device_mesh("cpu", plan.mesh_shape, mesh_dim_names=plan.axis_names)
-    regather = regathered_nodes(traced) if plan.techniques["zero"] == 3 else frozenset()
+    prefetch, regather = zero_gathers(traced, plan.techniques["zero"])
     return plan, lower_to_local(traced.gm, plan, dm, recompute_nodes(traced, plan.techniques["recompute"]),
-                                regather)
+                                regather, prefetch)
 
 
 # large batch, narrow layers on A100s: plain data parallelism (as in test_equivalence.py)
@@ -128,46 +128,23 @@ def test_tensor_parallel_waits_move_past_independent_compute(fake_world):
                        for m in nodes[nodes.index(n.args[0]):i])
 
 
-def test_a_zero_parameter_is_gathered_where_it_is_used(fake_world):
-    # ZeRO-1 stores parameters sharded over dp and all-gathers each where the step uses it;
-    # issuing those gathers early would hold every gathered parameter at once
-    plan, local = _lowered("gpt", autopar.Config(dp=2, zero=1), **DP)
-    assert plan.techniques["zero"] == 1
-    nodes = list(local.graph.nodes)
-    def root(n):  # what a view views
-        while n.op == "call_function" and n.target in (torch.ops.aten.view.default, torch.ops.aten.t.default):
-            n = n.args[0]
-        return n
-
-    gathers = [n for n in nodes if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default
-               and root(n.args[0]).op == "placeholder"]
-    assert gathers
-    for g in gathers:
-        wait = next(iter(g.users))
-        used = min(nodes.index(u) for u in wait.users)
-        between = nodes[nodes.index(g) + 1:used]
-        assert all(getattr(n.target, "namespace", None) == "_c10d_functional" or n.target in VIEWS
-                   or n.target in (torch.ops.aten.t.default, torch.ops.aten.view.default)
-                   for n in between), [str(n.target) for n in between]
-
-
-
 GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 GATHER_OUT = torch.ops._c10d_functional.all_gather_into_tensor_out.default
 
 
-def test_zero3_gathers_each_layer_while_the_layer_before_computes(fake_world):
-    """ZeRO-3's prefetch (passes.overlap.prefetch_gathers): in the forward and again in the
-    backward, the gathers of a block's parameters are issued before the block before it reads
-    any gathered parameter (one layer ahead, as FSDP2); a block's gathers are never issued
-    two layers ahead."""
+@pytest.mark.parametrize("zero", [1, 3])
+def test_zero_gathers_each_layer_while_the_layer_before_computes(fake_world, zero):
+    """ZeRO's prefetch (passes.overlap.prefetch_gathers): in the forward (and with ZeRO-3 again
+    in the backward), the gathers of a block's parameters are issued before the block before
+    it reads any gathered parameter (one layer ahead, as FSDP2); a block's gathers are never
+    issued two layers ahead (which would hold more layers' copies at once)."""
     from autopar.capture.remat import regather_layer
 
-    plan, local = _lowered("gpt", autopar.Config(dp=2, zero=3), **DP)
-    assert plan.techniques["zero"] == 3
+    plan, local = _lowered("gpt", autopar.Config(dp=2, zero=zero), **DP)
+    assert plan.techniques["zero"] == zero
     nodes = list(local.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    for part in ("is_forward", "is_backward"):
+    for part in ("is_forward", "is_backward") if zero == 3 else ("is_forward",):
         gathers = [n for n in nodes if n.target is GATHER and regather_layer(n) is not None
                    and (n.meta.get("partitioner_tag") == "is_backward") == (part == "is_backward")]
         runs: list[tuple[str, list]] = []
@@ -178,14 +155,53 @@ def test_zero3_gathers_each_layer_while_the_layer_before_computes(fake_world):
         blocks = [(layer, gs) for layer, gs in runs if layer.startswith("blocks.")]
         assert len(blocks) == 2, [r[0] for r in runs]
 
+        copy_out = VIEWS | {torch.ops.aten.clone.default}  # (a flat bucket's, gather_buckets)
+
         def first_read(gs: list) -> int:  # the first op computing with a gathered copy of gs
-            waits = [u for g in gs for u in g.users if u.target is WAIT]
-            return min(pos[u] for w in waits for u in w.users)
+            todo = [u for g in gs for u in g.users if u.target is WAIT]
+            reads = []
+            while todo:
+                n = todo.pop()
+                for u in n.users:
+                    (todo if u.target in copy_out else reads).append(u)
+            return min(pos[u] for u in reads)
 
         for (_, before), (_, after) in zip(runs, runs[1:]):
             assert max(pos[g] for g in after) < first_read(before)
         for (_, two_before), _, (_, after) in zip(runs, runs[1:], runs[2:]):
             assert min(pos[g] for g in after) > min(pos[g] for g in two_before)
+
+
+SCATTER = torch.ops._c10d_functional.reduce_scatter_tensor.default
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_zero_moves_each_layer_in_one_flat_gather_and_bucketed_reduce_scatters(fake_world, zero):
+    """passes.gather_buckets and passes.grad_buckets: a block's parameters travel as one
+    all-gather per part of the step (its shards packed with one cat, copied out of one flat
+    buffer), the gradients as reduce-scatters of the plan's buckets, each waited for before the
+    next is issued; the program's collectives are the plan's, kind by kind and in bytes."""
+    plan, local = _lowered("gpt", autopar.Config(dp=2, zero=zero, bucket_bytes=40_000), **DP)
+    assert plan.techniques["zero"] == zero
+    nodes = list(local.graph.nodes)
+    gathers = [n for n in nodes if n.target is GATHER]
+    scatters = [n for n in nodes if n.target is SCATTER]
+    planned = {k: [c for c in plan.collectives if c.kind == k] for k in ("all_gather", "reduce_scatter")}
+    assert len(gathers) == len(planned["all_gather"]) and len(scatters) == len(planned["reduce_scatter"])
+    assert sum(n.meta["val"].numel() * 4 for n in gathers) == sum(c.bytes for c in planned["all_gather"])
+    params = {p.name: p for p in capture(*build("gpt", **DP)).params}
+    for part in ("forward", "backward") if zero == 3 else ("forward",):
+        per_block = [c for c in planned["all_gather"] if c.phase == part and c.layer.startswith("blocks.")]
+        assert sorted(c.layer for c in per_block) == ["blocks.0", "blocks.1"], per_block
+    # the forward gathers every block parameter (4 bytes each), in the block's one collective
+    for block in ("blocks.0", "blocks.1"):
+        (c,) = [c for c in planned["all_gather"] if c.phase == "forward" and c.layer == block]
+        assert c.bytes == sum(p.numel * 4 for name, p in params.items() if name.startswith(block + "."))
+    assert 1 < len(scatters) < len(params)
+    pos = {n: i for i, n in enumerate(nodes)}
+    for earlier, later in zip(scatters, scatters[1:]):
+        (wait,) = [u for u in earlier.users if u.target is WAIT]
+        assert pos[wait] < pos[later]
 
 
 def test_all_gathers_go_into_buffers_of_their_own(fake_world):
