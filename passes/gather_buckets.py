@@ -97,9 +97,9 @@ def bucket_gathers(gm: fx.GraphModule) -> fx.GraphModule:
         part = _key(run[0])[0]
         position = {n: i for i, n in enumerate(gm.graph.nodes)}
         before = copied.get(part)
-        issue = before.next if before is not None and position[run[-1]] < position[before] \
-            else run[-1]
-        copied[part] = _merge(gm, run, issue)
+        first_read = min(position[next(iter(c.users))] for c in run)
+        ahead = before is not None and position[run[-1]] < position[before] < first_read
+        copied[part] = _merge(gm, run, before.next if ahead else run[-1])
     gm.graph.lint()
     gm.recompile()
     return gm
