@@ -97,6 +97,8 @@ class Mesh:
                     "--nproc_per_node=N script.py`, or use Mesh.virtual(...) to plan only."
                 )
             backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "nccl":  # one GPU per rank, as torchrun numbers them on the node
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             kwargs = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
             dist.init_process_group(backend, **kwargs)
         use_cuda = dist.get_backend() == "nccl"

@@ -202,6 +202,12 @@ class _Interpreter:
             return _local_view(n, args[0], placements_of(choice.outputs[0]), self.mesh)
         if n.target in _NEW_FACTORIES:
             return _local_factory(n, args, kwargs, placements_of(choice.outputs[0]), self.mesh)
+        if _all_replicated(choice) and not _seeded(n.target):
+            # nothing to move and nothing sharded: the op on the full tensors, without DTensor's
+            # dispatch (whose rules give no spec to some outputs, such as CUDA attention's RNG
+            # state, and none to its backward's inputs). Random ops stay with DTensor, which
+            # keeps a replicated tensor's random numbers equal on every rank.
+            return _run_replicated(n, args, kwargs, self.mesh)
         out = n.target(*args, **kwargs)
         return self._check(n, out, choice.outputs)
 
@@ -213,7 +219,12 @@ class _Interpreter:
         outs = out if isinstance(out, (tuple, list)) else [out]
         fixed = list(outs)
         for i, (o, p) in enumerate(zip(outs, planned)):
-            if isinstance(o, DTensor) and p is not None and tuple(o.placements) != placements_of(p):
+            if type(o) is not DTensor and isinstance(o, torch.Tensor) and p is not None and \
+                    all(isinstance(q, Replicate) for q in placements_of(p)):
+                # DTensor returns a tensor it gives no spec as it is (CUDA attention's RNG state
+                # and empty cum_seq outputs); the plan replicates them (strategies.space)
+                fixed[i] = DTensor.from_local(o, self.mesh, placements_of(p), run_check=False)
+            elif isinstance(o, DTensor) and p is not None and tuple(o.placements) != placements_of(p):
                 dst = placements_of(p)
                 steps = reshard_steps(tuple(o.placements), dst, tuple(o.shape), o.element_size(),
                                       tuple(self.mesh.shape))
@@ -327,6 +338,16 @@ def _local_factory(n: fx.Node, args: Any, kwargs: dict, out_placements: tuple, m
                               stride=out.stride())
 
 
+def _all_replicated(choice: Any) -> bool:
+    """Whether a node's every input and output is replicated on every axis."""
+    return all(all(t == "R" for t in p) for p in (*choice.inputs, *choice.outputs) if p is not None)
+
+
+def _seeded(target: Any) -> bool:
+    return isinstance(target, private.OpOverload) and \
+        torch.Tag.nondeterministic_seeded in target.tags
+
+
 def _run_replicated(n: fx.Node, args: Any, kwargs: dict, mesh: Any) -> Any:
     from autopar._torch_private import tree_map
 
@@ -391,7 +412,22 @@ def _trace_local(gm: fx.GraphModule, plan: Plan, mesh: Any,
         for n in interp.placeholders:
             val = n.meta["val"]
             p = placements_of(plan.nodes[n.name].outputs[0])
-            fakes.append(torch.empty(local_shape(val.shape, p, mesh_shape), dtype=val.dtype))
+            fakes.append(torch.empty(local_shape(val.shape, p, mesh_shape), dtype=val.dtype,
+                                     device=val.device))
         with torch.fx.traceback.preserve_node_meta():
             local = make_fx(interp.run)(*fakes)
+    # DTensor's first dispatch of an op may run it on fake tensors of its own to learn the
+    # output's metadata (torch 2.11, CUDA attention), which the trace records: pure aten calls
+    # whose results nothing reads go (the collectives stay, read or not)
+    local.graph.eliminate_dead_code(is_impure_node=_kept)
+    local.recompile()
     return local
+
+
+def _kept(n: fx.Node) -> bool:
+    """Whether dead-code elimination keeps ``n`` although nothing reads it: anything but a pure
+    aten call or an item of one's results (a random op nothing reads goes too: the attention
+    kernels are tagged random for their dropout)."""
+    pure = n.target is operator.getitem or \
+        (isinstance(n.target, private.OpOverload) and n.target.namespace == "aten")
+    return n.is_impure(impure_random=False) or not pure

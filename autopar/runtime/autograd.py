@@ -333,7 +333,9 @@ class GradSink:
         if self._count == self.calls and self.on_ready is not None:
             for b in range(len(self.buckets)):
                 if b not in self._flat:  # (no gradient reached it: reduce zeros, as planned)
-                    self._flat[b] = torch.zeros(self.buckets[b].numel, dtype=self.buckets[b].dtype)
+                    device = next(iter(self._flat.values())).device if self._flat else None
+                    self._flat[b] = torch.zeros(self.buckets[b].numel, dtype=self.buckets[b].dtype,
+                                                device=device)
                 self.on_ready(b, self._flat[b])
 
     def take(self) -> dict[str, torch.Tensor]:

@@ -114,7 +114,9 @@ def check_same_plan(plan: Plan) -> None:
     """Raise :class:`PlanError` on every rank unless all ranks hold the same plan (see the
     module docstring); the message names the ranks and what differs from rank 0's plan."""
     digest = bytes.fromhex(plan.digest())[:8]
-    mine = torch.tensor(list(digest), dtype=torch.int64)
+    # NCCL moves CUDA tensors only; gloo, CPU ones
+    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+    mine = torch.tensor(list(digest), dtype=torch.int64, device=device)
     gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     bad = [r for r, g in enumerate(gathered) if not torch.equal(g, gathered[0])]

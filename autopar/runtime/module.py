@@ -100,7 +100,7 @@ class ParallelModule(StateDictMixin, nn.Module):
             elif name in self._buffers_local:
                 feeds.append(self._buffers_local[name])
             elif name in self._traced.tangent_nodes:
-                feeds.append(torch.ones((), dtype=torch.float32))
+                feeds.append(torch.ones((), dtype=torch.float32, device=self.device_mesh.device_type))
             else:
                 feeds.append(next(inputs))
         with collective_failures("pmodel.step()", self._timeout_s), \

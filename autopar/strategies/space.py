@@ -342,9 +342,13 @@ class _Builder:
         seen: dict[Strategy, None] = {}
         for spec in result.strategies:
             outs = spec.output_specs if isinstance(spec.output_specs, (tuple, list)) else (spec.output_specs,)
-            outs_p = tuple(o.placements if isinstance(o, DTensorSpec) else None for o in outs)
-            if len(outs_p) != len(out_shapes):
+            if len(outs) != len(out_shapes):
                 continue
+            # DTensor gives no spec for the tensors that CUDA attention returns empty (flash
+            # attention's cum_seq_q/k outside varlen): nothing to move, so they are replicated
+            outs_p = tuple(o.placements if isinstance(o, DTensorSpec)
+                           else (Replicate(),) * len(self.mesh_shape) if shape is not None else None
+                           for o, shape in zip(outs, out_shapes))
             ins = spec.input_specs if spec.input_specs is not None else [outs[0]] * n_inputs
             if len(ins) != n_inputs or any(not isinstance(s, DTensorSpec) for s in ins):
                 continue

@@ -75,3 +75,17 @@ def test_fsdp2_benchmark_runs_at_tiny_size(tmp_path):
         assert rank["autopar"]["bytes"] == planned, rank
         assert planned.get("all_gather"), planned  # (ZeRO-3 gathers its parameters)
         assert sum(rank["torch"]["bytes"].values()) > 0
+
+
+@pytest.mark.slow  # 90 s: two compilations of each model; on a GPU the same script checks it
+def test_gpu_check_runs_on_the_cpu_at_tiny_size(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    _run("gpu_check.py", "--cpu", "--json", str(out))
+    res = json.loads(out.read_text())
+    rows = res["equivalence"]
+    assert [(r["precision"], r["compiled"]) for r in rows] == [
+        (p, c) for p in ("fp32", "bf16") for c in (False, True)]
+    assert all(r["ok"] and "error" not in r for r in rows), rows
+    assert {r["dtype"] for r in res["kernels"]} == {"bf16", "fp32"}
+    autopar_row, torch_row = res["step"]
+    assert autopar_row["params"] == torch_row["params"] and autopar_row["predicted_s"] > 0

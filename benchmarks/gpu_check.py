@@ -1,0 +1,333 @@
+"""autopar on one CUDA GPU: equivalence, kernel times against the cost model, a 1B-parameter step.
+
+    python benchmarks/gpu_check.py [--json out.json] [--quick]
+
+Runs in one process (an NCCL process group of one rank, made here when the script is not under
+``torchrun``) and prints one table per part:
+
+1. **equivalence**: the GPT-2-style model of ``runtime_vs_torch.py`` (dim 256, 2 layers, seq 128,
+   batch 8) planned by autopar for this GPU, eager and compiled, fp32 and bf16 autocast; loss
+   and every gradient against the same model run eagerly by PyTorch on the same GPU. TF32 is
+   off, so fp32 matmuls are fp32 on both sides. Tolerances: fp32 1e-4 relative per parameter
+   (inductor fuses and reorders reductions: rounding of order 1e-7 per add over thousands of
+   adds), bf16 3e-2 (8 mantissa bits: 3.9e-3 per rounding, and the compiled program rounds at
+   other points than eager does).
+2. **kernels**: the GEMMs, the attention and the pointwise ops of the 1B model's layer, timed
+   with CUDA events (median of 20 after 5 warm-ups), next to the cost model's roofline time for
+   the topology preset of this GPU (:func:`autopar.cost_models.compute.op_time`).
+3. **1B step**: a GPT of 1.03B parameters (dim 2560, 12 layers, 20 heads, vocab 32768, seq 2048,
+   batch 4) planned by autopar for this GPU with bf16 autocast and compiled; its measured step
+   (forward and backward, median of 10 after 3 warm-ups) and peak memory (with AdamW states)
+   against the plan's prediction, and the same model under ``torch.compile`` as a baseline.
+
+Every part records its error instead of its figures when it fails, so one broken part does not
+hide the others; the exit status is 1 when any part failed or any check missed its tolerance.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tabulate import tabulate
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from runtime_vs_torch import make_batch, make_model  # noqa: E402
+
+import autopar  # noqa: E402
+from autopar.cost_models.compute import op_time  # noqa: E402
+from autopar.cost_models.topology import get_preset  # noqa: E402
+
+SMALL = dict(dim=256, heads=4, layers=2, seq=128, batch=8, vocab=1024)
+ONE_B = dict(dim=2560, heads=20, layers=12, seq=2048, batch=4, vocab=32768)
+QUICK_B = dict(dim=1024, heads=8, layers=4, seq=1024, batch=4, vocab=32768)
+TINY = dict(dim=32, heads=2, layers=2, seq=16, batch=4, vocab=64)
+DEVICE = "cuda"  # "cpu" with --cpu: the script's own smoke test, at tiny sizes, on gloo
+TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}
+
+
+def preset_for(name: str) -> str:
+    """The topology preset of a GPU by its CUDA name (``h100-dgx`` when none matches)."""
+    for key, preset in (("H200", "h200-dgx"), ("H100", "h100-dgx"), ("A100", "a100-dgx")):
+        if key in name:
+            return preset
+    return "h100-dgx"
+
+
+def one_rank_group() -> None:
+    """A process group of one rank (NCCL, or gloo with ``--cpu``), unless ``torchrun`` made the
+    environment."""
+    if "RANK" not in os.environ:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def cuda_time(fn: Callable[[], Any], repeats: int = 20, warmup: int = 5) -> float:
+    """Median seconds of ``fn`` on the GPU (CUDA events around each call)."""
+    for _ in range(warmup):
+        fn()
+    if DEVICE == "cpu":
+        return statistics.median(_wall(fn) for _ in range(repeats))
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _wall(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _batch(size: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(x.to(DEVICE) for x in make_batch(size))
+
+
+def _grad_errors(params: Any, ref: torch.nn.Module) -> tuple[float, str]:
+    """Largest per-parameter ``max |g - g_ref| / max(max |g_ref|, floor)`` over ``params``
+    (name, parameter) and the parameter's name. The floor, 1e-3 of the model's largest
+    gradient, is for gradients that are zero in exact arithmetic and rounding noise in both runs
+    (an attention key bias: softmax ignores a shift shared by every key); the equivalence tests
+    use the same rule (``tests/distributed/grads.py``)."""
+    want = dict(ref.named_parameters())
+    floor = 1e-3 * max(p.grad.abs().max().item() for p in want.values())
+    worst, where = 0.0, ""
+    for name, p in params:
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        w = want[name].grad
+        err = ((g.float() - w.float()).abs().max() / max(w.float().abs().max().item(), floor)).item()
+        if err >= worst:
+            worst, where = err, name
+    return worst, where
+
+
+def _reference(size: dict, ids: torch.Tensor, tgt: torch.Tensor, bf16: bool) -> tuple[Any, Any]:
+    """PyTorch eager on this device: the model and its loss after one backward."""
+    ref = make_model(size).to(DEVICE)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=bf16):
+        loss = ref(ids, tgt)
+    loss.backward()
+    return ref, loss.detach()
+
+
+def equivalence(size: dict, mesh: autopar.Mesh) -> list[dict]:
+    """Part 1: autopar's one-GPU program against PyTorch eager, per precision and mode.
+
+    fp32: autopar against eager fp32 (tolerance ``TOLERANCE["fp32"]``). bf16: both bf16 runs
+    are also measured against eager fp32, and autopar passes when its error is at most twice
+    eager bf16's (two programs that round at different points, each error of the same order)
+    and its loss within ``TOLERANCE["bf16"]`` of eager bf16's.
+    """
+    rows = []
+    ids, tgt = _batch(size)
+    fp32, fp32_loss = _reference(size, ids, tgt, bf16=False)
+    bf16, bf16_loss = _reference(size, ids, tgt, bf16=True)
+    eager_bf16_err = _grad_errors(bf16.named_parameters(), fp32)[0]
+    for precision, ref, ref_loss in (("fp32", fp32, fp32_loss), ("bf16", bf16, bf16_loss)):
+        for compile in (False, True):
+            row = {"precision": precision, "compiled": compile}
+            try:
+                config = autopar.Config(mixed_precision="bf16" if precision == "bf16" else None)
+                pm = autopar.parallelize(make_model(size).to(DEVICE), mesh, (ids, tgt), config=config,
+                                         compile=compile, plan_cache=False)
+                loss = pm.step(ids, tgt)
+                err, where = _grad_errors(pm.named_parameters(), ref)
+                row |= {"loss_err": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
+                        "grad_rel": err, "worst": where, "tolerance": TOLERANCE[precision]}
+                row["ok"] = row["loss_err"] <= row["tolerance"] and err <= row["tolerance"]
+                if precision == "bf16":
+                    vs_fp32 = _grad_errors(pm.named_parameters(), fp32)[0]
+                    row |= {"vs_fp32": vs_fp32, "eager_bf16_vs_fp32": eager_bf16_err,
+                            "ok": row["loss_err"] <= row["tolerance"] and vs_fp32 <= 2 * eager_bf16_err}
+            except Exception:  # recorded and reported: the part fails, the others still run
+                row |= {"ok": False, "error": traceback.format_exc(limit=-4)}
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def _gemm(m: int, k: int, n: int, dtype: torch.dtype) -> Callable[[], Any]:
+    a, b = torch.randn(m, k, device=DEVICE, dtype=dtype), torch.randn(k, n, device=DEVICE, dtype=dtype)
+    return lambda: a @ b
+
+
+def kernels(size: dict, topo_name: str) -> list[dict]:
+    """Part 2: the layer's kernels timed against the roofline of ``topo_name``."""
+    topo = get_preset(topo_name)
+    t, d, v = size["batch"] * size["seq"], size["dim"], size["vocab"]
+    rows = []
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+        elt = torch.finfo(dtype).bits // 8
+        for what, (m, k, n) in {"qkv/proj": (t, d, d), "fc1": (t, d, 4 * d),
+                                "fc2": (t, 4 * d, d), "lm head": (t, d, v)}.items():
+            flops = 2 * m * k * n
+            measured = cuda_time(_gemm(m, k, n, dtype))
+            predicted = op_time(flops, (m * k + k * n + m * n) * elt, topo, name)
+            rows.append({"kernel": f"{what} {m}x{k}x{n}", "dtype": name, "measured_ms": measured * 1e3,
+                         "predicted_ms": predicted * 1e3, "tflops": flops / measured / 1e12})
+    h = size["heads"]
+    q, k_, v_ = (torch.randn(size["batch"], h, size["seq"], d // h, device=DEVICE,
+                             dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    # the cost model counts attention's FLOPs without the causal discount (compute.py [TFC])
+    fwd_flops = 4 * size["batch"] * h * size["seq"] ** 2 * (d // h)
+    io = 4 * q.numel() * 2
+    out = F.scaled_dot_product_attention(q, k_, v_, is_causal=True)
+    grad = torch.randn_like(out)
+    for what, fn, flops in (
+            ("sdpa causal fwd", lambda: F.scaled_dot_product_attention(q, k_, v_, is_causal=True), fwd_flops),
+            ("sdpa causal bwd", lambda: torch.autograd.grad(out, (q, k_, v_), grad, retain_graph=True),
+             2.5 * fwd_flops)):
+        measured = cuda_time(fn)
+        rows.append({"kernel": what, "dtype": "bf16", "measured_ms": measured * 1e3,
+                     "predicted_ms": op_time(flops, io, topo, "bf16") * 1e3,
+                     "tflops": flops / measured / 1e12})
+    x = torch.randn(t, d, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.ones(d, device=DEVICE, dtype=torch.bfloat16)
+    h4 = torch.randn(t, 4 * d, device=DEVICE, dtype=torch.bfloat16)
+    for what, fn, moved in (("layer_norm", lambda: F.layer_norm(x, (d,), w, w), 2 * x.numel() * 2),
+                            ("gelu", lambda: F.gelu(h4), 2 * h4.numel() * 2)):
+        measured = cuda_time(fn)
+        rows.append({"kernel": f"{what} bf16", "dtype": "bf16", "measured_ms": measured * 1e3,
+                     "predicted_ms": op_time(0, moved, topo, "bf16", is_matmul=False) * 1e3,
+                     "tflops": 0.0, "GBps": moved / measured / 1e9})
+    for row in rows:
+        row["pred/meas"] = row["predicted_ms"] / row["measured_ms"]
+    return rows
+
+
+def _timed_steps(step: Callable[[], Any], opt: torch.optim.Optimizer, repeats: int) -> tuple[float, float]:
+    """Median seconds of ``step`` (the optimizer's update outside the timing) and peak bytes."""
+    for _ in range(3):
+        step()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    _sync()
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeats):
+        _sync()
+        t0 = time.perf_counter()
+        step()
+        _sync()
+        times.append(time.perf_counter() - t0)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    peak = float(torch.cuda.max_memory_allocated()) if DEVICE == "cuda" else float("nan")
+    return statistics.median(times), peak
+
+
+def big_step(size: dict, mesh: autopar.Mesh, repeats: int) -> list[dict]:
+    """Part 3: the compiled bf16 step of a 1B GPT, measured against the plan's prediction."""
+    ids, tgt = _batch(size)
+    rows = []
+    t0 = time.perf_counter()
+    pm = autopar.parallelize(make_model(size).to(DEVICE), mesh, (ids, tgt), compile=True, plan_cache=False,
+                             config=autopar.Config(mixed_precision="bf16"))
+    setup_s = time.perf_counter() - t0
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-5, foreach=True)
+    measured, peak = _timed_steps(lambda: pm.step(ids, tgt), opt, repeats)
+    pred = pm.plan.predicted
+    n_params = sum(p.numel() for p in pm.parameters())
+    rows.append({"variant": "autopar (compiled)", "params": n_params, "measured_s": measured,
+                 "predicted_s": pred["step_time_s"], "peak_GiB": peak / 2**30,
+                 "predicted_peak_GiB": pred["peak_memory_bytes"] / 2**30, "setup_s": setup_s,
+                 "techniques": dict(pm.plan.techniques),
+                 "model_tflops": (pred.get("model_flops") or 0) / measured / 1e12})
+    pm = opt = None  # (freed before the baseline's model is built)
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    model = make_model(size).to(DEVICE)
+    compiled = torch.compile(model)
+
+    def eager_step() -> None:
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            loss = compiled(ids, tgt)
+        loss.backward()
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    measured, peak = _timed_steps(eager_step, opt, repeats)
+    rows.append({"variant": "torch.compile", "params": n_params, "measured_s": measured,
+                 "peak_GiB": peak / 2**30})
+    return rows
+
+
+def _part(results: dict, name: str, fn: Callable[[], Any]) -> None:
+    t0 = time.perf_counter()
+    try:
+        results[name] = fn()
+    except Exception:  # recorded and reported: the part fails, the others still run
+        results[name] = [{"ok": False, "error": traceback.format_exc(limit=-6)}]
+    print(f"== {name}: {time.perf_counter() - t0:.1f} s", flush=True)
+    print(tabulate(results[name], headers="keys", floatfmt=".4g"), flush=True)
+
+
+def _device_facts() -> dict[str, Any]:
+    if DEVICE == "cpu":
+        return {"device": "cpu", "preset": "cpu-gloo", "torch": torch.__version__}
+    name = torch.cuda.get_device_name()
+    props = torch.cuda.get_device_properties(0)
+    return {"device": name, "preset": preset_for(name), "torch": torch.__version__,
+            "sms": props.multi_processor_count, "memory_GiB": props.total_memory / 2**30}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", help="write every figure to this file")
+    p.add_argument("--quick", action="store_true", help="a 0.1B model in part 3 (for a first try)")
+    p.add_argument("--parts", default="equivalence,kernels,step")
+    p.add_argument("--cpu", action="store_true",
+                   help="the script's own smoke test: tiny sizes on the CPU (gloo), no figures")
+    args = p.parse_args(argv)
+    global DEVICE
+    DEVICE = "cpu" if args.cpu else "cuda"
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device is visible; run it on a machine with a GPU (or --cpu).")
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    one_rank_group()
+    results = _device_facts()
+    topo = results["preset"]
+    mesh = autopar.Mesh.from_torchrun(topology=topo)
+    print(results, flush=True)
+    size = TINY if args.cpu else QUICK_B if args.quick else ONE_B
+    parts = {"equivalence": lambda: equivalence(TINY if args.cpu else SMALL, mesh),
+             "kernels": lambda: kernels(size, topo),
+             "step": lambda: big_step(size, mesh, repeats=10)}
+    for part in args.parts.split(","):
+        _part(results, part, parts[part])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1, default=str)
+    dist.destroy_process_group()
+    failed = [r for part in parts for r in results.get(part, []) if r.get("ok") is False]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
