@@ -24,6 +24,11 @@ class Config:
         dp: data-parallel degree, or ``None`` to search.
         tp: tensor-parallel degree, or ``None`` to search.
         pp: pipeline-parallel degree, or ``None`` to search.
+        cp: context-parallel degree: the sequence dim of the inputs (dim 1) and of the
+            activations split over ``cp`` ranks, attention's keys and values gathered over
+            them (Llama 3's form), parameters replicated on them and their gradients
+            all-reduced. ``None``: the setup search tries it for sequences of 65,536 tokens
+            or more, 1 otherwise (``autopar.planning.search.CP_MIN_SEQUENCE``).
         memory_bytes: per-device memory budget; ``None`` takes the topology preset's memory.
         solver_time_limit_s: time limit of each ILP solve.
         unknown_op: what to do with an operator that has no sharding rule: ``"replicate"``
@@ -74,6 +79,7 @@ class Config:
     dp: int | None = None
     tp: int | None = None
     pp: int | None = None
+    cp: int | None = None
     memory_bytes: float | None = None
     solver_time_limit_s: float = 30.0
     unknown_op: str = "replicate"
@@ -89,7 +95,7 @@ class Config:
     bucket_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "virtual_stages", "microbatch_size", "dp_shard"):
+        for name in ("dp", "tp", "pp", "cp", "virtual_stages", "microbatch_size", "dp_shard"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(

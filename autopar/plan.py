@@ -14,10 +14,11 @@ from typing import Any, Sequence
 
 from autopar.errors import PlanError
 
-__all__ = ["Collective", "NodePlan", "PipelinePlan", "PipelinePrediction", "Plan", "PLAN_FORMAT",
-           "Prediction"]
+__all__ = ["Collective", "DEGREES", "NodePlan", "PipelinePlan", "PipelinePrediction", "Plan",
+           "PLAN_FORMAT", "Prediction"]
 
 PLAN_FORMAT = 2  # 2: pipeline plans (Plan.pipeline, Collective.stage); format 1 files still load
+DEGREES = ("dp", "tp", "pp", "cp")  # every plan's degrees name these (1 when unused)
 
 
 def _alternative(a: dict[str, Any]) -> dict[str, Any]:
@@ -238,7 +239,7 @@ class Plan:
     """A complete parallelization plan for one model, mesh and config.
 
     Attributes:
-        degrees: ``{"dp": .., "tp": .., "pp": ..}``.
+        degrees: ``{"dp": .., "tp": .., "pp": .., "cp": ..}`` (each present, 1 when unused).
         mesh_shape / axis_names: the logical mesh the plan runs on (row-major over ranks).
         params: parameter name -> placement per axis (e.g. ``("R", "S(0)")``).
         inputs: placement per flattened user input.
@@ -286,6 +287,8 @@ class Plan:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "predicted", Prediction.of(self.predicted))
+        # every plan names every degree (1 when unused); plans saved before cp existed load
+        object.__setattr__(self, "degrees", {**dict.fromkeys(DEGREES, 1), **self.degrees})
 
     # ---- pictures ----------------------------------------------------------------------------
     def to_chrome_trace(self, path: str | Path) -> Path:

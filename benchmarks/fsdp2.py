@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from typing import Any
 
@@ -37,7 +36,7 @@ import autopar
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from runtime_vs_torch import (  # noqa: E402
-    SIZES, Step, as_rank, backward_loss, compare, make_model, report,
+    SIZES, Step, as_rank, backward_loss, compare, jobs_parser, launch_jobs, make_model, report,
 )
 
 
@@ -74,16 +73,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--procs", type=int, nargs="+", default=[2, 4],
-                   help="process counts, one job each (default 2 4)")
-    p.add_argument("--size", choices=sorted(SIZES), default="default")
-    p.add_argument("--repeats", type=int, default=15)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--no-compile", dest="compile", action="store_false")
-    p.add_argument("--json", default=None, help="write every figure to this file (one per "
-                   "process count: the count is added to the name)")
-    return p
+    return jobs_parser(__doc__, SIZES, repeats=15, warmup=3)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,17 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if "RANK" in os.environ:
         return as_rank(worker, args)
-    status = 0
-    for n in args.procs:
-        inner = ["--size", args.size, "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
-        inner += [] if args.compile else ["--no-compile"]
-        if args.json:
-            stem, ext = os.path.splitext(args.json)
-            inner += ["--json", f"{stem}_{n}{ext}"]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={n}", os.path.abspath(__file__), *inner]
-        status |= subprocess.call(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    return status
+    return launch_jobs(__file__, args)
 
 
 if __name__ == "__main__":

@@ -354,6 +354,37 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def jobs_parser(doc: str, sizes: dict, repeats: int, warmup: int) -> argparse.ArgumentParser:
+    """The options of a benchmark that runs one job per process count (:func:`launch_jobs`)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--procs", type=int, nargs="+", default=[2, 4],
+                   help="process counts, one job each (default 2 4)")
+    p.add_argument("--size", choices=sorted(sizes), default="default")
+    p.add_argument("--repeats", type=int, default=repeats)
+    p.add_argument("--warmup", type=int, default=warmup)
+    p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--json", default=None, help="write every figure to this file (one per "
+                   "process count: the count is added to the name)")
+    return p
+
+
+def launch_jobs(script: str, args: argparse.Namespace) -> int:
+    """Start one ``torchrun`` job of ``script`` per process count in ``args.procs``, passing
+    on ``--size``, ``--repeats``, ``--warmup``, ``--no-compile`` and ``--json`` (one file per
+    count: the count is added to the name); the jobs' exit statuses or-ed."""
+    status = 0
+    for n in args.procs:
+        inner = ["--size", args.size, "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
+        inner += [] if args.compile else ["--no-compile"]
+        if args.json:
+            stem, ext = os.path.splitext(args.json)
+            inner += ["--json", f"{stem}_{n}{ext}"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={n}", os.path.abspath(script), *inner]
+        status |= subprocess.call(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
     """Start the 2-process job (or, inside it, run this rank)."""
     args = _parser().parse_args(argv)

@@ -120,6 +120,10 @@ class Setup:
     # the data-parallel ranks ZeRO shards over: 0 for all of dp, fewer for hybrid sharding
     # (shard groups of dp_shard consecutive ranks, replicated across the dp / dp_shard groups)
     dp_shard: int = 0
+    # context parallelism: the sequence split over cp ranks (between dp and tp in the mesh);
+    # the per-layer costs are solved on the (cp, tp) submesh, the gradients reduced over dp
+    # and then over cp
+    cp: int = 1
 
     @property
     def shard(self) -> int:
@@ -130,7 +134,8 @@ class Setup:
         """One line such as ``dp=32 tp=8 pp=4 b=1 m=56 interleaved-1f1b v=2 full zero1 sp``."""
         sched = "" if self.pp == 1 else f" {self.schedule}" + (
             f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp} b={self.microbatch_size} "
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp}{f' cp={self.cp}' if self.cp > 1 else ''} "
+                f"b={self.microbatch_size} "
                 f"m={self.microbatches}{sched} recompute={self.recompute} zero={self.zero}"
                 f"{f' dp_shard={self.dp_shard}' if self.dp_shard else ''}"
                 f"{' sp' if self.sequence_parallel else ''}")
@@ -212,8 +217,8 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
     else:
         counts = blocks_per_stage(lc.num_blocks, stages, lc.pre.forward_s + lc.pre.backward_s,
                                   lc.post.forward_s + lc.post.backward_s, bf + bb)
-    # the pipeline axis is outermost (stride dp * tp): sends cross nodes on a cluster
-    send = axis_collective_time("send_recv", lc.boundary_bytes, p, setup.dp * setup.tp,
+    # the pipeline axis is outermost (stride dp * cp * tp): sends cross nodes on a cluster
+    send = axis_collective_time("send_recv", lc.boundary_bytes, p, setup.dp * setup.cp * setup.tp,
                                 topology) if p > 1 else 0.0
     fw, bw, act, state, elems = [], [], [], [], []
     for j, n in enumerate(counts):
@@ -277,11 +282,11 @@ def _sync_per_microbatch(lc: LayerCosts, setup: Setup, elems: list[float], fw: l
     for f, b, n in zip(fw, bw, elems):
         nbytes = n * lc.param_itemsize
         if setup.zero:
-            gather = axis_collective_time("all_gather", nbytes, setup.dp, setup.tp, topology)
-            reduce = axis_collective_time("reduce_scatter", nbytes, setup.dp, setup.tp, topology)
+            gather = axis_collective_time("all_gather", nbytes, setup.dp, setup.cp * setup.tp, topology)
+            reduce = axis_collective_time("reduce_scatter", nbytes, setup.dp, setup.cp * setup.tp, topology)
         else:
             gather = 0.0
-            reduce = axis_collective_time("all_reduce", nbytes, setup.dp, setup.tp, topology)
+            reduce = axis_collective_time("all_reduce", nbytes, setup.dp, setup.cp * setup.tp, topology)
         out_f.append(f + gather)
         out_b.append(b + reduce if setup.tp > 1 else max(b, reduce))
     return out_f, out_b
@@ -295,8 +300,8 @@ def _gather_per_microbatch(lc: LayerCosts, setup: Setup, elements: list[float],
     waited for at once)."""
     out_f, out_b = [], []
     for f, b, n in zip(fw, bw, elements):
-        gather = axis_collective_time("all_gather", n * lc.param_itemsize, setup.dp, setup.tp,
-                                      topology)
+        gather = axis_collective_time("all_gather", n * lc.param_itemsize, setup.dp,
+                                      setup.cp * setup.tp, topology)
         out_f.append(f + gather)
         out_b.append(b + gather)
     return out_f, out_b
@@ -315,17 +320,21 @@ def _step_end(lc: LayerCosts, setup: Setup, elements: float, topology: Topology
         # in a pipeline, for every microbatch (in its stage times: _gather_per_microbatch)
         gathers = 0 if setup.grad_sync == "regathered" else 2 if setup.zero == 3 else 1
         g = setup.shard
-        dp_s = (axis_collective_time("reduce_scatter", grad_bytes, g, setup.tp, topology)
-                + gathers * axis_collective_time("all_gather", grad_bytes, g, setup.tp, topology))
+        dp_s = (axis_collective_time("reduce_scatter", grad_bytes, g, setup.cp * setup.tp, topology)
+                + gathers * axis_collective_time("all_gather", grad_bytes, g, setup.cp * setup.tp, topology))
         if g < setup.dp:
             dp_s += axis_collective_time("all_reduce", grad_bytes / g, setup.dp // g,
-                                         g * setup.tp, topology)
+                                         g * setup.cp * setup.tp, topology)
     else:
-        dp_s = axis_collective_time("all_reduce", grad_bytes, setup.dp, setup.tp, topology)
+        dp_s = axis_collective_time("all_reduce", grad_bytes, setup.dp, setup.cp * setup.tp, topology)
+    if setup.cp > 1:  # then over cp (stride tp): the parameters are whole on it, the gradients
+        # partial, each rank's share reduced there (the shard's, under ZeRO)
+        dp_s += axis_collective_time("all_reduce", grad_bytes / (setup.shard if setup.zero else 1),
+                                     setup.cp, setup.tp, topology)
     tied_s = 0.0
     if setup.pp > 1 and lc.tied_elements:  # the first and last stage sum the tied weight's grad
         tied_s = axis_collective_time("all_reduce", lc.tied_elements * lc.param_itemsize, 2,
-                                      setup.dp * setup.tp, topology)
+                                      setup.dp * setup.cp * setup.tp, topology)
     opt_s = optimizer_step_time(elements / (setup.shard if setup.zero else 1), lc.optimizer, topology)
     return dp_s, tied_s, opt_s
 

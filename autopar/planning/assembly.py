@@ -40,9 +40,12 @@ def _axis_roles(traced: TracedGraph, space: StrategySpace, res: IntraOpResult,
     replicated on it, or ZeRO-sharded) or an axis on which every parameter is replicated is data
     parallel (the batch is split); any other axis is tensor parallel. An axis on which nothing at
     all is split keeps its name's role, and is warned about."""
-    dp, tp, notes = 1, 1, []
+    dp, tp, cp, notes = 1, 1, 1, []
     inputs = {i.node for i in traced.inputs}
     for axis, size in enumerate(cand.shape):
+        if axis in cand.cp_axes:  # (the inputs' sequence is split on it: context parallel)
+            cp *= size
+            continue
         params_rep = axis in cand.dp_axes or all(
             isinstance(space.nodes[p.node].strategies[res.choice[p.node]].outputs[0][axis], Replicate)
             for p in traced.params)
@@ -62,7 +65,7 @@ def _axis_roles(traced: TracedGraph, space: StrategySpace, res: IntraOpResult,
                          f"device on it repeats the same work (the model is too small to gain); "
                          f"{cand.names[axis]}=1 on {math.prod(cand.shape) // size} device(s) "
                          f"would cost the same")
-    return {"dp": dp, "tp": tp, "pp": 1}, notes
+    return {"dp": dp, "tp": tp, "pp": 1, "cp": cp}, notes
 
 
 def build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate,

@@ -15,13 +15,15 @@ __all__ = ['Candidate', 'HSDP_AXES', 'memory_techniques', 'mesh_candidates']
 @dataclass(frozen=True)
 class Candidate:
     """A logical mesh of one pipeline stage: its axes' sizes and names, the axes the batch is
-    split over (``dp_axes``) and, if not all of those, the ones ZeRO shards parameters over
-    (``shard_axes``: hybrid sharding's inner data axis)."""
+    split over (``dp_axes``), if not all of those, the ones ZeRO shards parameters over
+    (``shard_axes``: hybrid sharding's inner data axis), and the context-parallel axis the
+    sequence is split over (``cp_axes``)."""
 
     shape: tuple[int, ...]
     names: tuple[str, ...]
     dp_axes: tuple[int, ...]
     shard_axes: tuple[int, ...] | None = None
+    cp_axes: tuple[int, ...] = ()
 
     @property
     def zero_axes(self) -> tuple[int, ...]:
@@ -34,33 +36,43 @@ HSDP_AXES = ("dp_replicate", "dp_shard")
 
 
 def mesh_candidates(world: int, config: Config) -> list[Candidate]:
-    """Logical meshes to try: (dp, tp) factorisations of ``world`` allowed by the config
-    (``world`` is the devices of one pipeline stage); with ``Config.dp_shard`` smaller than
-    dp, the dp axis is cut into (``dp_replicate``, ``dp_shard``), the shard groups being
-    consecutive ranks (inside a node first)."""
+    """Logical meshes to try: (dp, cp, tp) factorisations of ``world`` allowed by the config
+    (``world`` is the devices of one pipeline stage; cp is ``Config.cp``, 1 when ``None``);
+    with ``Config.dp_shard`` smaller than dp, the dp axis is cut into (``dp_replicate``,
+    ``dp_shard``), the shard groups being consecutive ranks (inside a node first). Axes run
+    data, context, tensor (outermost first), as Megatron-LM orders them."""
+    cp = config.cp or 1
+    if world % cp:
+        raise PlanError(f"Config(cp={cp}) does not divide the {world} devices of a stage; use a "
+                        f"divisor of {world}.")
     out = []
-    for tp in range(1, world + 1):
-        if world % tp:
+    for tp in range(1, world // cp + 1):
+        if (world // cp) % tp:
             continue
-        dp = world // tp
+        dp = world // cp // tp
         if (config.tp is not None and config.tp != tp) or (config.dp is not None and config.dp != dp):
             continue
         shard = config.dp_shard
         if shard is not None and shard not in (1, dp) and config.zero != 0 and dp > 1:
             if dp % shard:
                 continue
-            tail = ((tp,), ("tp",)) if tp > 1 else ((), ())
-            out.append(Candidate((dp // shard, shard, *tail[0]), (*HSDP_AXES, *tail[1]), (0, 1), (1,)))
-        elif dp > 1 and tp > 1:
-            out.append(Candidate((dp, tp), ("dp", "tp"), (0,)))
-        elif tp > 1 or world == 1:
-            out.append(Candidate((tp,), ("tp",), ()))
+            data = ((dp // shard, shard), HSDP_AXES, (0, 1), (1,))
+        elif dp > 1 and (tp > 1 or cp > 1):
+            data = ((dp,), ("dp",), (0,), None)
+        elif dp > 1 or (world == 1):
+            data = ((dp,), ("dp",) if dp > 1 else ("tp",), (0,) if dp > 1 else (), None)
         else:
-            out.append(Candidate((dp,), ("dp",), (0,)))
+            data = ((), (), (), None)
+        shape, names, dp_axes, shard_axes = data
+        ctx = ((cp,), ("cp",)) if cp > 1 else ((), ())
+        tail = ((tp,), ("tp",)) if tp > 1 else ((), ())
+        out.append(Candidate((*shape, *ctx[0], *tail[0]), (*names, *ctx[1], *tail[1]), dp_axes,
+                             shard_axes, (len(shape),) if cp > 1 else ()))
     if not out:
         raise PlanError(
-            f"no (dp, tp) with dp * tp = {world} devices matches Config(dp={config.dp}, "
-            f"tp={config.tp}); choose degrees whose product is the mesh size, or leave them None.")
+            f"no (dp, tp) with dp * tp = {world // cp} devices (with cp={cp}) matches "
+            f"Config(dp={config.dp}, tp={config.tp}); choose degrees whose product is the mesh "
+            f"size, or leave them None.")
     return out
 
 

@@ -125,7 +125,7 @@ def _check_forced(plan: Plan, config: Config) -> None:
     # a forced degree is the size of the mesh axis of that name (the solver may use a tp axis
     # to split the batch too: plan.degrees says what each axis does, the mesh what was asked)
     sizes = dict(zip(plan.axis_names, plan.mesh_shape))
-    held |= {k: sizes.get(k, 1) for k in ("dp", "tp", "pp")}
+    held |= {k: sizes.get(k, 1) for k in ("dp", "tp", "pp", "cp")}
     if HSDP_AXES[0] in sizes:  # (hybrid sharding cuts dp in two axes)
         held["dp"] = math.prod(sizes[a] for a in HSDP_AXES)
     held["bucket_bytes"] = plan.techniques.get("bucket_bytes")
@@ -202,7 +202,7 @@ def _realize_ranked(result: SearchResult, model: nn.Module, mesh: Mesh, example_
     small = _blocks(model) * mesh.size <= PER_UNIT_FALLBACK_LIMIT
     whole = [traced]
     done: list[tuple[Plan, StepCost, float]] = []
-    degrees: set[tuple[int, int, int]] = set()
+    degrees: set[tuple[int, int, int, int]] = set()
     budget = _budget(config, mesh)
     excess = 1.0  # the most the per-operator memory exceeded the search's, in failed setups
     before = len(failed)
@@ -211,7 +211,7 @@ def _realize_ranked(result: SearchResult, model: nn.Module, mesh: Mesh, example_
         if len(failed) - before + len(done) >= REALIZE_TRIES or (done and not small) \
                 or len(degrees) >= COMPARED_DEGREES:
             break
-        if (st.dp, st.tp, st.pp) in degrees or max(cost.rank_memory_bytes) * excess > budget:
+        if (st.dp, st.tp, st.pp, st.cp) in degrees or max(cost.rank_memory_bytes) * excess > budget:
             continue
         t0 = time.perf_counter()
         try:
@@ -225,7 +225,7 @@ def _realize_ranked(result: SearchResult, model: nn.Module, mesh: Mesh, example_
             if progress:
                 progress(f"setup {st.describe()} cannot be placed per operator: {_first_line(e)}")
             continue
-        degrees.add((st.dp, st.tp, st.pp))
+        degrees.add((st.dp, st.tp, st.pp, st.cp))
         elapsed = time.perf_counter() - t0
         if progress:
             progress(f"per-operator placements of {st.describe()} solved in {elapsed:.1f} s: "
@@ -241,7 +241,7 @@ def _budget(config: Config, mesh: Mesh) -> float:
 def _concrete(config: Config, cost: StepCost) -> Config:
     """``config`` with the setup's techniques fixed (what the per-operator solve runs with)."""
     st = cost.setup
-    return dataclasses.replace(config, recompute=st.recompute, zero=st.zero,
+    return dataclasses.replace(config, recompute=st.recompute, zero=st.zero, cp=st.cp,
                                dp_shard=st.dp_shard or config.dp_shard,
                                sequence_parallel=st.sequence_parallel if st.tp > 1
                                else config.sequence_parallel)
@@ -253,7 +253,7 @@ def _realize(cost: StepCost, model: nn.Module, mesh: Mesh, example_inputs: Any, 
     st = cost.setup
     concrete = _concrete(config, cost)
     budget = _budget(config, mesh)
-    pinned = dataclasses.replace(config, dp=st.dp, tp=st.tp, pp=None,
+    pinned = dataclasses.replace(config, dp=st.dp, tp=st.tp, pp=None, cp=st.cp,
                                  dp_shard=st.dp_shard or config.dp_shard)
     if st.pp == 1:
         if whole[0] is None:
@@ -275,7 +275,7 @@ def _realize(cost: StepCost, model: nn.Module, mesh: Mesh, example_inputs: Any, 
     args, kwargs = normalize_inputs(example_inputs)
     shapes = tuple(tuple(x.shape) for x in tree_flatten((args, kwargs))[0]
                    if isinstance(x, torch.Tensor))
-    lc = layers.costs(st.tp, st.microbatch_size, st.sequence_parallel)
+    lc = layers.costs(st.tp, st.microbatch_size, st.sequence_parallel, st.cp)
     facts = ModelFacts("", shapes, model_flops(layers, st.microbatch_size) * st.microbatches * st.dp,
                        "fp32" if lc.param_itemsize >= 4 else "bf16", layers.trace_s)
     return build_pipeline_plan(model, example_inputs, facts, mesh, concrete, setup, cost_passes,
@@ -289,7 +289,7 @@ def _logical_mesh(cost: StepCost) -> dict[str, tuple]:
     st = cost.setup
     data = [(HSDP_AXES[0], st.dp // st.dp_shard), (HSDP_AXES[1], st.dp_shard)] if st.dp_shard \
         else [("dp", st.dp)]
-    axes = [(n, d) for n, d in (*data, ("tp", st.tp)) if d > 1] or [("tp", 1)]
+    axes = [(n, d) for n, d in (*data, ("cp", st.cp), ("tp", st.tp)) if d > 1] or [("tp", 1)]
     if st.pp > 1:
         axes.insert(0, ("pp", st.pp))
     return {"mesh_shape": tuple(d for _, d in axes), "axis_names": tuple(n for n, _ in axes)}
@@ -301,7 +301,7 @@ def _record_search(plan: Plan, cost: StepCost, result: SearchResult, failed: lis
     ``top_k`` setups as alternatives, the search's counts and timings."""
     st = cost.setup
     alts = tuple({"setup": c.setup.describe(),
-                  "degrees": {"dp": c.setup.dp, "tp": c.setup.tp, "pp": c.setup.pp},
+                  "degrees": {"dp": c.setup.dp, "tp": c.setup.tp, "pp": c.setup.pp, "cp": c.setup.cp},
                   **_logical_mesh(c), "step_time_s": float(c.step_time_s),
                   "peak_memory_bytes": float(max(c.rank_memory_bytes))}
                  for c in result.ranked if c is not cost)[:top_k]

@@ -44,7 +44,8 @@ from autopar.planning.candidates import Candidate
 from autopar.planning.solve import solve_space, unpinned_space
 from autopar.capture.stages import capture_with_forward, microbatch_inputs
 
-__all__ = ["LayerSolver", "SearchResult", "candidate_setups", "layer_costs", "model_flops",
+__all__ = ["CP_MAX", "CP_MIN_SEQUENCE", "LayerSolver", "SearchResult", "candidate_setups",
+           "cp_degrees", "layer_costs", "model_flops", "sequence_length",
            "pipelines_always", "pruned_examples", "search", "search_unsupported", "tp_degrees",
            "zero_stages", "TP_ACROSS_NODES_MAX"]
 
@@ -71,6 +72,7 @@ class SearchResult:
     layer_solves: int
     timings: dict[str, float]
     num_devices: int
+    bounded: int = 0  # setups with cp > 1 skipped: their lower bound no better than the best
 
     @property
     def best(self) -> StepCost:
@@ -99,34 +101,63 @@ class LayerSolver:
         self.fingerprint = (f"{type(model).__name__}:{self.num_blocks}x"
                             f"{hashlib.sha256(block).hexdigest()[:12]}")
         self.traces: dict[int, tuple[Any, Any]] = {}
-        self.solved: dict[tuple[int, int, bool], LayerCosts] = {}
-        self.spaces: dict[tuple[int, int], Any] = {}
+        self.solved: dict[tuple[int, int, bool, int], LayerCosts] = {}
+        self.spaces: dict[tuple[int, int, int], Any] = {}
+        self.seq = sequence_length(example_inputs)
         self.trace_s = self.solve_s = 0.0
 
-    def costs(self, tp: int, b: int, sp: bool) -> LayerCosts:
-        """Per-layer costs at tensor-parallel degree ``tp``, ``b`` samples per microbatch."""
-        key = (tp, b, sp)
+    def costs(self, tp: int, b: int, sp: bool, cp: int = 1) -> LayerCosts:
+        """Per-layer costs at tensor-parallel degree ``tp``, ``b`` samples per microbatch and
+        context-parallel degree ``cp`` (solved on the (cp, tp) submesh, attention's queries
+        split on the sequence over cp)."""
+        key = (tp, b, sp, cp)
         if key not in self.solved:
             traced, fwd = self._trace(b)
             t0 = time.perf_counter()
-            cand = Candidate((tp,), ("tp",), ())
-            if (b, tp) not in self.spaces:  # shared by the sp on/off solves
-                self.spaces[(b, tp)] = unpinned_space(traced, cand, self.config)
+            axes = [(n, d) for n, d in (("cp", cp), ("tp", tp)) if d > 1] or [("tp", 1)]
+            cand = Candidate(tuple(d for _, d in axes), tuple(n for n, _ in axes), (),
+                             cp_axes=(0,) if cp > 1 else ())
+            if (b, tp, cp) not in self.spaces:  # shared by the sp on/off solves
+                self.spaces[(b, tp, cp)] = unpinned_space(traced, cand, self.config)
             space, costs, res = solve_space(traced, self.mesh, self.config, cand,
                                             self.cost_passes, None,
                                             sequence_parallel=sp if tp > 1 else None,
-                                            base_space=self.spaces[(b, tp)])
+                                            base_space=self.spaces[(b, tp, cp)])
             self.solved[key] = layer_costs(traced, fwd, space, costs, res.choice, self.num_blocks,
-                                           self.config.optimizer, tp if sp else 1)
+                                           self.config.optimizer, (tp if sp else 1) * cp)
             self.solve_s += time.perf_counter() - t0
         return self.solved[key]
+
+    def bound(self, setup: Setup, budget_bytes: float) -> StepCost:
+        """A lower bound of ``setup``'s price when ``setup.cp > 1``, from the layer costs
+        without cp (solved once per (tp, b, sp), cheaply): a rank on the cp axis computes and
+        holds at least 1/cp of each layer's work and values, communicates nothing there at
+        least, and holds the parameters whole (as cp does). The closed form only adds and
+        takes maxima of these, so the bound is below the setup's price, and a setup whose
+        bound is no better than the best found so far need not have its (cp, tp) layer ILP
+        solved."""
+        lc = self.costs(setup.tp, setup.microbatch_size, setup.sequence_parallel, 1)
+        cp = setup.cp
+
+        def share(u: UnitCosts) -> UnitCosts:
+            return dataclasses.replace(
+                u, forward_s=(u.forward_s - u.forward_comm_s) / cp,
+                backward_s=(u.backward_s - u.backward_comm_s) / cp, forward_comm_s=0.0,
+                backward_comm_s=0.0, activation_bytes=u.activation_bytes / cp,
+                attention_forward_s=u.attention_forward_s / cp,
+                attention_bytes=u.attention_bytes / cp, random_bytes=u.random_bytes / cp,
+                recompute_peak_bytes=tuple((k, v / cp) for k, v in u.recompute_peak_bytes))
+
+        low = dataclasses.replace(lc, pre=share(lc.pre), block=share(lc.block), post=share(lc.post),
+                                  input_bytes=lc.input_bytes / cp)
+        return price_setup(low, setup, self.mesh.topology, budget_bytes)
 
     def price(self, setup: Setup, budget_bytes: float | None = None) -> StepCost:
         """Price one ``setup`` (e.g. a hand-tuned configuration) with this model's layer costs."""
         topo = self.mesh.topology
         budget = budget_bytes if budget_bytes is not None else (
             self.config.memory_bytes if self.config.memory_bytes is not None else topo.memory_bytes)
-        lc = self.costs(setup.tp, setup.microbatch_size, setup.sequence_parallel)
+        lc = self.costs(setup.tp, setup.microbatch_size, setup.sequence_parallel, setup.cp)
         return price_setup(lc, setup, topo, budget)
 
     def _trace(self, b: int) -> tuple[Any, Any]:
@@ -277,16 +308,18 @@ def _boundary_bytes(fwd: Any) -> float:
 
 def candidate_setups(num_devices: int, gpus_per_node: int, batch: int, num_blocks: int,
                      config: Config, tp_max: int | None = None,
-                     replica_microbatches: Sequence[int] | None = None) -> Iterator[Setup]:
-    """Every setup allowed by ``config``: (dp, tp, pp) with tp dividing a node, microbatch size
+                     replica_microbatches: Sequence[int] | None = None,
+                     seq: int | None = None) -> Iterator[Setup]:
+    """Every setup allowed by ``config``: (dp, tp, pp, cp) with tp dividing a node, cp of
+    :func:`cp_degrees` for a sequence of ``seq`` tokens, microbatch size
     ``b`` a power of two up to 8 dividing the per-replica batch (Megatron-LM's range, SC'21
     Fig. 7) with a pipeline, the whole per-replica batch without one (the runtime does not
     accumulate gradients over microbatches without a pipeline), schedules, recomputation,
     ZeRO stages (:func:`zero_stages`) and sequence parallelism (only with tp > 1)."""
     tps = [t for t in tp_degrees(num_devices, gpus_per_node) if t <= (tp_max or t)]
-    for tp in tps:
-        for pp in _divisors(num_devices // tp):
-            dp = num_devices // (tp * pp)
+    for tp, cp in ((t, c) for t in tps for c in cp_degrees(config, seq, num_devices // t)):
+        for pp in _divisors(num_devices // (tp * cp)):
+            dp = num_devices // (tp * cp * pp)
             if pp > num_blocks or batch % dp or not _allowed(config, dp=dp, tp=tp, pp=pp):
                 continue
             for b in _divisors(batch // dp):
@@ -294,6 +327,8 @@ def candidate_setups(num_devices: int, gpus_per_node: int, batch: int, num_block
                     continue
                 if config.microbatch_size is None and pp > 1 and (b > _MAX_MICROBATCH or b & (b - 1)):
                     continue
+                if cp > 1 and pp > 1 and b > 1 and config.microbatch_size is None:
+                    continue  # a long sequence's microbatch is one sample (Llama 3 at 128K)
                 # Config.microbatch_size counts the samples of a microbatch over all replicas
                 if config.microbatch_size not in (None, b * dp):
                     continue
@@ -303,13 +338,45 @@ def candidate_setups(num_devices: int, gpus_per_node: int, batch: int, num_block
                 for schedule, v in _schedule_options(pp, m, num_blocks, config):
                     for rc in RECOMPUTE:
                         for zero, shard in _sharding(config, dp, pp):
-                            for sp in (False, True) if tp > 1 else (False,):
+                            # (with cp, the sequence is split already: no sp on tp too)
+                            for sp in (False, True) if tp > 1 and cp == 1 else (False,):
                                 if _allowed(config, recompute=rc, sequence_parallel=sp):
                                     # the runtime reduces a pipeline's gradients once a step
                                     # (runtime.pipeline, every schedule), with ZeRO-1 as
                                     # reduce-scatter and a gather of the parameters
                                     yield Setup(dp, tp, pp, b, m, schedule, v, rc, zero, sp,
-                                                grad_sync=_grad_sync(zero, pp), dp_shard=shard)
+                                                grad_sync=_grad_sync(zero, pp), dp_shard=shard,
+                                                cp=cp)
+
+
+# the shortest sequence for which the search tries context parallelism when Config.cp is None.
+# CP pays at shorter sequences too (NVIDIA's Llama 3.1 recipes use cp=2 at 8K tokens), but each
+# (cp, tp) layer ILP costs 5-25 s (Llama-7B at 32K tokens on 16 H100s: 261 s of search with cp
+# against 13 s without), so for now only sequences that hardly fit without it are searched
+# with it; a cp set in the Config is priced at any length
+CP_MIN_SEQUENCE = 65536
+CP_MAX = 32
+
+
+def cp_degrees(config: Config, seq: int | None, devices: int) -> list[int]:
+    """The context-parallel degrees searched within ``devices``: ``Config.cp`` when set; else 1
+    and, for a sequence of at least :data:`CP_MIN_SEQUENCE` tokens, each power of two up to
+    :data:`CP_MAX` that divides the devices and the sequence in two chunks per rank."""
+    if config.cp is not None:
+        return [config.cp] if devices % config.cp == 0 else []
+    if seq is None or seq < CP_MIN_SEQUENCE:
+        return [1]
+    return [1] + [c for c in (2, 4, 8, 16, 32) if c <= CP_MAX and devices % c == 0
+                  and seq % (2 * c) == 0]
+
+
+def sequence_length(example_inputs: Any) -> int | None:
+    """The sequence length of a batch: dim 1 of its first input of two or more dims."""
+    from autopar._torch_private import tree_flatten
+
+    shapes = [tuple(x.shape) for x in tree_flatten(example_inputs)[0]
+              if isinstance(x, torch.Tensor) and x.dim() >= 2]
+    return shapes[0][1] if shapes else None
 
 
 def zero_stages(config: Config, dp: int, pp: int) -> tuple[int, ...]:
@@ -464,14 +531,25 @@ def search(model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config | N
     pruned: list[StepCost] = []
     price_s = 0.0
     setups = list(candidate_setups(mesh.size, topo.gpus_per_node, rep.batch, rep.num_blocks,
-                                   config, replica_microbatches=replica_microbatches))
+                                   config, replica_microbatches=replica_microbatches,
+                                   seq=rep.seq))
     later = [] if pipelines_always(config, mesh) else [s for s in setups if s.pp > 1]
-    queue = [s for s in setups if s not in later]
-    n = 0
+    # without context parallelism first: the best of those bounds the setups with it
+    # (LayerSolver.bound), whose (cp, tp) layer ILPs are the search's dearest
+    queue = sorted((s for s in setups if s not in later), key=lambda s: s.cp > 1)
+    later.sort(key=lambda s: s.cp > 1)
+    n = bounded = 0
+    best_s = float("inf")
     while queue:
         setup = queue.pop(0)
         n += 1
-        rep.costs(setup.tp, setup.microbatch_size, setup.sequence_parallel)
+        if setup.cp > 1 and best_s < float("inf") and \
+                rep.bound(setup, budget).step_time_s >= best_s:
+            bounded += 1
+            if not queue and not ranked and later:
+                queue, later = later, []
+            continue
+        rep.costs(setup.tp, setup.microbatch_size, setup.sequence_parallel, setup.cp)
         t1 = time.perf_counter()
         cost = rep.price(setup, budget)
         if setup.pp > 1:  # the same blocks per stage (as Megatron-LM) can beat balanced times
@@ -479,6 +557,8 @@ def search(model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config | N
             cost = min(cost, even, key=lambda c: (not c.fits, c.step_time_s))
         price_s += time.perf_counter() - t1
         (ranked if cost.fits else pruned).append(cost)
+        if cost.fits:
+            best_s = min(best_s, cost.step_time_s)
         if progress and n % 500 == 0:
             best = min(ranked, key=lambda c: c.step_time_s) if ranked else None
             progress(f"{n} setups priced, {len(rep.solved)} layer ILPs solved; best so far: "
@@ -502,7 +582,7 @@ def search(model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config | N
     timings = {"trace_s": rep.trace_s, "layer_ilp_s": rep.solve_s, "price_s": price_s,
                "total_s": time.perf_counter() - t0}
     return SearchResult(tuple(ranked), tuple(pruned), len(ranked) + len(pruned), len(rep.solved),
-                        timings, mesh.size)
+                        timings, mesh.size, bounded)
 
 
 def model_flops(layers: LayerSolver, b: int) -> float:

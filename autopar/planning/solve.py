@@ -88,6 +88,12 @@ def priced_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidat
         sequence_parallel = config.sequence_parallel
     if sequence_parallel is not None and "tp" in cand.names:
         _pin_norms(traced, space, cand.names.index("tp"), sequence_parallel)
+    for axis in range(len(cand.shape)):
+        if axis in cand.cp_axes:
+            _pin_attention(traced, space, axis)
+            _sequence_only(traced, space, axis)
+        else:
+            _pin_attention(traced, space, axis, sequence=False)
     recompute = recompute_nodes(traced, config.recompute or "none")
     share = regathered_share(traced) if config.zero == 3 and not zero_once else 1.0
     costs = run_cost_passes(price_space(traced, space, mesh.topology, config.optimizer, recompute,
@@ -132,7 +138,7 @@ def _deferred_gradients(traced: TracedGraph, space: StrategySpace, costs: SpaceC
 def unpinned_space(traced: TracedGraph, cand: Candidate, config: Config) -> StrategySpace:
     """Every node's strategies on the logical mesh ``cand``, before any pinning."""
     with planning_device_mesh(cand.shape, cand.names) as dm:
-        return build_space(traced, dm, cand.names, cand.dp_axes, config.unknown_op)
+        return build_space(traced, dm, cand.names, cand.dp_axes, config.unknown_op, cand.cp_axes)
 
 
 def _pin(space: StrategySpace, node: str, name: str, placement: tuple[str, ...]) -> None:
@@ -185,6 +191,69 @@ def _pin_norms(traced: TracedGraph, space: StrategySpace, axis: int, sharded: bo
                   f"residual add {n.name} has no strategy with its output Shard(1) on the tp "
                   f"axis, which sequence parallelism requires; use sequence_parallel=None or "
                   f"False for this model.")
+
+
+_ATTENTION = frozenset({torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+                        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default})
+_QUERY = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: 0,
+          torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 1}
+
+
+def _pin_attention(traced: TracedGraph, space: StrategySpace, axis: int,
+                   sequence: bool = True) -> None:
+    """Context parallelism: keep the attention strategies whose queries are sharded on the
+    sequence (dim 2) over the cp ``axis`` (their keys and values whole: gathered over it),
+    so that the ILP cannot turn the cp axis into a second batch split; on another axis
+    (``sequence`` False) drop them: the sequence is split over cp only, and the plans of the
+    other axes stay as they were before cp existed (Megatron's heads split over tp)."""
+    want = Shard(2)
+    for n in traced.gm.graph.nodes:
+        if not is_op(n, _ATTENTION) or n.name not in space.nodes:
+            continue
+        q = _QUERY[n.target]
+        if not sequence:
+            _keep(space, n.name, lambda s: len(s.inputs) <= q or s.inputs[q][axis] != want,
+                  f"attention {n.name} has only strategies with its queries split on the "
+                  f"sequence, which autopar runs over a cp axis only; use cp > 1.")
+            continue
+        _keep(space, n.name, lambda s: len(s.inputs) > q and s.inputs[q][axis] == want,
+              f"attention {n.name} has no strategy with its queries sharded on the sequence over "
+              f"the cp axis (it has dropout, or an attention mask that cannot follow the "
+              f"queries); use cp=1 for this model.")
+
+
+def _shapes(val: Any) -> list[tuple[int, ...] | None]:
+    vals = val if isinstance(val, (tuple, list)) else [val]
+    return [tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in vals]
+
+
+def _sequence_only(traced: TracedGraph, space: StrategySpace, axis: int) -> None:
+    """Context parallelism: on the cp ``axis``, keep the strategies that shard only dims as
+    long as the sequence (or nothing: replicated, partial). The cp axis splits the sequence;
+    splitting a hidden or head dim over it too would be tensor parallelism on the wrong axis,
+    and those strategies multiply the (cp, tp) ILP's size several times over (20,087 against
+    2,813 strategies for a Llama-7B layer on (cp=4, tp=2) at 32K tokens). A node left with none
+    keeps all of its own."""
+    shapes = [i.shape for i in traced.inputs if len(i.shape) >= 2]
+    if not shapes:
+        return
+    seq = shapes[0][1]
+
+    def ok(pl: Any, shape: tuple[int, ...] | None) -> bool:
+        p = pl[axis]
+        return not isinstance(p, Shard) or (shape is not None and p.dim < len(shape)
+                                            and shape[p.dim] == seq)
+
+    for name, ns in space.nodes.items():
+        if len(ns.strategies) <= 1:
+            continue
+        outs = _shapes(traced.node(name).meta.get("val"))
+        ins = [_shapes(traced.node(v[0]).meta.get("val"))[v[1]] for v in ns.inputs]
+        keep = tuple(s for s in ns.strategies
+                     if all(o is None or ok(o, sh) for o, sh in zip(s.outputs, outs))
+                     and all(ok(i, sh) for i, sh in zip(s.inputs, ins)))
+        if keep:
+            space.nodes[name] = dataclasses.replace(ns, strategies=keep)
 
 
 def _keep(space: StrategySpace, node: str, pred: Callable[[Any], bool], error: str) -> None:

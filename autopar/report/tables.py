@@ -21,12 +21,12 @@ def stage_table(plan: Any) -> str:
     stage_memory = pipe.predicted.get("stage_memory_bytes") or [
         s.predicted.get("peak_memory_bytes", 0.0) for s in pipe.stages]
     pp = plan.degrees.get("pp", 1)
-    per_rank = max(1, plan.degrees.get("dp", 1) * plan.degrees.get("tp", 1))
+    per_rank = max(1, plan.degrees.get("dp", 1) * plan.degrees.get("cp", 1) * plan.degrees.get("tp", 1))
     rows = []
     for j in range(pipe.num_stages):
         units = pipe.stage_units(j)
         span = units[0] if len(units) == 1 else f"{units[0]} .. {units[-1]} ({len(units)})"
-        first = (j % pp) * per_rank  # the pp axis is outermost: rank = pp_rank * dp * tp + ...
+        first = (j % pp) * per_rank  # the pp axis is outermost: rank = pp_rank * dp * cp * tp + ...
         devices = f"{first}" if per_rank == 1 else f"{first}-{first + per_rank - 1}"
         fw = forward[j] if j < len(forward) else None
         rows.append([j, devices, span,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar import _torch_private as private
 from autopar._torch_private import (
@@ -105,11 +105,22 @@ def _mask_placement(kwargs_meta: dict[str, Any], dim: int) -> list[Any]:
     return [Shard(dim) if mask.shape[dim] != 1 else Replicate()]
 
 
+# A third: the queries (with the output and its log-sum-exp) sharded on the sequence, dim 2, the
+# keys and values whole (context parallelism as Llama 3 ran it: keys and values all-gathered,
+# their gradients reduced); without dropout only (its random mask would have to follow the
+# queries' rows). A causal mask then needs the rank's query positions: the lowering runs such a
+# node itself (``autopar.passes.seq_attention``); DTensor's dispatch runs the others.
+def _no_dropout(args_meta: tuple[Any, ...], index: int) -> bool:
+    return len(args_meta) <= index or not args_meta[index]
+
+
 @register_op_rule(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, 2, 3)
 def _sdpa_cpu_rule(args_meta: tuple[Any, ...], kwargs_meta: dict[str, Any]) -> list[list[Any]]:
     rules = [[Replicate()] * 5 + ([Replicate()] if kwargs_meta.get("attn_mask") is not None else [])]
     for dim in (0, 1):
         rules.append([Shard(dim)] * 5 + _mask_placement(kwargs_meta, dim))
+    if _no_dropout(args_meta, 3):
+        rules.append([Shard(2)] * 3 + [Replicate()] * 2 + _mask_placement(kwargs_meta, 2))
     return rules
 
 
@@ -123,4 +134,7 @@ def _sdpa_cpu_backward_rule(
     rules = [[Replicate()] * 9 + ([Replicate()] if kwargs_meta.get("attn_mask") is not None else [])]
     for dim in (0, 1):
         rules.append([Shard(dim)] * 9 + _mask_placement(kwargs_meta, dim))
+    if _no_dropout(args_meta, 6):  # grad_k, grad_v: each rank's queries' share of the sum
+        rules.append([Shard(2), Partial(), Partial(), Shard(2), Shard(2), Replicate(), Replicate(),
+                      Shard(2), Shard(2)] + _mask_placement(kwargs_meta, 2))
     return rules

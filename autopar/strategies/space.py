@@ -128,9 +128,10 @@ def _even(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int
 
 def _placeholder_strategies(
     shape: Sequence[int], mesh_shape: Sequence[int], role: str, dp_axes: Sequence[int],
-    fused: tuple[int, int] | None = None,
+    fused: tuple[int, int] | None = None, cp_axes: Sequence[int] = (),
 ) -> list[Strategy]:
-    """All even placements of a placeholder; on dp axes params replicate, inputs shard batch.
+    """All even placements of a placeholder; on dp axes params replicate, inputs shard batch;
+    on cp axes params replicate, inputs shard the sequence (dim 1; a 1-d input replicates).
 
     A pipeline boundary activation (or its tangent) has one placement, :func:`boundary_placements`.
 
@@ -140,6 +141,8 @@ def _placeholder_strategies(
     for axis in range(len(mesh_shape)):
         if role == "tangent" or (role == "boundary" and axis not in dp_axes):
             opts: list[Placement] = [Replicate()]
+        elif axis in cp_axes:
+            opts = [Shard(1)] if role == "input" and len(shape) >= 2 else [Replicate()]
         elif axis in dp_axes:
             opts = [Replicate()] if role == "param" else [Shard(0)]
         else:
@@ -204,8 +207,9 @@ class _Builder:
     """Walks the graph once, asking DTensor (or autopar's rules) for each node's strategies."""
 
     def __init__(self, traced: TracedGraph, mesh: Any, axis_names: Sequence[str],
-                 dp_axes: Sequence[int], unknown_op: str):
+                 dp_axes: Sequence[int], unknown_op: str, cp_axes: Sequence[int] = ()):
         self.traced, self.mesh, self.dp_axes, self.unknown_op = traced, mesh, tuple(dp_axes), unknown_op
+        self.cp_axes = tuple(cp_axes)
         self.axis_names = tuple(axis_names)
         self.mesh_shape = tuple(mesh.shape)
         self.nodes: dict[str, NodeSpace] = {}
@@ -240,7 +244,7 @@ class _Builder:
             "tangent" if n.name in self.traced.tangent_nodes or n.name in buffers else "input")
         shape = tuple(n.meta["val"].shape)
         strategies = _placeholder_strategies(shape, self.mesh_shape, role, self.dp_axes,
-                                             self.fused.get(n.name))
+                                             self.fused.get(n.name), self.cp_axes)
         self._require(n, strategies, role)
         self.nodes[n.name] = NodeSpace(n.name, tuple(strategies), (), role)
 
@@ -378,7 +382,7 @@ def _where(n: fx.Node) -> str:
 
 def build_space(
     traced: TracedGraph, mesh: Any, axis_names: Sequence[str], dp_axes: Sequence[int] = (),
-    unknown_op: str = "replicate",
+    unknown_op: str = "replicate", cp_axes: Sequence[int] = (),
 ) -> StrategySpace:
     """Enumerate every node's strategies on ``mesh`` (a DeviceMesh, real or for planning only).
 
@@ -386,12 +390,12 @@ def build_space(
     cost of enumeration does not grow with depth.
     """
     with private.no_redistribute_costs():
-        return _build(traced, mesh, axis_names, dp_axes, unknown_op)
+        return _build(traced, mesh, axis_names, dp_axes, unknown_op, cp_axes)
 
 
 def _build(traced: TracedGraph, mesh: Any, axis_names: Sequence[str], dp_axes: Sequence[int],
-           unknown_op: str) -> StrategySpace:
-    b = _Builder(traced, mesh, axis_names, dp_axes, unknown_op)
+           unknown_op: str, cp_axes: Sequence[int] = ()) -> StrategySpace:
+    b = _Builder(traced, mesh, axis_names, dp_axes, unknown_op, cp_axes)
     rep_of = representatives(traced)
     built: dict[str, str] = {}
     for n in traced.gm.graph.nodes:

@@ -89,3 +89,14 @@ def test_gpu_check_runs_on_the_cpu_at_tiny_size(tmp_path):
     assert {r["dtype"] for r in res["kernels"]} == {"bf16", "fp32"}
     autopar_row, torch_row = res["step"]
     assert autopar_row["params"] == torch_row["params"] and autopar_row["predicted_s"] > 0
+
+
+@pytest.mark.slow  # 40 s
+def test_context_parallel_benchmark_runs_at_tiny_size(tmp_path):
+    _run("context_parallel.py", "--size", "tiny", "--procs", "2", "--repeats", "2", "--no-compile",
+         "--json", str(tmp_path / "cp.json"))
+    res = json.loads((tmp_path / "cp_2.json").read_text())
+    (row,) = res["autopar"]
+    assert row["degrees"]["cp"] == 2 and row["bytes"] == row["plan_bytes"]
+    # PyTorch's runs here, and its loss is not one process's: the model's positions are local
+    assert res["torch"]["torch"] == "ran" and res["torch"]["loss_rel_err"] > 1e-4

@@ -70,6 +70,12 @@ ZERO3_CURVE = "gpt:dp=2,zero=3,curve=1,dim=256,heads=4,layers=4,batch=8,seq=64"
 # Compiled (inductor) programs at the smallest size that exercises each: the MLP with tp, dp and
 # dp x tp, next to the same plans run eagerly in the same job (a pipeline's in test_pipeline.py).
 COMPILED = {2: ["mlp:tp=2,compile=1", "mlp:dp=2,compile=1"], 4: ["mlp:dp=2,tp=2,compile=1"]}
+# Context parallelism (the sequence split over cp, attention's queries sharded on it and its
+# keys and values gathered): cp=2 on the GPT and on Llama (RoPE, an explicit causal mask) on 2
+# processes, cp=4 and cp=2 x tp=2 on 4; cp=2 x dp=2 and pp=2 x cp=2 in test_slow.py.
+_CP = "dim=64,heads=4,layers=2,batch=4,seq=64"
+CONTEXT = {2: [f"gpt:cp=2,{_CP}", "llama:cp=2"], 4: [f"gpt:cp=4,{_CP}", f"gpt:cp=2,tp=2,{_CP}"]}
+CONTEXT_SLOW = {4: [f"gpt:cp=2,dp=2,{_CP}", f"gpt:pp=2,cp=2,layers=4,{_CP.replace('layers=2,', '')}"]}
 # Large batch, narrow layers, solver free -> data parallelism.
 DATA_PARALLEL = {n: f"gpt:dim=64,batch={128 * n},seq=128,topo=a100-dgx" for n in (2, 4)}
 
@@ -101,7 +107,7 @@ EXAMPLES = ["example:gpt", "example:gpt-resume"]  # the Hugging Face ones in tes
 def _checks(n: int) -> list[str]:
     # Megatron's layout on 4 processes runs with -m slow (test_slow.py): 2 already finds it
     checks = [f"{m}:{mesh}" for m, mesh in _pairs(n)] + (MEGATRON[n] if n == 2 else []) + TECHNIQUES[n] \
-        + COMPILED[n]
+        + COMPILED[n] + CONTEXT[n]
     checks += [DATA_PARALLEL[n], SEQUENCE_PARALLEL, *BF16, BF16_CURVE, ZERO3_CURVE, "errors",
                "self_check", *EXAMPLES] \
         if n == 2 else []
@@ -275,6 +281,21 @@ def test_bf16_matches_a_single_process_bf16_run(world):
         assert abs(got - ref) <= 0.01 * abs(ref), (c["losses"], c["ref_losses"])
 
 
+def check_context_parallel(check: str, r: dict, cp: int) -> None:
+    """A context-parallel check: equal to one process, cp in the degrees, the keys and
+    values gathered in the forward."""
+    _ok(r)
+    assert_matches_one_process(r, FP32_TOL, check)
+    assert r["degrees"]["cp"] == cp, (check, r["degrees"])
+    assert any(c[:2] == ["all_gather", "forward"] for c in r["collectives"]), check
+
+
+def test_context_parallel_matches_one_process(world):
+    n, results = world
+    for check in CONTEXT[n]:
+        check_context_parallel(check, results[check], int(check.split("cp=")[1].split(",")[0]))
+
+
 def test_zero3_trains_like_one_process_with_its_gathers_in_flight(world):
     n, results = world
     if n != 2:
@@ -327,7 +348,7 @@ def test_large_batch_small_hidden_is_data_parallel(world):
 def check_data_parallel(r: dict, n: int) -> None:
     """Asserts of the large-batch, narrow-layer check on ``n`` processes (also used by
     test_slow.py)."""
-    assert r["degrees"] == {"dp": n, "tp": 1, "pp": 1}
+    assert r["degrees"] == {"dp": n, "tp": 1, "pp": 1, "cp": 1}
     assert all(pl == ["R"] * len(pl) for pl in r["params"].values())
     # forward: nothing but the all-reduce of the scalar loss (every rank returns the global loss)
     forward = [c for c in r["collectives"] if c[1] == "forward"]

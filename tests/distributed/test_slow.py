@@ -173,3 +173,13 @@ def test_every_setup_kind_runs_on_hugging_face_llama(results_dir):
     assert not failed, "\n".join(failed)
     sp_kinds = {(n, k) for n in (2, 4) for k in one_per_kind(n, LLAMA) if k.sequence_parallel}
     assert {(n, k) for n, k, _ in refused} == sp_kinds, refused
+
+
+def test_context_parallel_with_data_parallelism_and_a_pipeline(results_dir):
+    """cp=2 x dp=2 and pp=2 x cp=2 on 4 processes: equal to one process, counts as planned."""
+    from test_equivalence import CONTEXT_SLOW, check_comm_equals_plan, check_context_parallel
+
+    results = run_worker(4, CONTEXT_SLOW[4], results_dir)
+    for check, r in results.items():
+        check_context_parallel(check, r, 2)
+        check_comm_equals_plan(check, r)

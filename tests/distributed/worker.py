@@ -188,6 +188,7 @@ def _pipeline_record(pm, model, ref, inputs, ref_loss, setup_s: float) -> dict:
         "stage_of_unit": list(pipe.stage_of_unit), "units": list(pipe.units),
         "mesh_shape": list(plan.mesh_shape), "setup_s": setup_s,
         "params": {k: list(v) for k, v in plan.params.items()},
+        "collectives": [[c.kind, c.phase, c.bytes, c.node] for c in plan.collectives],
         "predicted_step_s": plan.predicted["step_time_s"],
         # dp collectives the plan lists for this rank's stages once a step, by kind (a bucket's
         # reduction after the stage's last backward; with ZeRO-1 its gather before the first)

@@ -1,0 +1,80 @@
+"""Attention with its queries sharded on the sequence (context parallelism), run locally.
+
+Requires: a node of CPU flash attention (or its backward) whose planned strategy shards the
+queries (and the output, the log-sum-exp and, in the backward, the output's gradient) on the
+sequence dim 2 over some mesh axes, with the keys and values whole along it
+(:func:`autopar.strategies.rules._sdpa_cpu_rule`: Llama 3's form, the keys and values
+all-gathered over the context-parallel ranks before it, their gradients reduced after).
+Guarantees: the planned outputs, equal to the slice of one device's attention that the rank's
+queries select. A causal mask is the only thing that needs the rank's place in the sequence:
+the kernel's own ``is_causal`` aligns the queries' first row with the first key, so it is
+replaced by an explicit mask of the rank's query positions against every key position.
+Non-causal attention runs as DTensor runs it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import DTensor, Shard
+
+__all__ = ["SEQ_DIM", "needs_local", "run_local", "query_offset"]
+
+aten = torch.ops.aten
+SEQ_DIM = 2  # [batch, heads, sequence, head dim]
+_FORWARD = aten._scaled_dot_product_flash_attention_for_cpu.default
+_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+# where the queries are among the tensor inputs, and where is_causal is among the arguments
+_QUERY = {_FORWARD: 0, _BACKWARD: 1}
+_CAUSAL = {_FORWARD: 4, _BACKWARD: 7}
+
+
+def needs_local(target: Any, in_placements: Sequence[tuple], args: tuple) -> bool:
+    """Whether a node is causal attention with its queries sharded on the sequence."""
+    if target not in _QUERY:
+        return False
+    causal = len(args) > _CAUSAL[target] and bool(args[_CAUSAL[target]])
+    query = in_placements[_QUERY[target]]
+    return causal and any(isinstance(p, Shard) and p.dim == SEQ_DIM for p in query)
+
+
+def query_offset(length: int, placements: Sequence[Any], mesh: Any) -> tuple[int, int]:
+    """The first global position and the count of the rank's block of a dim of ``length``
+    sharded by ``placements`` (DTensor's order: the first mesh axis splits first)."""
+    start, size = 0, length
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard) and p.dim == SEQ_DIM:
+            size //= mesh.size(axis)
+            start += mesh.get_local_rank(axis) * size
+    return start, size
+
+
+def _additive(allowed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A boolean mask as the kernel takes it: 0 where allowed, -inf elsewhere, in ``like``'s
+    dtype."""
+    zeros = torch.zeros(allowed.shape, dtype=like.dtype, device=like.device)
+    return zeros.masked_fill(~allowed, float("-inf"))
+
+
+def run_local(n: fx.Node, args: tuple, kwargs: dict, out_placements: Sequence[tuple],
+              mesh: Any) -> tuple[DTensor, ...]:
+    """Run the node on local blocks with an explicit causal mask; the planned DTensors."""
+    q = args[_QUERY[n.target]]
+    k = args[_QUERY[n.target] + 1]
+    start, size = query_offset(q.shape[SEQ_DIM], q.placements, mesh)
+    keys = k.shape[SEQ_DIM]
+    local = [a.to_local() if isinstance(a, DTensor) else a for a in args]
+    query = local[_QUERY[n.target]]
+    rows = torch.arange(start, start + size, device=query.device)
+    mask = _additive(torch.arange(keys, device=query.device)[None, :] <= rows[:, None], query)
+    given = kwargs.get("attn_mask")
+    if given is not None:  # (the kernel takes an additive mask of the queries' dtype)
+        given = given.to_local()
+        mask = mask + (_additive(given, query) if given.dtype == torch.bool else given)
+    local[_CAUSAL[n.target]] = False
+    outs = n.target(*local, **{**kwargs, "attn_mask": mask})
+    vals = n.meta["val"]
+    return tuple(DTensor.from_local(o, mesh, p, run_check=False, shape=v.shape, stride=v.stride())
+                 for o, p, v in zip(outs, out_placements, vals))

@@ -1,0 +1,104 @@
+"""Context parallelism in the plan: the cp axis, attention's queries sharded on the sequence
+over it, and the rank's place in the sequence (the equivalence checks with processes are in
+tests/distributed/test_equivalence.py)."""
+
+from __future__ import annotations
+
+import pytest
+from torch.distributed.tensor import Replicate, Shard
+
+import autopar
+from autopar.errors import PlanError
+from autopar.passes.seq_attention import query_offset
+from models import build
+
+
+def _plan(cp: int, devices: int, **config) -> autopar.Plan:
+    model, inputs = build("gpt", dim=64, heads=4, layers=2, batch=4, seq=64)
+    mesh = autopar.Mesh.virtual("a100-dgx", nodes=1, gpus_per_node=devices)
+    return autopar.plan(model, mesh, inputs, config=autopar.Config(cp=cp, **config))
+
+
+def test_cp_axis_shards_attention_queries_and_gathers_keys_and_values():
+    plan = _plan(2, 4, tp=2)
+    assert plan.degrees == {"dp": 1, "tp": 2, "pp": 1, "cp": 2}
+    assert plan.axis_names == ("cp", "tp")
+    forward = [n for n in plan.nodes if n.startswith("_scaled_dot_product_flash_attention_for_cpu")
+               and "backward" not in n]
+    backward = [n for n in plan.nodes if n.startswith("_scaled_dot_product_flash_attention_for_cpu_backward")]
+    assert len(forward) == len(backward) == 2
+    for n in forward:  # q, k, v on the cp axis (axis 0): queries split, keys and values whole
+        assert [p[0] for p in plan.nodes[n].inputs[:3]] == ["S(2)", "R", "R"], plan.nodes[n]
+    for n in backward:  # each rank's share of the keys' and values' gradients, summed after
+        assert [p[0] for p in plan.nodes[n].outputs] == ["S(2)", "P(sum)", "P(sum)"], plan.nodes[n]
+    # the inputs' sequence is split over cp, the parameters are whole on it
+    assert all(p[0] == "S(1)" for p in plan.inputs)
+    assert all(p[0] == "R" for p in plan.params.values())
+
+
+def test_a_plan_without_cp_says_cp_1_and_older_plans_load(tmp_path):
+    plan = _plan(1, 2)
+    assert plan.degrees["cp"] == 1 and "cp" not in plan.axis_names
+    data = plan.to_dict()
+    del data["degrees"]["cp"]  # as saved before context parallelism
+    assert autopar.Plan.from_dict(data).degrees["cp"] == 1
+
+
+def test_cp_must_divide_the_devices_and_be_positive():
+    with pytest.raises(PlanError, match="cp=3"):
+        _plan(3, 4)
+    with pytest.raises(ValueError, match="Config.cp=0"):
+        autopar.Config(cp=0)
+
+
+class _Mesh:
+    """The two calls ``query_offset`` makes of a DeviceMesh."""
+
+    def __init__(self, shape, coords):
+        self.shape, self.coords = shape, coords
+
+    def size(self, axis):
+        return self.shape[axis]
+
+    def get_local_rank(self, axis):
+        return self.coords[axis]
+
+
+@pytest.mark.parametrize("placements, shape, coords, expected", [
+    ((Shard(2),), (4,), (3,), (48, 16)),                              # cp=4, the last rank
+    ((Shard(2), Replicate()), (2, 2), (1, 1), (32, 32)),              # cp=2 x tp=2
+    ((Shard(2), Shard(2)), (2, 2), (1, 0), (32, 16)),                 # split twice: outer first
+    ((Shard(2), Shard(2)), (2, 2), (0, 1), (16, 16)),
+    ((Shard(0), Shard(2)), (2, 2), (1, 1), (32, 32)),                 # batch on the other axis
+])
+def test_query_offset_follows_dtensor_order(placements, shape, coords, expected):
+    assert query_offset(64, placements, _Mesh(shape, coords)) == expected
+
+
+def test_the_search_tries_cp_only_for_long_sequences_or_when_asked():
+    from autopar.planning.search import CP_MIN_SEQUENCE, candidate_setups, cp_degrees
+
+    short = list(candidate_setups(64, 8, 256, 16, autopar.Config(), seq=CP_MIN_SEQUENCE // 2))
+    assert {s.cp for s in short} == {1}
+    long = list(candidate_setups(64, 8, 256, 16, autopar.Config(), seq=CP_MIN_SEQUENCE * 2))
+    assert {s.cp for s in long} == {1, 2, 4, 8, 16, 32}
+    assert all(s.dp * s.cp * s.tp * s.pp == 64 for s in long)
+    asked = list(candidate_setups(64, 8, 256, 16, autopar.Config(cp=4), seq=2048))
+    assert asked and {s.cp for s in asked} == {4}
+    assert cp_degrees(autopar.Config(cp=3), 4096, 8) == []  # 3 does not divide 8 devices
+
+
+def test_cp_reduces_the_gradients_over_cp_too_in_the_closed_form():
+    """The step's gradient reduction: over dp (stride cp * tp), then over cp (stride tp)."""
+    from autopar.cost_models.topology import get_preset
+    from autopar.cost_models.training_step import LayerCosts, Setup, UnitCosts, price_setup
+
+    unit = UnitCosts(1e-3, 2e-3, 0.0, 0.0, 1e9, 1e9, 2.5e8)
+    lc = LayerCosts(unit, unit, unit, 4, 0.0, 0.0, 1e6, 1e6, 2, "adam")
+    topo = get_preset("h100-dgx")
+    plain = price_setup(lc, Setup(8, 1, 1, 1, 1, "none", 1, "none", 0, False), topo, 1e15)
+    ctx = price_setup(lc, Setup(4, 1, 1, 1, 1, "none", 1, "none", 0, False, cp=2), topo, 1e15)
+    assert ctx.parts["dp_comm_s"] > 0 and plain.parts["dp_comm_s"] > 0
+    assert ctx.parts["dp_comm_s"] != plain.parts["dp_comm_s"]  # two reductions, other groups
+    one = price_setup(lc, Setup(1, 1, 1, 1, 1, "none", 1, "none", 0, False, cp=8), topo, 1e15)
+    assert one.parts["dp_comm_s"] > 0  # no dp at all: the gradients still meet over cp
