@@ -175,11 +175,13 @@ def test_every_setup_kind_runs_on_hugging_face_llama(results_dir):
     assert {(n, k) for n, k, _ in refused} == sp_kinds, refused
 
 
-def test_context_parallel_with_data_parallelism_and_a_pipeline(results_dir):
-    """cp=2 x dp=2 and pp=2 x cp=2 on 4 processes: equal to one process, counts as planned."""
+def test_context_parallel_on_llama_cp4_with_data_parallelism_and_a_pipeline(results_dir):
+    """Llama with cp=2; cp=4, cp=2 x dp=2 and pp=2 x cp=2 on 4 processes: equal to one
+    process, counts as planned."""
     from test_equivalence import CONTEXT_SLOW, check_comm_equals_plan, check_context_parallel
 
-    results = run_worker(4, CONTEXT_SLOW[4], results_dir)
-    for check, r in results.items():
-        check_context_parallel(check, r, 2)
-        check_comm_equals_plan(check, r)
+    for n in (2, 4):
+        results = run_worker(n, CONTEXT_SLOW[n], results_dir)
+        for check, r in results.items():
+            check_context_parallel(check, r, int(check.split("cp=")[1].split(",")[0]))
+            check_comm_equals_plan(check, r)
