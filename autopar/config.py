@@ -61,8 +61,8 @@ class Config:
             states) over: all of them (``None`` or ``dp``), or fewer (hybrid sharding, HSDP as
             FSDP2 runs it: shard groups of ``dp_shard`` consecutive ranks, inside a node first,
             each parameter replicated across the ``dp / dp_shard`` groups; its gradients
-            reduce-scattered within a group and all-reduced across groups). Needs ``zero`` 1 to
-            3 and no pipeline so far; ``None`` lets the setup search choose it.
+            reduce-scattered within a group and all-reduced across groups; in a pipeline, each
+            stage's). Needs ``zero`` 1 to 3; ``None`` lets the setup search choose it.
         sequence_parallel: shard the layer norms and the residual adds on the sequence dim over
             the tp axis (Megatron-LM's sequence parallelism: reduce-scatter + all-gather instead
             of all-reduce), or ``None`` to let the solver choose.
@@ -153,9 +153,6 @@ class Config:
         if self.dp is not None and self.dp % self.dp_shard:
             raise ValueError(f"Config(dp={self.dp}, dp_shard={self.dp_shard}): the shard group "
                              f"must divide dp; use a divisor of {self.dp}.")
-        if self.pp is not None and self.pp > 1 and self.dp_shard != self.dp:
-            raise ValueError(f"Config(dp_shard={self.dp_shard}, pp={self.pp}): hybrid sharding "
-                             f"runs without a pipeline so far; use pp=1 or leave dp_shard None.")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON form."""

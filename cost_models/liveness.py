@@ -50,7 +50,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Shard
 
 from autopar.capture.layers import is_backward
-from autopar.capture.remat import GatherRuns, is_random
+from autopar.capture.remat import GatherRuns, gather_dtype, is_random
 from autopar.cost_models.sharding import state_bytes_per_element, zero_placement
 from autopar.graph import output_moves
 from autopar.placements import from_str
@@ -514,8 +514,8 @@ def _persistent_bytes(traced: Any, nodes: dict, mesh_shape: tuple, optimizer: st
             stored = zero_placement(program, tuple(val.shape), mesh_shape, zero_axes)
             shard = float(np.prod(local_shape(tuple(val.shape), stored, mesh_shape), dtype=np.float64))
             total += shard * state_bytes_per_element(optimizer, val.element_size())
-            if stored != program:
-                gathered += local * val.element_size()
+            if stored != program:  # (gathered cast when read only cast: bf16 autocast)
+                gathered += local * gather_dtype(n).itemsize
     return total + gathered, gathered
 
 

@@ -24,6 +24,7 @@ from autopar.cost_models.comm import axis_collective_time
 from autopar.cost_models.compute import flops_of_node, op_time
 from autopar.cost_models.topology import Topology
 from autopar.capture.layers import aten_ops, is_op
+from autopar.capture.remat import gather_dtype
 from autopar.graph import TracedGraph
 from autopar.placements import from_str, to_str
 from autopar.strategies.reshard import local_shape, reshard_steps
@@ -353,7 +354,9 @@ def stored_placement(placements: Sequence[str], shape: Sequence[int], mesh_shape
 class StepEndBucket:
     """Tensors of a pipeline stage moved over one mesh axis once a step, in one flat buffer and
     one collective (``kind``). ``params``: the stage's parameter names, in buffer order;
-    ``shapes``: their local shapes in the stage's program; ``dtype``: theirs.
+    ``shapes``: their local shapes in the stage's program; ``dtype``: theirs (a gather's: the
+    dtype the program casts them to when it reads them only cast,
+    ``capture.remat.gather_dtype``).
 
     ``"all_reduce"``: gradients the stage left partial over the axis
     (:func:`deferred_placement`), summed over the step's microbatches and all-reduced in place
@@ -362,7 +365,10 @@ class StepEndBucket:
     axis's size): ``"all_gather"``, the parameters, gathered before the stage's first forward;
     ``"reduce_scatter"``, the partial gradients of such parameters, into their shards after the
     last backward. Their buffers are laid out rank-major (each rank's chunks of every tensor
-    together: ``runtime.autograd.FlatBucket``)."""
+    together: ``runtime.autograd.FlatBucket``). ``then``: further axes the gradients are
+    partial over (hybrid sharding's ``dp_replicate``): after the collective, its result (the
+    whole buffer, or this rank's part of a reduce-scatter) is all-reduced over each, in order
+    (:attr:`then_bytes`)."""
 
     axis: int
     dtype: torch.dtype
@@ -371,6 +377,7 @@ class StepEndBucket:
     dims: tuple[int, ...] = ()
     parts: int = 1
     kind: str = "all_reduce"
+    then: tuple[int, ...] = ()
 
     @property
     def bytes(self) -> int:
@@ -378,47 +385,60 @@ class StepEndBucket:
         reduce-scatter's input."""
         return sum(math.prod(s) for s in self.shapes) * self.dtype.itemsize
 
+    @property
+    def then_bytes(self) -> int:
+        """Bytes of each all-reduce over a ``then`` axis: the buffer, or a rank's part."""
+        return self.bytes // self.parts
+
 
 def step_end_buckets(traced: TracedGraph, output_placements: Sequence[Sequence[str] | None],
                      params: dict[str, Sequence[str]], mesh_shape: Sequence[int],
                      stored: dict[str, Sequence[str]] | None = None) -> list[StepEndBucket]:
     """The once-a-step buckets of a pipeline stage (:class:`StepEndBucket`), from its plan's
     text placements (``output_placements``; ``params``: the program's), one per (mesh axis,
-    dtype, kind), parameters in the stage's order: its deferred gradient reductions, then the
+    dtype, kind, further axes), parameters in the stage's order: its deferred gradient reductions, then the
     gathers of the parameters ``stored`` sharded where the program has them replicated
     (ZeRO-1; default: stored as the program places them). A gradient the program gives whole
     to such a parameter needs no collective: each rank keeps its chunk
     (:func:`stored_dim`). The runtime moves these buffers and the plan lists these
-    collectives: one owner of both. A deferred gradient is a partial sum on one axis where its
-    parameter is replicated; anything else is an internal error."""
+    collectives: one owner of both. A deferred gradient is a partial sum on axes where its
+    parameter is replicated: reduce-scattered over the axis it is stored sharded on, if one of
+    them (else all-reduced over the first, and chunked if stored sharded), then all-reduced
+    over the others (``StepEndBucket.then``: hybrid sharding's replicas); anything else is an
+    internal error."""
     stored = stored or {}
-    groups: dict[tuple[int, torch.dtype, str], list[tuple[Any, int | None]]] = {}
-    gathers: dict[tuple[int, torch.dtype, str], list[tuple[Any, int | None]]] = {}
+    placeholders = {n.name: n for n in traced.gm.graph.nodes if n.op == "placeholder"}
+    groups: dict[tuple[int, torch.dtype, str, tuple[int, ...]], list[tuple[Any, int | None]]] = {}
     for p in traced.params:
         want = tuple(params[p.name])
         kept = stored_dim(p.name, want, tuple(stored.get(p.name, want)))
         if kept is not None:
-            gathers.setdefault((kept[0], p.dtype, "all_gather"), []).append((p, kept[1]))
+            # (cast before the gather when the program only reads it cast: bf16 autocast)
+            groups.setdefault((kept[0], gather_dtype(placeholders[p.node]), "all_gather", ()),
+                              []).append((p, kept[1]))
         got = output_placements[p.grad_output_index] if p.grad_output_index is not None else None
         if got is None or tuple(got) == want:
             continue
         axes = [a for a, (g, w) in enumerate(zip(got, want)) if g != w]
-        if len(axes) != 1 or not isinstance(from_str(got[axes[0]]), Partial) or want[axes[0]] != "R":
+        if any(not isinstance(from_str(got[a]), Partial) or want[a] != "R" for a in axes):
             raise ValueError(f"internal: the gradient of {p.name} moves {tuple(got)} -> {want} "
-                             f"after the step, not one all-reduce. Please report this with the model.")
-        if kept is not None and kept[0] != axes[0]:
-            raise ValueError(f"internal: {p.name} is stored sharded over axis {kept[0]} and its "
-                             f"gradient is partial over axis {axes[0]}. Please report this.")
-        kind = "reduce_scatter" if kept is not None else "all_reduce"
-        groups.setdefault((axes[0], p.dtype, kind), []).append((p, kept[1] if kept else None))
+                             f"after the step, not all-reduces. Please report this with the model.")
+        # stored sharded over an axis the gradient is partial on: reduce-scattered there;
+        # else all-reduced (whole on the shard axis, each rank then keeps its chunk)
+        scatter = kept is not None and kept[0] in axes
+        first = kept[0] if scatter else axes[0]
+        kind = "reduce_scatter" if scatter else "all_reduce"
+        groups.setdefault((first, p.dtype, kind, tuple(a for a in axes if a != first)),
+                          []).append((p, kept[1] if scatter else None))
     out = []
-    for (axis, dtype, kind), ps in (*groups.items(), *gathers.items()):
+    # the reductions, then the gathers (each in the stage's order)
+    for (axis, dtype, kind, then), ps in sorted(groups.items(), key=lambda kv: kv[0][2] == "all_gather"):
         shapes = tuple(local_shape(p.shape, tuple(map(from_str, params[p.name])), tuple(mesh_shape))
                        for p, _ in ps)
         sharded = kind != "all_reduce"
         out.append(StepEndBucket(axis, dtype, tuple(p.name for p, _ in ps), shapes,
                                  tuple(d for _, d in ps) if sharded else (),
-                                 mesh_shape[axis] if sharded else 1, kind))
+                                 mesh_shape[axis] if sharded else 1, kind, then))
     return out
 
 

@@ -296,11 +296,11 @@ def _gather_per_microbatch(lc: LayerCosts, setup: Setup, elements: list[float],
                            fw: list[float], bw: list[float], topology: Topology
                            ) -> tuple[list[float], list[float]]:
     """Stage times when a ZeRO-3 pipeline stage gathers its parameters for every microbatch's
-    forward and again for its backward (``runtime.pipeline``: one flat all-gather over dp each,
-    waited for at once)."""
+    forward and again for its backward (``runtime.pipeline``: one flat all-gather over the
+    shard group each, waited for at once)."""
     out_f, out_b = [], []
     for f, b, n in zip(fw, bw, elements):
-        gather = axis_collective_time("all_gather", n * lc.param_itemsize, setup.dp,
+        gather = axis_collective_time("all_gather", n * lc.param_itemsize, setup.shard,
                                       setup.cp * setup.tp, topology)
         out_f.append(f + gather)
         out_b.append(b + gather)

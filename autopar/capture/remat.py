@@ -34,7 +34,7 @@ from autopar.capture.layers import aten_ops, is_backward, is_op
 from autopar.graph import TracedGraph
 
 __all__ = ["POLICIES", "REGATHER", "TAG", "is_comm", "is_forward", "is_random", "is_regather",
-           "is_wait", "marked", "recompute_nodes", "regather_layer", "gather_bucket_key", "regathered_nodes", "zero_gathers", "GatherRuns"]
+           "is_wait", "marked", "recompute_nodes", "regather_layer", "gather_bucket_key", "gather_dtype", "regathered_nodes", "zero_gathers", "GatherRuns"]
 
 POLICIES = ("none", "selective", "full")
 TAG = "recompute"  # the metadata key torch's tracing copies from a node to the nodes it produces
@@ -200,6 +200,23 @@ def regathered_nodes(traced: TracedGraph) -> frozenset[str]:
                 and n.all_input_nodes[0].name in chain:
             chain.add(n.name)
     return frozenset(chain)
+
+
+def gather_dtype(param: fx.Node) -> torch.dtype:
+    """The dtype a pipeline stage gathers the parameter of placeholder ``param`` in: the
+    narrower dtype its program casts it to, when every reader of it is such a cast (bf16
+    autocast's ``_to_copy`` before a matmul): the shard is cast before the gather, which gives
+    the same copy bit for bit with fewer bytes moved and held (the ZeRO paper's mixed-precision
+    setup, Rajbhandari et al., SC'20, sec. 3: fp32 master shards, fp16 parameters gathered);
+    else its own dtype. The program then casts a tensor already of that dtype (a copy)."""
+    own = param.meta["val"].dtype
+    casts = [u for u in param.users if is_forward(u) and u.target is torch.ops.aten._to_copy.default
+             and isinstance(u.meta.get("val"), torch.Tensor)]
+    dtypes = {u.meta["val"].dtype for u in casts}
+    if not casts or len(casts) != len(param.users) or len(dtypes) != 1:
+        return own
+    (cast,) = dtypes
+    return cast if cast.itemsize < own.itemsize else own
 
 
 def zero_gathers(traced: TracedGraph, zero: int) -> tuple[frozenset[str], frozenset[str]]:

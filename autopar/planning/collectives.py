@@ -303,4 +303,9 @@ def step_end_reductions(stages: list, plans: list, pp: int, cand: Any, mesh: Mes
             collectives.append(Collective(bucket.kind, cand.names[bucket.axis], bucket.bytes,
                                           "forward" if gather else "backward", "", what, st.index))
             seconds[st.index % pp] += t
+            for axis in bucket.then:  # (hybrid sharding: the shard summed across the replicas)
+                collectives.append(Collective("all_reduce", cand.names[axis], bucket.then_bytes,
+                                              "backward", "", what, st.index))
+                seconds[st.index % pp] += axis_collective_time(
+                    "all_reduce", bucket.then_bytes, cand.shape[axis], strides[axis], mesh.topology)
     return collectives, max(seconds), per_gather

@@ -400,10 +400,10 @@ def _grad_sync(zero: int, pp: int) -> str:
 
 def _sharding(config: Config, dp: int, pp: int) -> Iterator[tuple[int, int]]:
     """(ZeRO stage, shard group) pairs of a setup: each of :func:`zero_stages`, sharded over
-    all of dp (0) or, without a pipeline (the runtime's hybrid sharding has none yet), over
-    groups of each divisor of dp in between (hybrid sharding), or as ``Config.dp_shard`` says."""
+    all of dp (0) or over groups of each divisor of dp in between (hybrid sharding), or as
+    ``Config.dp_shard`` says."""
     for zero in zero_stages(config, dp, pp):
-        if zero == 0 or pp > 1:
+        if zero == 0:
             if config.dp_shard in (None, dp):
                 yield zero, 0
             continue

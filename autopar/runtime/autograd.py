@@ -253,8 +253,9 @@ class FlatBucket:
                 for i, (o, n) in enumerate(zip(self.offsets, self._sizes))]
 
     def pack(self, chunks: Sequence[torch.Tensor]) -> torch.Tensor:
-        """This rank's chunks of every tensor, in one flat part."""
-        return torch.cat([c.reshape(-1) for c in chunks])
+        """This rank's chunks of every tensor, in one flat part of the bucket's dtype (a
+        chunk of another dtype is cast: a parameter gathered in bf16)."""
+        return torch.cat([c.reshape(-1).to(self.dtype) for c in chunks])
 
     def unpack(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Every tensor whole (contiguous, new memory) from the all-gathered parts."""

@@ -45,6 +45,7 @@ from autopar.passes.lower import placements_of
 from autopar.capture.stages import StageGraph, set_module_attr
 from autopar.plan import Plan
 from autopar.runtime.faults import collective_failures
+from autopar.planning.candidates import HSDP_AXES
 from autopar.runtime.state import StateDictMixin, model_state
 from autopar.runtime.autograd import (FlatBucket, GradSink, JointFunction, Labelled, LazyCompiled,
                                       split_forward_backward, split_weight_backward)
@@ -245,6 +246,7 @@ class PipelineModule(StateDictMixin, nn.Module):
         # done, while the other stages still run (the plan lists the same buckets); with
         # ZeRO-1 the stage's parameters are gathered at its first forward
         self._issued: dict[int, dict[int, torch.Tensor]] = {}
+        self._then: dict[int, list[list[str]]] = {}
         # per stage, parameter -> (dim, chunks, this rank's): stored sharded, its gradient
         # computed whole by the stage
         self._chunked: dict[int, dict[str, tuple[int, int, int]]] = {}
@@ -277,6 +279,10 @@ class PipelineModule(StateDictMixin, nn.Module):
                 ops.reduce_scatter_tensor.default(buffer, "sum", bucket.parts, group)
                 if bucket.dims else ops.all_reduce_.default(buffer, "sum", group))
 
+        # (hybrid sharding: each reduced part then all-reduced across the replicas, once the
+        # step's waits come: _set_sunk_grads)
+        self._then[j] = [[self._submesh.get_group(a).group_name for a in buckets[i].then]
+                         for i in reduced]
         stage = self._stage_modules[j]
         stage.sink = GradSink([flat[i] for i in reduced], self.plan.pipeline.microbatches, issue)
         gathers = [(flat[i], groups[i]) for i, b in enumerate(buckets) if b.kind == "all_gather"]
@@ -371,7 +377,8 @@ class PipelineModule(StateDictMixin, nn.Module):
         """Local-shaped example inputs/outputs of stage ``j`` (static pipeline metadata; later
         stages' inputs require grad, or earlier stages would silently get no input gradient)."""
         pipe = self.plan.pipeline
-        edge = tuple("S(0)" if n == "dp" else "R" for n in self.plan.axis_names[1:])
+        # (split on the batch over the data axes: dp, or hybrid sharding's two)
+        edge = tuple("S(0)" if n in ("dp", *HSDP_AXES) else "R" for n in self.plan.axis_names[1:])
         traced = self._traced[j]
         nodes = {n.name: n for n in traced.gm.graph.nodes}
 
@@ -459,6 +466,9 @@ class PipelineModule(StateDictMixin, nn.Module):
             grads = stage.sink.take()
             for b, bucket in enumerate(stage.sink.buckets):
                 reduced = funcol.wait_tensor(issued[b]) if b in issued else None
+                for group in self._then[j][b] if reduced is not None else ():
+                    reduced = funcol.wait_tensor(torch.ops._c10d_functional.all_reduce_.default(
+                        reduced, "sum", group))
                 if bucket.dims and reduced is not None:
                     grads.update(zip(bucket.names, bucket.chunks(reduced)))
             for name, (dim, parts, rank) in self._chunked.get(j, {}).items():

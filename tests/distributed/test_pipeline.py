@@ -53,7 +53,9 @@ ZB_M4, ZB_M8 = CHECKS[4][8:10]
 ZERO3 = [f"gpt:layers=2,dim=128,seq=32,batch=16,microbatch_size=4,pp=2,dp=2,zero=3,schedule={s},"
          f"virtual_stages={v},topo=a100-dgx{m}" for s, v, m in (("1f1b", 1, ",memory=1"),
                                                                ("interleaved-1f1b", 2, ""))]
-CHECKS[4] += ZERO3
+# and interleaved in bf16 autocast: the matmul weights cast on the shard, gathered in bf16
+ZERO3_BF16 = ZERO3[1] + ",mixed_precision=bf16"
+CHECKS[4] += [*ZERO3, ZERO3_BF16]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2proc", "4proc"])
@@ -214,3 +216,13 @@ def test_zero3_pipeline_gathers_every_microbatch_and_fits_its_prediction(world):
         sharded = [n for n, pl in r["params"].items() if pl[0].startswith("S")]
         assert len(sharded) >= len(r["params"]) - 2, r["params"]
     check_memory(results, ZERO3[:1])
+    # bf16: the same collectives a step as fp32's, with a second gather bucket where a stage
+    # holds weights read in fp32 too (layer norms, embeddings); fewer bytes gathered (the
+    # runtime's bytes equal these: test_runtime_collectives_and_transfers_equal_plan)
+    bf16, fp32 = _ok(results[ZERO3_BF16]), results[ZERO3[1]]
+    assert bf16["plan_step_end"]["reduce_scatter"] == fp32["plan_step_end"]["reduce_scatter"]
+    gathers = bf16["plan_step_end"]["all_gather"]
+    assert gathers % (2 * 4) == 0 and fp32["plan_step_end"]["all_gather"] <= gathers, bf16["plan_step_end"]
+    gathered = [sum(b for kind, _, b, node in r["collectives"]
+                    if kind == "all_gather" and node.endswith(" parameters")) for r in (bf16, fp32)]
+    assert 0.5 * gathered[1] < gathered[0] < 0.75 * gathered[1], gathered

@@ -56,6 +56,27 @@ def test_zero3_on_more_models_and_techniques(results_dir):
             check_memory(results, ZERO3[2][:2])
 
 
+HSDP_PIPELINE = [f"gpt:layers=2,dim=128,seq=32,batch=32,microbatch_size=8,pp=2,dp=4,dp_shard=2,"
+                 f"zero={z},schedule=1f1b,topo=a100-dgx,memory=1" for z in (1, 3)]
+
+
+def test_hybrid_sharding_in_a_pipeline_on_eight_processes(results_dir):
+    """HSDP in pipeline stages, pp=2 x dp_replicate=2 x dp_shard=2 (8 processes), ZeRO-1 and
+    ZeRO-3: equal to one process on every rank, the collectives counted equal to the plan's
+    (each stage's gradient buckets reduce-scattered within its shard group, then all-reduced
+    across the groups), the measured peak within the memory bounds."""
+    from test_equivalence import check_comm_equals_plan, check_memory
+
+    results = run_worker(8, HSDP_PIPELINE, results_dir)
+    for check, r in results.items():
+        assert "error" not in r, r.get("trace")
+        assert r["techniques"]["dp_shard"] == 2, (check, r["techniques"])
+        assert_matches_one_process(r, FP32_TOL, check)
+        check_comm_equals_plan(check, r)
+        assert r["runtime_counts"]["reduce_scatter"] >= 1, (check, r["runtime_counts"])
+    check_memory(results, HSDP_PIPELINE)
+
+
 def test_memory_techniques_and_examples_left_out_of_the_default_suite(results_dir):
     """What the default suite leaves out for time: the memory of the Hugging Face models,
     explicit attention, GPipe, interleaved and zero-bubble pipelines, selective recomputation and

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 import autopar
 from autopar.capture import capture
@@ -147,8 +148,7 @@ def test_hybrid_sharding_shards_within_groups_and_replicates_across_them():
     assert all(p[1].startswith("S") for p in plan.params.values())
     kinds = {(c.kind, c.axis) for c in plan.collectives if c.node == "output"}
     assert ("reduce_scatter", "dp_shard") in kinds and ("all_reduce", "dp_replicate") in kinds
-    for bad in (dict(dp_shard=1, zero=3), dict(dp_shard=2, zero=0), dict(dp=4, dp_shard=3, zero=1),
-                dict(pp=2, dp_shard=2, zero=1)):
+    for bad in (dict(dp_shard=1, zero=3), dict(dp_shard=2, zero=0), dict(dp=4, dp_shard=3, zero=1)):
         with pytest.raises(ValueError, match="dp_shard"):
             autopar.Config(**bad)
     # the search: every shard group of each ZeRO setup, or the one forced
@@ -193,3 +193,69 @@ def test_zero3_in_a_pipeline_gathers_every_microbatch_and_holds_one_stage_gather
                                                                   grad_sync="regathered"))
     assert max(z3.rank_memory_bytes) < max(z1.rank_memory_bytes)
     assert z3.parts["pipeline_s"] > z1.parts["pipeline_s"] and z3.parts["dp_comm_s"] < z1.parts["dp_comm_s"]
+
+
+def test_a_bf16_pipeline_gathers_the_weights_autocast_reads_cast_in_bf16():
+    """bf16 autocast in ZeRO pipeline stages: a weight the stage program reads only through a
+    cast to bf16 (the matmuls') is cast on its shard and gathered in bf16, half the bytes of
+    fp32, while its master shard and its gradient's reduce-scatter stay fp32; a weight read
+    in fp32 (layer norms, the embeddings) is gathered in fp32. The plan's buckets are the
+    runtime's (``step_end_buckets``). Numerics and bytes at run time: test_pipeline.py (4
+    processes)."""
+    from autopar.cost_models.sharding import step_end_buckets
+    from autopar.planning.pipeline import forward_for_plan
+
+    model, inputs = build("gpt", dim=64, heads=4, layers=4, batch=8, seq=16)
+    mesh = autopar.Mesh.virtual("a100-dgx", gpus_per_node=4)
+    plans = {mp: autopar.plan(model, mesh, inputs, config=autopar.Config(
+        pp=2, dp=2, tp=1, microbatch_size=2, schedule="1f1b", zero=3, mixed_precision=mp))
+        for mp in ("fp32", "bf16")}
+
+    def gathered(plan: autopar.Plan) -> int:
+        return sum(c.bytes for c in plan.collectives
+                   if c.kind == "all_gather" and c.node.endswith(" parameters"))
+
+    fp32, bf16 = plans["fp32"], plans["bf16"]
+    # the matmul weights are most of the model: between a half and three quarters of fp32's
+    assert 0.5 * gathered(fp32) < gathered(bf16) < 0.75 * gathered(fp32), (gathered(bf16), gathered(fp32))
+    dtypes: dict[tuple[str, str], set] = {}
+    fwd, stages = forward_for_plan(model, inputs, bf16)
+    for j, (_, traced) in enumerate(stages):
+        stage = bf16.pipeline.stages[j]
+        stored = {p.name: bf16.params[fwd.canonical.get(p.name, p.name)] for p in traced.params}
+        for b in step_end_buckets(traced, stage.output_placements, stage.params, (2,), stored):
+            for name in b.params:
+                dtypes.setdefault((b.kind, name), set()).add(b.dtype)
+    assert dtypes[("all_gather", "blocks.0.qkv.weight")] == {torch.bfloat16}, dtypes
+    assert dtypes[("all_gather", "blocks.0.ln1.weight")] == {torch.float32}, dtypes
+    assert {d for (kind, _), ds in dtypes.items() if kind != "all_gather" for d in ds} == {torch.float32}
+
+
+def test_hybrid_sharding_in_a_pipeline_reduces_each_stage_within_and_then_across_groups():
+    """HSDP in pipeline stages (pp=2 x dp_replicate=2 x dp_shard=2): each stage's parameters
+    stored sharded over dp_shard and replicated over dp_replicate, gathered over dp_shard alone
+    (2m times a step with ZeRO-3); once a step each gradient bucket is reduce-scattered over
+    dp_shard and its shard all-reduced over dp_replicate (``StepEndBucket.then``), half the
+    bytes; the search prices the shard groups of pipelined setups too (on 8 processes:
+    test_slow.py)."""
+    model, inputs = build("gpt", dim=64, heads=4, layers=4, batch=16, seq=16)
+    mesh = autopar.Mesh.virtual("a100-dgx", gpus_per_node=8)
+    plan = autopar.plan(model, mesh, inputs, config=autopar.Config(
+        pp=2, dp=4, tp=1, dp_shard=2, microbatch_size=4, schedule="1f1b", zero=3))
+    assert plan.axis_names == ("pp", "dp_replicate", "dp_shard") and plan.techniques["dp_shard"] == 2
+    assert all(p[0] == "R" and p[1].startswith("S") for p in plan.params.values()), plan.params
+    m = plan.pipeline.microbatches
+    once = [c for c in plan.collectives if c.node.endswith((" gradients", " parameters"))]
+    by_kind = {}
+    for c in once:
+        by_kind.setdefault((c.kind, c.axis, c.stage), []).append(c.bytes)
+    for stage in (0, 1):
+        assert len(by_kind[("all_gather", "dp_shard", stage)]) == 2 * m
+        # (a stage whose program leaves no gradient partial over dp reduces nothing here)
+        scattered = by_kind.get(("reduce_scatter", "dp_shard", stage), [])
+        assert by_kind.get(("all_reduce", "dp_replicate", stage), []) == [b // 2 for b in scattered]
+    assert {axis for _, axis, _ in by_kind} == {"dp_shard", "dp_replicate"}
+    assert ("reduce_scatter", "dp_shard", 0) in by_kind
+    big, big_inputs, h100s = _llama_on_64_h100s("llama2-70b")
+    found = search(big, big_inputs, h100s, autopar.Config(tp=8, pp=2))
+    assert {c.setup.dp_shard for c in (*found.ranked, *found.pruned) if c.setup.zero} == {0, 2}
