@@ -130,7 +130,7 @@ def run_check(check: str) -> dict:
         "params": {k: list(v) for k, v in plan.params.items()},
         "runtime_counts": runtime, "plan_counts": dict(plan.collective_counts()),
         "runtime_bytes": dict(meter.bytes), "plan_bytes": dict(plan.collective_bytes()),
-        "per_layer": per_layer, "warnings": list(plan.warnings), "setup_s": setup_s,
+        "per_layer": per_layer, "warnings": list(plan.warnings), "setup_s": setup_s, "startup": {k: v for k, v in pm.startup.items() if isinstance(v, (int, float, str))},
         "techniques": dict(plan.techniques),
         # the parameter elements the rank holds between steps (the most of any rank), and the
         # model's (a tied parameter once)

@@ -50,6 +50,11 @@ def test_plan_a_module_function_per_operator(tmp_path, capsys, monkeypatch):
     assert main(["plan", "mymodel:make", "--mesh", "1x2", "--hardware", "cpu-gloo", "--batch", "8",
                  "--seq", "16", "--explain", "blocks.0.fc1"]) == 0
     assert "why 'blocks.0.fc1'" in capsys.readouterr().out
+    # a forced degree reaches the plan: context parallelism's cp
+    saved = tmp_path / "cp.json"
+    assert main(["plan", "mymodel:make", "--mesh", "1x2", "--hardware", "cpu-gloo", "--batch", "8",
+                 "--seq", "16", "--cp", "2", "--json", str(saved)]) == 0
+    assert autopar.Plan.load(saved).degrees["cp"] == 2
     with pytest.raises(SystemExit, match="cannot load"):
         main(["plan", "mymodel:nope", "--batch", "8"])
     with pytest.raises(SystemExit, match="unknown model preset"):
