@@ -128,6 +128,55 @@ def hf_seq2seq(kind: str, vocab: int = 128, dim: int = 64, heads: int = 4, layer
     return getattr(tf, names[1])(cfg)
 
 
+# mixture-of-experts families of transformers, each from a tiny config: 4 routed experts, 2 a
+# token (DeepSeek-V3: one dense layer first, a shared expert, grouped routing)
+MOE = ("mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "phimoe", "jetmoe", "dbrx",
+       "deepseekv3")
+
+
+def hf_moe(kind: str, vocab: int = 128, dim: int = 64, heads: int = 4, layers: int = 2,
+           seq: int = 32, experts: int = 4) -> nn.Module:
+    """A transformers mixture-of-experts causal LM (``MOE``) from a small config."""
+    import transformers as tf
+
+    base = dict(vocab_size=vocab, hidden_size=dim, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=seq,
+                num_experts_per_tok=2, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    routed = dict(num_experts=experts, moe_intermediate_size=dim, intermediate_size=2 * dim)
+    extra = {
+        "mixtral": ("Mixtral", dict(num_local_experts=experts, intermediate_size=2 * dim)),
+        "qwen2moe": ("Qwen2Moe", dict(routed, shared_expert_intermediate_size=dim)),
+        "qwen3moe": ("Qwen3Moe", dict(routed, head_dim=dim // heads)),
+        "granitemoe": ("GraniteMoe", dict(num_local_experts=experts, intermediate_size=2 * dim)),
+        "olmoe": ("Olmoe", dict(num_experts=experts, intermediate_size=dim)),
+        "phimoe": ("Phimoe", dict(num_local_experts=experts, intermediate_size=2 * dim)),
+        "jetmoe": ("JetMoe", dict(num_local_experts=experts, intermediate_size=2 * dim,
+                                  kv_channels=dim // heads)),
+        "deepseekv3": ("DeepseekV3", dict(
+            n_routed_experts=experts, n_shared_experts=1, moe_intermediate_size=dim,
+            intermediate_size=2 * dim, first_k_dense_replace=1, n_group=2, topk_group=1,
+            kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=16)),
+    }
+    if kind == "dbrx":
+        cfg = tf.DbrxConfig(d_model=dim, n_heads=heads, n_layers=layers, max_seq_len=seq,
+                            vocab_size=vocab, attn_config={"kv_n_heads": heads, "rope_theta": 10000.0,
+                                                           "clip_qkv": 8.0},
+                            ffn_config={"moe_num_experts": experts, "moe_top_k": 2,
+                                        "ffn_hidden_size": 2 * dim})
+        return tf.DbrxForCausalLM(cfg)
+    name, more = extra[kind]
+    if kind == "jetmoe":
+        base.pop("num_attention_heads")
+    cfg = getattr(tf, f"{name}Config")(**{**base, **more})
+    model = getattr(tf, f"{name}ForCausalLM")(cfg)
+    if kind == "phimoe":
+        # its router samples the experts in training (Gumbel noise, SparseMixer): random like
+        # dropout, so compared with one process with the routing of inference (the top-k)
+        model.eval()
+    return model
+
+
 def build(kind: str, seed: int = 0, **kw: int) -> tuple[nn.Module, object]:
     """A model of ``kind`` with deterministic weights and a matching example batch."""
     torch.manual_seed(seed)
@@ -141,6 +190,8 @@ def build(kind: str, seed: int = 0, **kw: int) -> tuple[nn.Module, object]:
     seq = kw.pop("seq", 16)
     if kind in SEQ2SEQ:
         model = hf_seq2seq(kind, seq=seq, **kw)
+    elif kind in MOE:
+        model = hf_moe(kind, seq=seq, **kw)
     else:
         model = {"gpt": GPT, "gpt2": hf_gpt2, "llama": hf_llama}[kind](seq=seq, **kw)
     g = torch.Generator().manual_seed(seed + 1)
