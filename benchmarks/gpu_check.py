@@ -47,6 +47,7 @@ from runtime_vs_torch import make_batch, make_model  # noqa: E402
 import autopar  # noqa: E402
 from autopar.cost_models.compute import op_time  # noqa: E402
 from autopar.cost_models.topology import get_preset  # noqa: E402
+from autopar.numerics import gradient_error, gradient_floor  # noqa: E402
 
 SMALL = dict(dim=256, heads=4, layers=2, seq=128, batch=8, vocab=1024)
 ONE_B = dict(dim=2560, heads=20, layers=12, seq=2048, batch=4, vocab=32768)
@@ -108,18 +109,14 @@ def _batch(size: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _grad_errors(params: Any, ref: torch.nn.Module) -> tuple[float, str]:
-    """Largest per-parameter ``max |g - g_ref| / max(max |g_ref|, floor)`` over ``params``
-    (name, parameter) and the parameter's name. The floor, 1e-3 of the model's largest
-    gradient, is for gradients that are zero in exact arithmetic and rounding noise in both runs
-    (an attention key bias: softmax ignores a shift shared by every key); the equivalence tests
-    use the same rule (``tests/distributed/grads.py``)."""
+    """Largest per-parameter gradient error over ``params`` (name, parameter) against ``ref``
+    (``autopar.numerics.gradient_error``, the equivalence tests' rule) and its parameter."""
     want = dict(ref.named_parameters())
-    floor = 1e-3 * max(p.grad.abs().max().item() for p in want.values())
+    floor = gradient_floor(p.grad for p in want.values())
     worst, where = 0.0, ""
     for name, p in params:
         g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        w = want[name].grad
-        err = ((g.float() - w.float()).abs().max() / max(w.float().abs().max().item(), floor)).item()
+        err = gradient_error(g, want[name].grad, floor)
         if err >= worst:
             worst, where = err, name
     return worst, where

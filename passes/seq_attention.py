@@ -20,14 +20,17 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor, Shard
 
+from autopar.strategies.rules import SEQUENCE_ATTENTION_QUERY
+
 __all__ = ["SEQ_DIM", "needs_local", "run_local", "query_offset"]
 
 aten = torch.ops.aten
 SEQ_DIM = 2  # [batch, heads, sequence, head dim]
 _FORWARD = aten._scaled_dot_product_flash_attention_for_cpu.default
 _BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-# where the queries are among the tensor inputs, and where is_causal is among the arguments
-_QUERY = {_FORWARD: 0, _BACKWARD: 1}
+# where the queries are among the tensor inputs (the rule's table), and where is_causal is
+# among the arguments
+_QUERY = SEQUENCE_ATTENTION_QUERY
 _CAUSAL = {_FORWARD: 4, _BACKWARD: 7}
 
 

@@ -28,6 +28,7 @@ from autopar.planning.records import (
 from autopar.plan_context import ExplainContext, attach, context_of
 from autopar.capture.layers import is_backward, is_op
 from autopar.capture.remat import recompute_nodes
+from autopar.strategies.rules import SEQUENCE_ATTENTION_QUERY
 from autopar.strategies.space import StrategySpace, build_space
 
 __all__ = ['regathered_share', 'replace_plan', 'solve_candidate', 'solve_space', 'unpinned_space']
@@ -193,12 +194,6 @@ def _pin_norms(traced: TracedGraph, space: StrategySpace, axis: int, sharded: bo
                   f"False for this model.")
 
 
-_ATTENTION = frozenset({torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-                        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default})
-_QUERY = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: 0,
-          torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 1}
-
-
 def _pin_attention(traced: TracedGraph, space: StrategySpace, axis: int,
                    sequence: bool = True) -> None:
     """Context parallelism: keep the attention strategies whose queries are sharded on the
@@ -208,9 +203,9 @@ def _pin_attention(traced: TracedGraph, space: StrategySpace, axis: int,
     other axes stay as they were before cp existed (Megatron's heads split over tp)."""
     want = Shard(2)
     for n in traced.gm.graph.nodes:
-        if not is_op(n, _ATTENTION) or n.name not in space.nodes:
+        if n.target not in SEQUENCE_ATTENTION_QUERY or n.name not in space.nodes:
             continue
-        q = _QUERY[n.target]
+        q = SEQUENCE_ATTENTION_QUERY[n.target]
         if not sequence:
             _keep(space, n.name, lambda s: len(s.inputs) <= q or s.inputs[q][axis] != want,
                   f"attention {n.name} has only strategies with its queries split on the "

@@ -29,7 +29,7 @@ from autopar._torch_private import (
     expand_to_full_mesh_op_strategy,
 )
 
-__all__ = ["OpRule", "register_op_rule", "registered_rules", "rule_for"]
+__all__ = ["OpRule", "SEQUENCE_ATTENTION_QUERY", "register_op_rule", "registered_rules", "rule_for"]
 
 RuleFn = Callable[[tuple[Any, ...], dict[str, Any]], list[list[Any]]]
 
@@ -110,6 +110,14 @@ def _mask_placement(kwargs_meta: dict[str, Any], dim: int) -> list[Any]:
 # their gradients reduced); without dropout only (its random mask would have to follow the
 # queries' rows). A causal mask then needs the rank's query positions: the lowering runs such a
 # node itself (``autopar.passes.seq_attention``); DTensor's dispatch runs the others.
+# the attention ops with that third rule, each with where its queries are among its tensor
+# inputs (the planner pins the rule on cp, the lowering runs a causal one itself)
+SEQUENCE_ATTENTION_QUERY = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: 0,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 1,
+}
+
+
 def _no_dropout(args_meta: tuple[Any, ...], index: int) -> bool:
     return len(args_meta) <= index or not args_meta[index]
 

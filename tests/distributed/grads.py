@@ -6,11 +6,8 @@ cut by DTensor itself (``distribute_tensor(..., src_data_rank=None)`` splits loc
 communication), so the check does not share code with the runtime it checks.
 
 A parameter's error is ``max |local - slice| / max(max |one-process gradient of the parameter|,
-1e-3 * the largest gradient of the model)``: relative to the parameter's own scale, so a wrong
-gradient on a parameter with small gradients is not hidden by a large one elsewhere (a global scale
-would hide it). The floor is for gradients that are zero in exact arithmetic and rounding noise in
-both runs (an attention key bias: softmax ignores a shift shared by every key), whose relative
-error means nothing; down there the error is measured against 1e-3 of the model's largest gradient.
+1e-3 * the largest gradient of the model)`` (``autopar.numerics``, the rule's one owner, which
+says why).
 """
 
 from __future__ import annotations
@@ -18,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from autopar.numerics import gradient_error, gradient_floor
 
 __all__ = ["compare_on_every_rank"]
 
@@ -30,12 +29,9 @@ def _local_pair(grad: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, to
     return grad, ref
 
 
-FLOOR = 1e-3
-
-
 def _rank_errors(pm, ref_params: dict) -> tuple[dict[str, float], list[str]]:
     errors, missing = {}, []
-    floor = FLOOR * max(p.grad.abs().max().item() for p in ref_params.values() if p.grad is not None)
+    floor = gradient_floor(p.grad for p in ref_params.values())
     for name, p in pm.named_parameters():
         if p.grad is None:
             if ref_params[name].requires_grad:  # (frozen ones, e.g. sinusoidal tables, have none)
@@ -44,9 +40,9 @@ def _rank_errors(pm, ref_params: dict) -> tuple[dict[str, float], list[str]]:
         want = ref_params[name].grad
         local, expected = _local_pair(p.grad, want)
         assert local.shape == expected.shape, (name, tuple(local.shape), tuple(expected.shape))
-        scale = max(want.abs().max().item(), floor)
-        diff = (local.float() - expected.float()).abs().max().item() if local.numel() else 0.0
-        errors[name] = diff / scale
+        # (the scale: the whole reference gradient's, not the slice's)
+        scale_floor = max(want.abs().max().item(), floor)
+        errors[name] = gradient_error(local, expected, scale_floor)
     return errors, missing
 
 
