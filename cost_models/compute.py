@@ -22,6 +22,7 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
+import autopar.capture.experts  # noqa: F401  (registers autopar::grouped_mm, priced below)
 from autopar.cost_models.topology import Topology
 
 __all__ = [
@@ -90,6 +91,18 @@ def _matmul(a: Any, b: Any, *args: Any, **kwargs: Any) -> int:
     return 2 * math.prod(batch) * a2[-2] * b2[-1] * a2[-1]
 
 
+def _grouped_mm(x: Any, w: Any, *args: Any, **kwargs: Any) -> int:
+    # autopar::grouped_mm: each of the rows times its group's [in, out] weight, 2 * rows * in * out
+    # whatever the routing (the groups partition the rows)
+    rows, inner = _shape(x)
+    return 2 * rows * inner * _shape(w)[2]
+
+
+def _grouped_mm_backward(grad: Any, x: Any, w: Any, *args: Any, **kwargs: Any) -> int:
+    # the input's gradient and the weights', each as many FLOPs as the forward
+    return 2 * _grouped_mm(x, w)
+
+
 # Formulas for ops torch's registry lacks (checked first in torch's registry, so a later torch
 # that registers one of these takes precedence). Keys are OpOverloadPackets like torch's.
 EXTRA_FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
@@ -98,6 +111,8 @@ EXTRA_FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
     aten.scaled_dot_product_attention: _sdpa_fwd,
     aten.linear: _linear,
     aten.matmul: _matmul,
+    torch.ops.autopar.grouped_mm: _grouped_mm,  # the expert blocks' (capture.experts)
+    torch.ops.autopar.grouped_mm_backward: _grouped_mm_backward,
 }
 
 

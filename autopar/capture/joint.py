@@ -29,6 +29,7 @@ from autopar._torch_private import tree_flatten, tree_map_only
 from autopar import _torch_private as private
 from autopar._torch_private import FakeTensor, FakeTensorMode
 from autopar.errors import CaptureError, InputMismatchError
+from autopar.capture.experts import static_expert_blocks
 from autopar.capture.layers import aten_ops, block_prefix, is_op, module_paths
 from autopar.graph import InputInfo, Layer, ParamInfo, TracedGraph
 
@@ -265,8 +266,12 @@ def _empty_like_in(t: torch.Tensor, mode: FakeTensorMode,
 
 
 def export_program(wrapper: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """``torch.export`` (non-strict) of ``wrapper``, the expert blocks that depend on the data
+    in their static form (:mod:`autopar.capture.experts`); a failure is a :class:`CaptureError`
+    naming the model's line."""
     try:
-        return torch.export.export(wrapper, args, kwargs, strict=False)
+        with static_expert_blocks(wrapper):
+            return torch.export.export(wrapper, args, kwargs, strict=False)
     except Exception as e:
         msg = str(e)
         kind = "data-dependent control flow" if (

@@ -79,10 +79,11 @@ CONTEXT = {2: [f"gpt:cp=2,{_CP}"], 4: [f"gpt:cp=2,tp=2,{_CP}"]}
 CONTEXT_SLOW = {2: ["llama:cp=2"],
                 4: [f"gpt:cp=4,{_CP}", f"gpt:cp=2,dp=2,{_CP}",
                     f"gpt:pp=2,cp=2,layers=4,{_CP.replace('layers=2,', '')}"]}
-# Mixture-of-experts models of transformers as they are (experts as 3-D weights run by
-# grouped matmuls over the tokens sorted by expert, transformers' default): Mixtral with the
-# planner free here; the other families, forced meshes and DeepSeek-V3 in test_slow.py
-MOE = ["mixtral:"]
+# Mixture-of-experts models of transformers as they are, planned freely: Mixtral (experts as
+# 3-D weights run grouped over the tokens sorted by expert, transformers' default) and JetMoE
+# (experts over the tokens the batch routes to, traced in autopar's static form:
+# capture.experts); the other families, forced meshes and DeepSeek-V3 in test_slow.py
+MOE = ["mixtral:", "jetmoe:"]
 # Large batch, narrow layers, solver free -> data parallelism.
 DATA_PARALLEL = {n: f"gpt:dim=64,batch={128 * n},seq=128,topo=a100-dgx" for n in (2, 4)}
 

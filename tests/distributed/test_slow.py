@@ -56,8 +56,8 @@ def test_zero3_on_more_models_and_techniques(results_dir):
             check_memory(results, ZERO3[2][:2])
 
 
-MOE_SLOW = ["qwen2moe:", "qwen3moe:", "granitemoe:", "olmoe:", "phimoe:", "deepseekv3:",
-            "mixtral:tp=2", "qwen3moe:tp=2", "deepseekv3:dp=2"]
+MOE_SLOW = ["qwen2moe:", "qwen3moe:", "granitemoe:", "olmoe:", "phimoe:", "dbrx:", "deepseekv3:",
+            "mixtral:tp=2", "qwen3moe:tp=2", "deepseekv3:dp=2", "dbrx:dp=2", "jetmoe:dp=2"]
 
 
 def test_more_hugging_face_moe_models_equal_one_process(results_dir):
@@ -65,8 +65,8 @@ def test_more_hugging_face_moe_models_equal_one_process(results_dir):
     free on 2 processes, and forced tp=2 or dp=2: each equal to one process, the collectives
     counted equal to the plan's. DeepSeek-V3: a dense first layer, a shared expert, grouped
     routing and low-rank attention. PhiMoE samples its experts in training (tests/models.py):
-    compared with the routing of inference. (DBRX and JetMoE do not capture yet: their expert
-    loops depend on the data.)"""
+    compared with the routing of inference. DBRX loops over the experts the batch routes to:
+    traced in autopar's static form (capture.experts)."""
     from test_equivalence import check_comm_equals_plan
 
     results = run_worker(2, MOE_SLOW, results_dir)
