@@ -27,6 +27,7 @@ from autopar.cost_models.topology import Topology
 
 __all__ = [
     "EXTRA_FLOP_FORMULAS",
+    "FLOP_FORMULAS_BY_NAME",
     "op_time",
     "flops_of_node",
     "bytes_of_node",
@@ -98,6 +99,18 @@ def _grouped_mm(x: Any, w: Any, *args: Any, **kwargs: Any) -> int:
     return 2 * rows * inner * _shape(w)[2]
 
 
+def _aten_grouped_mm(a: Any, b: Any, *args: Any, **kwargs: Any) -> int:
+    # aten._grouped_mm (torch's grouped_mm; transformers' experts in bf16): groups along the
+    # rows (2-D x 3-D), along the contracted dim (2-D x 2-D, a weight gradient: one [m, n] per
+    # group), batched (3-D x 3-D) or along the columns (3-D x 2-D); each, 2 * the products summed
+    sa, sb = _shape(a), _shape(b)
+    if len(sa) == 2:  # [m, k] x [G, k, n] or [m, K] x [K, n]
+        return 2 * sa[0] * sa[1] * sb[-1]
+    if len(sb) == 3:  # [G, m, k] x [G, k, n]
+        return 2 * math.prod(sa) * sb[-1]
+    return 2 * math.prod(sa) // sa[0] * sb[-1]  # [G, m, k] x [k, N]
+
+
 def _grouped_mm_backward(grad: Any, x: Any, w: Any, *args: Any, **kwargs: Any) -> int:
     # the input's gradient and the weights', each as many FLOPs as the forward
     return 2 * _grouped_mm(x, w)
@@ -111,8 +124,18 @@ EXTRA_FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
     aten.scaled_dot_product_attention: _sdpa_fwd,
     aten.linear: _linear,
     aten.matmul: _matmul,
+    aten._grouped_mm: _aten_grouped_mm,
     torch.ops.autopar.grouped_mm: _grouped_mm,  # the expert blocks' (capture.experts)
     torch.ops.autopar.grouped_mm_backward: _grouped_mm_backward,
+}
+
+
+# Formulas for custom ops of libraries autopar does not import, by the op's qualified name:
+# transformers' grouped matmul of experts (its fallback of ``grouped_mm`` under export in fp32,
+# transformers/integrations/moe.py; the backward takes the output's gradient last).
+FLOP_FORMULAS_BY_NAME: dict[str, Callable[..., int]] = {
+    "transformers::grouped_mm_fallback": _grouped_mm,
+    "transformers::grouped_mm_fallback_backward": lambda x, w, *rest, **kw: 2 * _grouped_mm(x, w),
 }
 
 
@@ -131,6 +154,9 @@ def _lookup(op: Any) -> tuple[Callable[..., Any] | None, bool]:
     for key in candidates:
         if key in EXTRA_FLOP_FORMULAS:
             return EXTRA_FLOP_FORMULAS[key], False
+    name = op.name() if packet is not None else None  # (an OpOverload: "namespace::op")
+    if name in FLOP_FORMULAS_BY_NAME:
+        return FLOP_FORMULAS_BY_NAME[name], False
     return None, False
 
 
