@@ -24,6 +24,7 @@ __all__ = [
     "enumerate_op_strategy",
     "redistribute_local",
     "init_fake_process_group",
+    "resolve_process_group",
     "process_group_options",
     "export_joint",
     "no_redistribute_costs",
@@ -149,6 +150,14 @@ def init_fake_process_group(world_size: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+
+
+def resolve_process_group(name: str) -> Any:
+    """The process group registered under ``name`` (a DeviceMesh group's ``group_name``, as the
+    functional collectives take it)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
 
 
 def process_group_options(backend: str, timeout_s: float) -> Any:

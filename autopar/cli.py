@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "autopar.cost_models.register_topology)")
     p.add_argument("--batch", type=int, required=True, help="global batch (sequences)")
     p.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
-    for name in ("dp", "tp", "pp", "cp", "microbatch-size", "dp-shard"):
+    for name in ("dp", "tp", "pp", "cp", "ep", "microbatch-size", "dp-shard"):
         p.add_argument(f"--{name}", type=int, default=None, help=f"fix {name} (default: searched)")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default=None)
     p.add_argument("--zero", type=int, choices=ZERO_STAGES, default=None)
@@ -115,7 +115,7 @@ def _plan(args: argparse.Namespace) -> Any:
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     say(f"building {args.model} (batch {args.batch}, seq {args.seq}) for {nodes}x{gpus} {topo.name}")
     model, inputs = load_model(args.model, args.batch, args.seq)
-    config = autopar.Config(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp,
+    config = autopar.Config(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
                             microbatch_size=args.microbatch_size,
                             recompute=args.recompute, zero=args.zero, dp_shard=args.dp_shard,
                             memory_bytes=args.memory_gib * 2**30 if args.memory_gib else None)

@@ -29,6 +29,12 @@ class Config:
             them (Llama 3's form), parameters replicated on them and their gradients
             all-reduced. ``None``: the setup search tries it for sequences of 65,536 tokens
             or more, 1 otherwise (``autopar.planning.search.CP_MIN_SEQUENCE``).
+        ep: expert-parallel degree of mixture-of-experts layers: each layer's experts split
+            over ``ep`` of the data-parallel ranks (ep divides dp, as Megatron-LM and
+            torchtitan fold it), the (token, choice) pairs sent to their experts' ranks and
+            back by all-to-all; every other part of the model sees them as data-parallel
+            ranks. ``None``: the planner tries the divisors of dp for models with experts
+            (``autopar.capture.moe``), 1 for others.
         memory_bytes: per-device memory budget; ``None`` takes the topology preset's memory.
         solver_time_limit_s: time limit of each ILP solve.
         unknown_op: what to do with an operator that has no sharding rule: ``"replicate"``
@@ -80,6 +86,7 @@ class Config:
     tp: int | None = None
     pp: int | None = None
     cp: int | None = None
+    ep: int | None = None
     memory_bytes: float | None = None
     solver_time_limit_s: float = 30.0
     unknown_op: str = "replicate"
@@ -95,7 +102,7 @@ class Config:
     bucket_bytes: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "cp", "virtual_stages", "microbatch_size", "dp_shard"):
+        for name in ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "microbatch_size", "dp_shard"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(
@@ -116,6 +123,14 @@ class Config:
             raise ValueError(f"Config.zero={self.zero!r}: use a ZeRO stage of {ZERO_STAGES}, or "
                              f"None to let the planner choose.")
         self._check_dp_shard()
+        if self.ep is not None and self.ep > 1 and self.dp is not None and self.dp % self.ep:
+            raise ValueError(f"Config(dp={self.dp}, ep={self.ep}): the expert-parallel ranks are "
+                             f"data-parallel ranks, so ep must divide dp; use a divisor of "
+                             f"{self.dp}.")
+        if self.ep is not None and self.ep > 1 and self.dp_shard is not None:
+            raise ValueError(f"Config(ep={self.ep}, dp_shard={self.dp_shard}): hybrid sharding "
+                             f"and expert parallelism both split the data-parallel ranks, which "
+                             f"autopar does not combine yet; leave one of them None.")
         if self.sequence_parallel not in (None, True, False):
             raise ValueError(f"Config.sequence_parallel={self.sequence_parallel!r}: use True, "
                              f"False or None.")

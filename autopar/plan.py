@@ -18,7 +18,7 @@ __all__ = ["Collective", "DEGREES", "NodePlan", "PipelinePlan", "PipelinePredict
            "PLAN_FORMAT", "Prediction"]
 
 PLAN_FORMAT = 2  # 2: pipeline plans (Plan.pipeline, Collective.stage); format 1 files still load
-DEGREES = ("dp", "tp", "pp", "cp")  # every plan's degrees name these (1 when unused)
+DEGREES = ("dp", "tp", "pp", "cp", "ep")  # every plan's degrees name these (1 when unused)
 
 
 def _alternative(a: dict[str, Any]) -> dict[str, Any]:
@@ -239,7 +239,8 @@ class Plan:
     """A complete parallelization plan for one model, mesh and config.
 
     Attributes:
-        degrees: ``{"dp": .., "tp": .., "pp": .., "cp": ..}`` (each present, 1 when unused).
+        degrees: ``{"dp": .., "tp": .., "pp": .., "cp": .., "ep": ..}`` (each present, 1 when
+            unused; ep's ranks are data-parallel ranks too, counted in dp).
         mesh_shape / axis_names: the logical mesh the plan runs on (row-major over ranks).
         params: parameter name -> placement per axis (e.g. ``("R", "S(0)")``).
         inputs: placement per flattened user input.

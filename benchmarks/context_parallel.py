@@ -33,7 +33,7 @@ import autopar
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from runtime_vs_torch import (  # noqa: E402
-    as_rank, backward_loss, jobs_parser, launch_jobs, make_batch, make_model, measure,
+    backward_loss, job_main, make_batch, make_model, measure,
 )
 
 SIZES = {"default": dict(dim=256, heads=4, layers=2, seq=2048, batch=2, vocab=1024),
@@ -112,18 +112,9 @@ def worker(args: argparse.Namespace) -> None:
                 json.dump({"size": size, "autopar": rows, "torch": theirs}, f, indent=1)
 
 
-def _parser() -> argparse.ArgumentParser:
-    return jobs_parser(__doc__, SIZES, repeats=10, warmup=2)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Start one job per process count (or, inside one, run this rank)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
-    if "RANK" in os.environ:
-        torch.manual_seed(0)
-        return as_rank(worker, args)
-    return launch_jobs(__file__, args)
+    return job_main(__file__, __doc__, SIZES, worker, argv, repeats=10, warmup=2, before=lambda: torch.manual_seed(0))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ import autopar
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from runtime_vs_torch import (  # noqa: E402
-    SIZES, Step, as_rank, backward_loss, compare, jobs_parser, launch_jobs, make_model, report,
+    SIZES, Step, backward_loss, compare, job_main, make_model, report,
 )
 
 
@@ -72,17 +72,9 @@ def worker(args: argparse.Namespace) -> None:
     report(results, size, args, ", FSDP2 as torch")
 
 
-def _parser() -> argparse.ArgumentParser:
-    return jobs_parser(__doc__, SIZES, repeats=15, warmup=3)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Start one job per process count (or, inside one, run this rank)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
-    if "RANK" in os.environ:
-        return as_rank(worker, args)
-    return launch_jobs(__file__, args)
+    return job_main(__file__, __doc__, SIZES, worker, argv, repeats=15, warmup=3)
 
 
 if __name__ == "__main__":

@@ -247,7 +247,8 @@ def measure(variants: dict[str, tuple[Step, list]], batch: tuple, repeats: int, 
     return out
 
 
-def _per_rank(x: dict) -> list[dict]:
+def per_rank(x: dict) -> list[dict]:
+    """Every rank's ``x``, gathered on each (in rank order)."""
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, x)
     return every
@@ -263,7 +264,7 @@ def compare(name: str, size: dict, config: autopar.Config, hand: Callable[[bool]
     pp_rank = pm.pp_rank if pm.plan.pipeline is not None else None
     predicted = {"counts": dict(pm.plan.collective_counts(pp_rank=pp_rank)),
                  "bytes": dict(pm.plan.collective_bytes(pp_rank=pp_rank))}
-    ranks = _per_rank({k: {"counts": v["counts"], "bytes": v["bytes"]} for k, v in res.items()}
+    ranks = per_rank({k: {"counts": v["counts"], "bytes": v["bytes"]} for k, v in res.items()}
                       | {"plan": predicted})
     return {"comparison": name, "compiled": compile, "degrees": pm.plan.degrees,
             "autopar_s": res["autopar"]["median_s"], "torch_s": res["torch"]["median_s"],
@@ -366,6 +367,20 @@ def jobs_parser(doc: str, sizes: dict, repeats: int, warmup: int) -> argparse.Ar
     p.add_argument("--json", default=None, help="write every figure to this file (one per "
                    "process count: the count is added to the name)")
     return p
+
+
+def job_main(script: str, doc: str, sizes: dict, worker: Callable[[argparse.Namespace], None],
+             argv: list[str] | None, repeats: int, warmup: int,
+             before: Callable[[], None] | None = None) -> int:
+    """A benchmark's ``main``: inside ``torchrun``, run ``worker`` as this rank (after
+    ``before``, e.g. seeding); outside, start one job of ``script`` per process count."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = jobs_parser(doc, sizes, repeats=repeats, warmup=warmup).parse_args(argv)
+    if "RANK" in os.environ:
+        if before is not None:
+            before()
+        return as_rank(worker, args)
+    return launch_jobs(script, args)
 
 
 def launch_jobs(script: str, args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ from autopar.cost_models.compute import (
     flops_of_node,
     op_time,
 )
+from autopar.cost_models import experts as _experts  # noqa: F401  (registers the MoE op's FLOPs)
 from autopar.cost_models.memory import (
     StateBytes,
     adam_state_bytes_per_param,

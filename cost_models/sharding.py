@@ -22,6 +22,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.cost_models.comm import axis_collective_time
 from autopar.cost_models.compute import flops_of_node, op_time
+from autopar.cost_models.experts import experts_comm_time, experts_flops, experts_owner_for
+from autopar.strategies.rules import EXPERT_OPS
 from autopar.cost_models.topology import Topology
 from autopar.capture.layers import aten_ops, is_op
 from autopar.capture.remat import gather_dtype
@@ -133,6 +135,8 @@ def _compute_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: To
                   fused: frozenset = frozenset()) -> float:
     if is_op(n, _FREE):
         return 0.0
+    if n.target in EXPERT_OPS:
+        return _experts_time(n, s, mesh_shape, topo)
     inputs = tensor_inputs(n)
     local_in = {}
     nbytes = 0
@@ -157,6 +161,23 @@ def _compute_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: To
     # matmuls run at the peak of their dtype (16-bit tensor cores or fp32)
     dtype = "bf16" if inputs and inputs[0].meta["val"].element_size() == 2 else "fp32"
     return op_time(flops, float(nbytes), topo, dtype, is_matmul=flops > 0)
+
+
+def _experts_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: Topology) -> float:
+    """An MoE experts op (``cost_models.experts``): its FLOPs at the rows its experts receive
+    and its memory traffic, plus its all-to-alls, which run inside it."""
+    inputs = tensor_inputs(n)
+    shapes = [tuple(a.meta["val"].shape) for a in inputs]
+    owner, _ = experts_owner_for(n.target, s.inputs, shapes, mesh_shape)
+    local = [_meta_tensor(local_shape(a.meta["val"].shape, p, mesh_shape), a.meta["val"].dtype)
+             for a, p in zip(inputs, s.inputs)]
+    form = n.args[len(inputs)]
+    flops = experts_flops(*local[-5:], form, owner, grad=len(local) == 6)
+    nbytes = sum(t.numel() * t.element_size() for t in local) * 2  # (read, and as much written)
+    item = inputs[0].meta["val"].element_size()
+    dtype = "bf16" if item == 2 else "fp32"
+    return op_time(flops, float(nbytes), topo, dtype, is_matmul=True) + \
+        experts_comm_time(n.target, s.inputs, shapes, item, mesh_shape, topo)
 
 
 # layers whose gathered parameters ZeRO-3 holds at once: the one computing and the one whose

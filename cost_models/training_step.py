@@ -27,6 +27,7 @@ Sources:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -67,6 +68,14 @@ class UnitCosts:
     attention_bytes: float = 0.0
     random_bytes: float = 0.0
     recompute_peak_bytes: tuple[tuple[str, float], ...] = ()
+    # mixture-of-experts layers: the experts' share of ``param_elements`` and ``state_bytes``
+    # (split over ep by :func:`price_setup`), and the all-to-alls each microbatch's forward and
+    # backward would issue with the experts split (bytes a rank sends, any ep:
+    # ``cost_models.experts``)
+    expert_elements: float = 0.0
+    expert_state_bytes: float = 0.0
+    expert_forward_bytes: tuple[float, ...] = ()
+    expert_backward_bytes: tuple[float, ...] = ()
 
     def peak(self, policy: str) -> float:
         """The recomputed values' bytes under ``policy`` (0 for ``"none"``)."""
@@ -124,6 +133,10 @@ class Setup:
     # the per-layer costs are solved on the (cp, tp) submesh, the gradients reduced over dp
     # and then over cp
     cp: int = 1
+    # expert parallelism: the experts of MoE layers split over ep of the dp ranks (consecutive,
+    # inside dp: stride cp * tp), the tokens sent to them by all-to-all; their gradients
+    # reduced over the dp / ep ranks holding the same experts
+    ep: int = 1
 
     @property
     def shard(self) -> int:
@@ -134,7 +147,8 @@ class Setup:
         """One line such as ``dp=32 tp=8 pp=4 b=1 m=56 interleaved-1f1b v=2 full zero1 sp``."""
         sched = "" if self.pp == 1 else f" {self.schedule}" + (
             f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
-        return (f"dp={self.dp} tp={self.tp} pp={self.pp}{f' cp={self.cp}' if self.cp > 1 else ''} "
+        return (f"dp={self.dp} tp={self.tp} pp={self.pp}{f' cp={self.cp}' if self.cp > 1 else ''}"
+                f"{f' ep={self.ep}' if self.ep > 1 else ''} "
                 f"b={self.microbatch_size} "
                 f"m={self.microbatches}{sched} recompute={self.recompute} zero={self.zero}"
                 f"{f' dp_shard={self.dp_shard}' if self.dp_shard else ''}"
@@ -207,8 +221,32 @@ def _block_parts(lc: LayerCosts, recompute: str) -> tuple[float, float, float]:
     return b.forward_s, b.backward_s, b.activation_bytes
 
 
+def _expert_parallel(lc: LayerCosts, setup: Setup, topology: Topology) -> LayerCosts:
+    """``lc`` with the experts split over ``setup.ep``: each unit holds 1/ep of its experts'
+    parameters and state, and its forward and backward add their all-to-alls over the ep
+    ranks (stride cp * tp), which run inside the experts op, serial with it. Their compute is
+    unchanged: under uniform routing a rank's experts receive as many rows as it sends."""
+    if setup.ep == 1:
+        return lc
+    e, stride = setup.ep, setup.cp * setup.tp
+
+    def split(u: UnitCosts) -> UnitCosts:
+        a2a = lambda bs: sum(axis_collective_time("all_to_all", b, e, stride, topology)  # noqa: E731
+                             for b in bs)
+        f, b = a2a(u.expert_forward_bytes), a2a(u.expert_backward_bytes)
+        return dataclasses.replace(
+            u, forward_s=u.forward_s + f, backward_s=u.backward_s + b,
+            forward_comm_s=u.forward_comm_s + f, backward_comm_s=u.backward_comm_s + b,
+            state_bytes=u.state_bytes - u.expert_state_bytes * (1 - 1 / e),
+            param_elements=u.param_elements - u.expert_elements * (1 - 1 / e),
+            expert_elements=u.expert_elements / e, expert_state_bytes=u.expert_state_bytes / e)
+
+    return dataclasses.replace(lc, pre=split(lc.pre), block=split(lc.block), post=split(lc.post))
+
+
 def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: float) -> StepCost:
     """Step time and per-rank memory of ``setup`` from the per-layer costs ``lc``."""
+    lc = _expert_parallel(lc, setup, topology)
     p, v, m = setup.pp, setup.virtual_stages, setup.microbatches
     stages = p * v
     bf, bb, bact = _block_parts(lc, setup.recompute)
@@ -220,7 +258,7 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
     # the pipeline axis is outermost (stride dp * cp * tp): sends cross nodes on a cluster
     send = axis_collective_time("send_recv", lc.boundary_bytes, p, setup.dp * setup.cp * setup.tp,
                                 topology) if p > 1 else 0.0
-    fw, bw, act, state, elems = [], [], [], [], []
+    fw, bw, act, state, elems, xstate, xelems = [], [], [], [], [], [], []
     for j, n in enumerate(counts):
         first, last = j == 0, j == stages - 1
         fw.append(n * bf + first * lc.pre.forward_s + last * lc.post.forward_s + (not last) * send)
@@ -231,6 +269,10 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
                      + last * lc.post.state_bytes - shared * lc.tied_state_bytes)
         elems.append(n * lc.block.param_elements + first * lc.pre.param_elements
                      + last * lc.post.param_elements - shared * lc.tied_elements)
+        xstate.append(n * lc.block.expert_state_bytes + first * lc.pre.expert_state_bytes
+                      + last * lc.post.expert_state_bytes)
+        xelems.append(n * lc.block.expert_elements + first * lc.pre.expert_elements
+                      + last * lc.post.expert_elements)
     if setup.grad_sync == "microbatch" and p > 1 and setup.dp > 1:
         fw, bw = _sync_per_microbatch(lc, setup, elems, fw, bw, topology)
     if setup.grad_sync == "regathered" and p > 1 and setup.dp > 1:  # ZeRO-3's gathers
@@ -245,7 +287,9 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
     memory = [0.0] * p
     # a stage holding blocks also holds one block's recomputed values during its backward
     peak = lc.block.peak(setup.recompute)
-    stage_memory = [_state_memory(lc, setup, state[j], elems[j]) + act[j] * flight[j]
+    experts = _expert_setup(setup)  # (the experts' state: sharded over the dp / ep ranks)
+    stage_memory = [_state_memory(lc, setup, state[j] - xstate[j], elems[j] - xelems[j])
+                    + _state_memory(lc, experts, xstate[j], xelems[j]) + act[j] * flight[j]
                     + (counts[j] > 0) * peak for j in range(stages)]
     if setup.zero == 3 and setup.dp > 1 and p == 1:  # the gathered layers, one unreduced grad
         stage_memory = [m + _regathered_bytes(lc) for m in stage_memory]
@@ -257,7 +301,12 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
         memory = [mem + 2 * max(elems[j] for j in range(r, stages, p)) * lc.param_itemsize
                   for r, mem in enumerate(memory)]
     comm = m * max(rank(_comm_per_stage(lc, counts, setup.recompute)))
-    dp_s, tied_s, opt_s = _step_end(lc, setup, max(rank(elems)), topology)
+    held = max(range(p), key=lambda r: rank(elems)[r])
+    x = rank(xelems)[held]
+    dp_s, tied_s, opt_s = _step_end(lc, setup, rank(elems)[held] - x, topology)
+    if x:  # the experts' gradients, over the ranks holding the same experts
+        dp_x, _, opt_x = _step_end(lc, experts, x, topology, outer=setup.ep, tied=False)
+        dp_s, opt_s = dp_s + dp_x, opt_s + opt_x
     if setup.grad_sync == "microbatch" and p > 1:
         dp_s = 0.0  # reduced inside every microbatch's backward (in fw, bw above)
     parts = {"pipeline_s": pipe, "bubble_s": pipe - m * max(busy), "dp_comm_s": dp_s,
@@ -307,11 +356,22 @@ def _gather_per_microbatch(lc: LayerCosts, setup: Setup, elements: list[float],
     return out_f, out_b
 
 
-def _step_end(lc: LayerCosts, setup: Setup, elements: float, topology: Topology
-              ) -> tuple[float, float, float]:
+def _expert_setup(setup: Setup) -> Setup:
+    """The setup the experts' parameters see: replicated (and ZeRO-sharded) over the dp / ep
+    ranks that hold the same experts."""
+    if setup.ep == 1:
+        return setup
+    return dataclasses.replace(setup, dp=setup.dp // setup.ep, ep=1, dp_shard=0)
+
+
+def _step_end(lc: LayerCosts, setup: Setup, elements: float, topology: Topology,
+              outer: int = 1, tied: bool = True) -> tuple[float, float, float]:
     """Seconds of what follows the pipeline once per step: the data-parallel gradient reduction,
-    the tied weight's gradient sum and the optimizer, for the rank holding ``elements``."""
+    the tied weight's gradient sum (``tied``) and the optimizer, for the rank holding
+    ``elements``; ``outer``: the dp ranks lie that many times further apart (the experts'
+    replicas, across the ep groups)."""
     grad_bytes = elements * lc.param_itemsize
+    stride = setup.cp * setup.tp * outer  # of the dp axis
     # one gradient reduction per step over dp (stride tp); ZeRO-1 does it as reduce-scatter plus
     # all-gather of the parameters, the same bytes ([ZERO]); hybrid sharding reduce-scatters
     # within its shard group (stride tp) and all-reduces the shard across the groups
@@ -320,19 +380,19 @@ def _step_end(lc: LayerCosts, setup: Setup, elements: float, topology: Topology
         # in a pipeline, for every microbatch (in its stage times: _gather_per_microbatch)
         gathers = 0 if setup.grad_sync == "regathered" else 2 if setup.zero == 3 else 1
         g = setup.shard
-        dp_s = (axis_collective_time("reduce_scatter", grad_bytes, g, setup.cp * setup.tp, topology)
-                + gathers * axis_collective_time("all_gather", grad_bytes, g, setup.cp * setup.tp, topology))
+        dp_s = (axis_collective_time("reduce_scatter", grad_bytes, g, stride, topology)
+                + gathers * axis_collective_time("all_gather", grad_bytes, g, stride, topology))
         if g < setup.dp:
             dp_s += axis_collective_time("all_reduce", grad_bytes / g, setup.dp // g,
-                                         g * setup.cp * setup.tp, topology)
+                                         g * stride, topology)
     else:
-        dp_s = axis_collective_time("all_reduce", grad_bytes, setup.dp, setup.cp * setup.tp, topology)
+        dp_s = axis_collective_time("all_reduce", grad_bytes, setup.dp, stride, topology)
     if setup.cp > 1:  # then over cp (stride tp): the parameters are whole on it, the gradients
         # partial, each rank's share reduced there (the shard's, under ZeRO)
         dp_s += axis_collective_time("all_reduce", grad_bytes / (setup.shard if setup.zero else 1),
                                      setup.cp, setup.tp, topology)
     tied_s = 0.0
-    if setup.pp > 1 and lc.tied_elements:  # the first and last stage sum the tied weight's grad
+    if tied and setup.pp > 1 and lc.tied_elements:  # the first and last stage sum the tied weight's grad
         tied_s = axis_collective_time("all_reduce", lc.tied_elements * lc.param_itemsize, 2,
                                       setup.dp * setup.cp * setup.tp, topology)
     opt_s = optimizer_step_time(elements / (setup.shard if setup.zero else 1), lc.optimizer, topology)

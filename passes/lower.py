@@ -35,7 +35,7 @@ from autopar.passes.overlap import overlap_collectives, prefetch_gathers
 from autopar.capture.layers import is_backward
 from autopar.capture.remat import REGATHER, TAG, marked
 from autopar.passes.recompute import recompute_pass
-from autopar.passes import seq_attention
+from autopar.passes import experts as expert_ops, seq_attention
 from autopar.plan import Plan
 from autopar.strategies import fused
 from autopar.strategies.reshard import local_shape, reshard_steps
@@ -196,6 +196,9 @@ class _Interpreter:
                              [placements_of(o) if o is not None else None for o in choice.outputs]):
             outs = [placements_of(o) for o in choice.outputs]
             return fused.run_local(n.target, args, outs, self.mesh, n.meta["val"])
+        if expert_ops.needs_local(n.target, [placements_of(p) for p in choice.inputs]):
+            return expert_ops.run_local(n, args, [placements_of(o) for o in choice.outputs],
+                                        self.mesh)
         if seq_attention.needs_local(n.target, [placements_of(p) for p in choice.inputs], n.args):
             return seq_attention.run_local(n, args, kwargs, [placements_of(o) for o in choice.outputs],
                                            self.mesh)

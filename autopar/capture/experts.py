@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn as nn
 
+from autopar.capture.moe import experts_block_form, experts_forward
+
 __all__ = ["expert_block", "grouped_mm", "grouped_mm_backward", "static_expert_blocks",
            "sorted_by_expert"]
 
@@ -100,6 +102,8 @@ def static_expert_blocks(model: nn.Module) -> Iterator[list[str]]:
     try:
         for name, m in model.named_modules():
             fn = _BLOCKS.get(type(m).__name__)
+            if fn is None and experts_block_form(m) is not None:
+                fn = experts_forward  # transformers' experts form: one op (capture.moe)
             if fn is not None:
                 patched.append((m, m.__dict__.get("forward")))
                 m.forward = types.MethodType(fn, m)

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from autopar._torch_private import OpOverload
 
-__all__ = ["PRE", "POST", "WRAP", "aten_ops", "block_fingerprint", "block_prefix", "identical_blocks",
+__all__ = ["PRE", "POST", "WRAP", "aten_ops", "block_fingerprint", "block_prefix", "identical_blocks", "leading_blocks",
            "is_backward", "is_op", "layer_units", "module_paths", "node_phase"]
 
 PRE = "pre"
@@ -100,6 +100,24 @@ def identical_blocks(model: nn.Module) -> tuple[str | None, int, int]:
     blocks = model.get_submodule(prefix)
     children = list(blocks) if isinstance(blocks, (nn.ModuleList, nn.Sequential)) else []
     return prefix, len(children), len({block_fingerprint(b) for b in children})
+
+
+def leading_blocks(model: nn.Module) -> int:
+    """How many of the repeated blocks, at the front of the list, differ from the rest when the
+    rest (two or more) are identical: 0 when all are alike, the count of a leading run (such as
+    DeepSeek-V3's dense first layers before its MoE layers), -1 for any other mix."""
+    prefix = block_prefix([n for n, _ in model.named_parameters(remove_duplicate=False)])
+    if prefix is None:
+        return -1
+    blocks = model.get_submodule(prefix)
+    prints = [block_fingerprint(b) for b in blocks] if isinstance(
+        blocks, (nn.ModuleList, nn.Sequential)) else []
+    if not prints:
+        return -1
+    lead = len(prints)
+    while lead > 0 and prints[lead - 1] == prints[-1]:
+        lead -= 1
+    return lead if len(prints) - lead >= 2 else -1
 
 
 def layer_units(nodes: Sequence[fx.Node], prefix: str | None,

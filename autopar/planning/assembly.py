@@ -65,7 +65,8 @@ def _axis_roles(traced: TracedGraph, space: StrategySpace, res: IntraOpResult,
                          f"device on it repeats the same work (the model is too small to gain); "
                          f"{cand.names[axis]}=1 on {math.prod(cand.shape) // size} device(s) "
                          f"would cost the same")
-    return {"dp": dp, "tp": tp, "pp": 1, "cp": cp}, notes
+    ep = math.prod(cand.shape[a] for a in cand.ep_axes)  # (data-parallel axes too)
+    return {"dp": dp, "tp": tp, "pp": 1, "cp": cp, "ep": ep}, notes
 
 
 def build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate,

@@ -16,14 +16,16 @@ __all__ = ['Candidate', 'HSDP_AXES', 'memory_techniques', 'mesh_candidates']
 class Candidate:
     """A logical mesh of one pipeline stage: its axes' sizes and names, the axes the batch is
     split over (``dp_axes``), if not all of those, the ones ZeRO shards parameters over
-    (``shard_axes``: hybrid sharding's inner data axis), and the context-parallel axis the
-    sequence is split over (``cp_axes``)."""
+    (``shard_axes``: hybrid sharding's inner data axis), the context-parallel axis the
+    sequence is split over (``cp_axes``) and the data axis the experts of MoE layers are split
+    over (``ep_axes``)."""
 
     shape: tuple[int, ...]
     names: tuple[str, ...]
     dp_axes: tuple[int, ...]
     shard_axes: tuple[int, ...] | None = None
     cp_axes: tuple[int, ...] = ()
+    ep_axes: tuple[int, ...] = ()
 
     @property
     def zero_axes(self) -> tuple[int, ...]:
@@ -35,12 +37,15 @@ class Candidate:
 HSDP_AXES = ("dp_replicate", "dp_shard")
 
 
-def mesh_candidates(world: int, config: Config) -> list[Candidate]:
+def mesh_candidates(world: int, config: Config, experts: bool = False) -> list[Candidate]:
     """Logical meshes to try: (dp, cp, tp) factorisations of ``world`` allowed by the config
     (``world`` is the devices of one pipeline stage; cp is ``Config.cp``, 1 when ``None``);
     with ``Config.dp_shard`` smaller than dp, the dp axis is cut into (``dp_replicate``,
-    ``dp_shard``), the shard groups being consecutive ranks (inside a node first). Axes run
-    data, context, tensor (outermost first), as Megatron-LM orders them."""
+    ``dp_shard``), the shard groups being consecutive ranks (inside a node first); with an
+    expert-parallel degree ep > 1 (``Config.ep``, or when None and the model has ``experts``,
+    each divisor of dp), into (``dp``, ``ep``), the ep groups consecutive ranks, an axis of size
+    1 left out. Axes run data, context, tensor (outermost first), as Megatron-LM orders
+    them."""
     cp = config.cp or 1
     if world % cp:
         raise PlanError(f"Config(cp={cp}) does not divide the {world} devices of a stage; use a "
@@ -63,16 +68,38 @@ def mesh_candidates(world: int, config: Config) -> list[Candidate]:
             data = ((dp,), ("dp",) if dp > 1 else ("tp",), (0,) if dp > 1 else (), None)
         else:
             data = ((), (), (), None)
-        shape, names, dp_axes, shard_axes = data
         ctx = ((cp,), ("cp",)) if cp > 1 else ((), ())
         tail = ((tp,), ("tp",)) if tp > 1 else ((), ())
-        out.append(Candidate((*shape, *ctx[0], *tail[0]), (*names, *ctx[1], *tail[1]), dp_axes,
-                             shard_axes, (len(shape),) if cp > 1 else ()))
+        for shape, names, dp_axes, shard_axes, ep_axes in _expert_splits(data, dp, config, experts):
+            out.append(Candidate((*shape, *ctx[0], *tail[0]), (*names, *ctx[1], *tail[1]),
+                                 dp_axes, shard_axes, (len(shape),) if cp > 1 else (), ep_axes))
     if not out:
         raise PlanError(
             f"no (dp, tp) with dp * tp = {world // cp} devices (with cp={cp}) matches "
-            f"Config(dp={config.dp}, tp={config.tp}); choose degrees whose product is the mesh "
+            f"Config(dp={config.dp}, tp={config.tp}, ep={config.ep}); choose degrees whose product is the mesh "
             f"size, or leave them None.")
+    return out
+
+
+def _expert_splits(data: tuple, dp: int, config: Config, experts: bool) -> list[tuple]:
+    """The data axes ``data`` (shape, names, dp axes, shard axes) as they are (ep = 1), or with
+    dp cut into (``dp``, ``ep``) for each expert-parallel degree ``Config.ep`` allows."""
+    if config.ep is not None and config.ep > 1:
+        if dp % config.ep:
+            return []
+        degrees = [config.ep]
+    elif config.ep is None and experts and data[2] == (0,) and data[1] == ("dp",):
+        degrees = [1] + [e for e in range(2, dp + 1) if dp % e == 0]
+    else:
+        degrees = [1]
+    out = []
+    for ep in degrees:
+        if ep == 1:
+            out.append((*data, ()))
+        elif ep == dp:
+            out.append(((ep,), ("ep",), (0,), None, (0,)))
+        else:
+            out.append(((dp // ep, ep), ("dp", "ep"), (0, 1), None, (1,)))
     return out
 
 

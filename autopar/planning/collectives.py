@@ -13,6 +13,7 @@ import numpy as np
 import torch.fx as fx
 
 from autopar.cost_models.comm import axis_collective_time
+from autopar.cost_models.experts import experts_exchanges
 from autopar.cost_models.overlap import Comm
 from autopar.cost_models.sharding import step_end_buckets
 from autopar.graph import TracedGraph, output_moves
@@ -21,6 +22,7 @@ from autopar.placements import from_str
 from autopar.plan import Collective, NodePlan
 from autopar.capture.layers import node_phase
 from autopar.capture.remat import GatherRuns, gather_bucket_key, is_random
+from autopar.strategies.rules import EXPERT_OPS
 from autopar.strategies.space import tensor_inputs
 from autopar.strategies.reshard import reshard_steps
 
@@ -69,11 +71,13 @@ class _Walk:
                              self.shape)
 
     def add(self, kind: str, axis: int, nbytes: float, phase: str, layer: str, consumer: str,
-            who: str, start_after: str | None, gather: Any = None, bucket: bool = False) -> None:
+            who: str, start_after: str | None, gather: Any = None, bucket: bool = False,
+            priced: bool = True) -> None:
         """One collective; ``gather``: the dtype of a ZeRO parameter gather, issued where
         :class:`~autopar.capture.remat.GatherRuns` says; ``bucket``: merged with the gathers
         next to it by :func:`~autopar.capture.remat.gather_bucket_key` (:func:`_merge_buckets`:
-        a gather reading no other collective's result, as ``passes.gather_buckets`` merges)."""
+        a gather reading no other collective's result, as ``passes.gather_buckets`` merges);
+        ``priced`` False: one an op runs inside itself, whose time its node's compute holds."""
         index = len(self.res.comms)
         key = (index, 0, index)
         if gather is not None:
@@ -83,7 +87,7 @@ class _Walk:
         self.res.collectives.append(Collective(kind, self.names[axis], int(nbytes), phase, layer,
                                                consumer))
         t = axis_collective_time(kind, nbytes, self.shape[axis], self.strides[axis],
-                                 self.mesh.topology)
+                                 self.mesh.topology) if priced else 0.0
         self.res.total_s += t
         self.res.forward_s += t if phase == "forward" else 0.0
         self.res.per_node[who] = self.res.per_node.get(who, 0.0) + t
@@ -210,6 +214,14 @@ def step_collectives(traced: TracedGraph, shape: Sequence[int], names: Sequence[
                     walk.regather(a, tuple(dst), layer, n.name)
                 else:
                     walk.move(a, dst, phase, layer, n.name)
+            if n.target in EXPERT_OPS:  # (its all-to-alls, inside it, priced as its compute)
+                val = tensor_inputs(n)[0].meta["val"]
+                for kind, axis, nbytes in experts_exchanges(
+                        n.target, [tuple(map(from_str, p)) for p in nodes[n.name].inputs],
+                        [tuple(a.meta["val"].shape) for a in tensor_inputs(n)],
+                        val.element_size(), walk.shape):
+                    walk.add(kind, axis, nbytes, phase, layer, n.name, n.name, walk.previous,
+                             priced=False)
             if n.name in walk.prefetch and phase == "forward":
                 walk.note_chain(n)
             if n.name in early:

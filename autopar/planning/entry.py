@@ -43,6 +43,7 @@ from autopar.solver.ilp import InfeasibleMemoryError, format_bytes
 from autopar.planning.pipeline import ModelFacts, PipelineSetup, build_pipeline_plan
 from autopar.planning.assembly import traced_flops
 from autopar.planning.candidates import HSDP_AXES, mesh_candidates
+from autopar.capture.moe import has_expert_blocks
 from autopar.planning.per_unit import make_plan
 from autopar.planning.solve import solve_candidate
 from autopar.planning.search import (
@@ -71,6 +72,10 @@ def plan_model(model: nn.Module, mesh: Mesh, example_inputs: Any, config: Config
     """The plan of ``model`` on ``mesh`` (module docstring); ``traced``: the model's whole
     capture when the caller has one (it is made here only when a path needs it)."""
     t0 = time.perf_counter()
+    if config.ep not in (None, 1) and not has_expert_blocks(model):
+        raise PlanError(f"Config(ep={config.ep}) splits the experts of mixture-of-experts layers, "
+                        f"and {type(model).__name__} has none that autopar can split (transformers' "
+                        f"experts modules without biases: autopar.capture.moe). Leave ep None.")
     reason = search_unsupported(model, example_inputs, mesh, config)
     plan = None
     if reason is None:
@@ -125,7 +130,8 @@ def _check_forced(plan: Plan, config: Config) -> None:
     # a forced degree is the size of the mesh axis of that name (the solver may use a tp axis
     # to split the batch too: plan.degrees says what each axis does, the mesh what was asked)
     sizes = dict(zip(plan.axis_names, plan.mesh_shape))
-    held |= {k: sizes.get(k, 1) for k in ("dp", "tp", "pp", "cp")}
+    held |= {k: sizes.get(k, 1) for k in ("dp", "tp", "pp", "cp", "ep")}
+    held["dp"] *= held["ep"]  # (the ep axis is cut out of dp)
     if HSDP_AXES[0] in sizes:  # (hybrid sharding cuts dp in two axes)
         held["dp"] = math.prod(sizes[a] for a in HSDP_AXES)
     held["bucket_bytes"] = plan.techniques.get("bucket_bytes")
@@ -202,7 +208,7 @@ def _realize_ranked(result: SearchResult, model: nn.Module, mesh: Mesh, example_
     small = _blocks(model) * mesh.size <= PER_UNIT_FALLBACK_LIMIT
     whole = [traced]
     done: list[tuple[Plan, StepCost, float]] = []
-    degrees: set[tuple[int, int, int, int]] = set()
+    degrees: set[tuple[int, ...]] = set()
     budget = _budget(config, mesh)
     excess = 1.0  # the most the per-operator memory exceeded the search's, in failed setups
     before = len(failed)
@@ -211,7 +217,8 @@ def _realize_ranked(result: SearchResult, model: nn.Module, mesh: Mesh, example_
         if len(failed) - before + len(done) >= REALIZE_TRIES or (done and not small) \
                 or len(degrees) >= COMPARED_DEGREES:
             break
-        if (st.dp, st.tp, st.pp, st.cp) in degrees or max(cost.rank_memory_bytes) * excess > budget:
+        if (st.dp, st.tp, st.pp, st.cp, st.ep) in degrees or \
+                max(cost.rank_memory_bytes) * excess > budget:
             continue
         t0 = time.perf_counter()
         try:
@@ -225,7 +232,7 @@ def _realize_ranked(result: SearchResult, model: nn.Module, mesh: Mesh, example_
             if progress:
                 progress(f"setup {st.describe()} cannot be placed per operator: {_first_line(e)}")
             continue
-        degrees.add((st.dp, st.tp, st.pp, st.cp))
+        degrees.add((st.dp, st.tp, st.pp, st.cp, st.ep))
         elapsed = time.perf_counter() - t0
         if progress:
             progress(f"per-operator placements of {st.describe()} solved in {elapsed:.1f} s: "
@@ -253,7 +260,7 @@ def _realize(cost: StepCost, model: nn.Module, mesh: Mesh, example_inputs: Any, 
     st = cost.setup
     concrete = _concrete(config, cost)
     budget = _budget(config, mesh)
-    pinned = dataclasses.replace(config, dp=st.dp, tp=st.tp, pp=None, cp=st.cp,
+    pinned = dataclasses.replace(config, dp=st.dp, tp=st.tp, pp=None, cp=st.cp, ep=st.ep,
                                  dp_shard=st.dp_shard or config.dp_shard)
     if st.pp == 1:
         if whole[0] is None:
@@ -268,7 +275,7 @@ def _realize(cost: StepCost, model: nn.Module, mesh: Mesh, example_inputs: Any, 
             "mfu": mfu(flops, step, mesh.size, mesh.topology, dtype)})
     cand = mesh_candidates(mesh.size // st.pp, pinned)[0]
     stage_of_block = [j for j, n in enumerate(cost.blocks_per_stage) for _ in range(n)]
-    stage_of_unit = (0, *stage_of_block, st.pp * st.virtual_stages - 1)
+    stage_of_unit = (0, *[0] * layers.lead, *stage_of_block, st.pp * st.virtual_stages - 1)
     setup = PipelineSetup(st.pp, cand, st.microbatches, st.schedule, st.virtual_stages,
                           stage_of_unit, cost.step_time_s, max(cost.rank_memory_bytes),
                           tuple(cost.stage_memory_bytes))
@@ -288,7 +295,7 @@ def _logical_mesh(cost: StepCost) -> dict[str, tuple]:
     of one device when both are 1)."""
     st = cost.setup
     data = [(HSDP_AXES[0], st.dp // st.dp_shard), (HSDP_AXES[1], st.dp_shard)] if st.dp_shard \
-        else [("dp", st.dp)]
+        else [("dp", st.dp // st.ep), ("ep", st.ep)]
     axes = [(n, d) for n, d in (*data, ("cp", st.cp), ("tp", st.tp)) if d > 1] or [("tp", 1)]
     if st.pp > 1:
         axes.insert(0, ("pp", st.pp))
@@ -301,7 +308,8 @@ def _record_search(plan: Plan, cost: StepCost, result: SearchResult, failed: lis
     ``top_k`` setups as alternatives, the search's counts and timings."""
     st = cost.setup
     alts = tuple({"setup": c.setup.describe(),
-                  "degrees": {"dp": c.setup.dp, "tp": c.setup.tp, "pp": c.setup.pp, "cp": c.setup.cp},
+                  "degrees": {"dp": c.setup.dp, "tp": c.setup.tp, "pp": c.setup.pp, "cp": c.setup.cp,
+                              "ep": c.setup.ep},
                   **_logical_mesh(c), "step_time_s": float(c.step_time_s),
                   "peak_memory_bytes": float(max(c.rank_memory_bytes))}
                  for c in result.ranked if c is not cost)[:top_k]

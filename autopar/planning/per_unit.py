@@ -20,6 +20,7 @@ from autopar.solver.ilp import InfeasibleMemoryError, format_bytes
 __all__ = ['make_plan']
 
 
+from autopar.strategies.rules import EXPERT_OPS
 from autopar.planning.candidates import Candidate, memory_techniques, mesh_candidates
 from autopar.planning.pipeline import ModelFacts, build_pipeline_plan, search_pipeline
 from autopar.planning.assembly import utilization
@@ -77,7 +78,8 @@ def _make_plan(traced: TracedGraph, mesh: Mesh, config: Config,
     ``flat`` False skips the plans without a pipeline."""
     budget = config.memory_bytes if config.memory_bytes is not None else mesh.topology.memory_bytes
     results, infeasible, unplaceable = [], [], []
-    cands = mesh_candidates(mesh.size, config) if config.pp in (None, 1) and flat else []
+    experts = any(n.target in EXPERT_OPS for n in traced.gm.graph.nodes)
+    cands = mesh_candidates(mesh.size, config, experts) if config.pp in (None, 1) and flat else []
     for cand in cands:
         try:
             plan = solve_candidate(traced, mesh, config, cand, cost_passes, budget)

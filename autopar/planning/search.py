@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import Shard
 
 from autopar.capture import model_fingerprint
 from autopar.config import Config
@@ -35,17 +36,22 @@ from autopar.cost_models.training_step import (
 )
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
+from autopar.capture.moe import experts_block_form
 from autopar.capture.remat import is_random, recompute_nodes
 from autopar.capture.layers import (
-    block_fingerprint, block_prefix, identical_blocks, is_backward, layer_units,
+    block_fingerprint, block_prefix, identical_blocks, is_backward, layer_units, leading_blocks,
 )
 from autopar.planning.pipeline import batch_size, chosen_comm, unflatten_inputs
 from autopar.planning.candidates import Candidate
 from autopar.planning.solve import solve_space, unpinned_space
+from autopar.cost_models.experts import experts_exchanges
+from autopar.strategies.reshard import local_shape
+from autopar.strategies.rules import EXPERT_OPS
+from autopar.strategies.space import tensor_inputs
 from autopar.capture.stages import capture_with_forward, microbatch_inputs
 
 __all__ = ["CP_MAX", "CP_MIN_SEQUENCE", "LayerSolver", "SearchResult", "candidate_setups",
-           "cp_degrees", "layer_costs", "model_flops", "sequence_length",
+           "cp_degrees", "ep_degrees", "layer_costs", "model_flops", "sequence_length",
            "pipelines_always", "pruned_examples", "search", "search_unsupported", "tp_degrees",
            "zero_stages", "TP_ACROSS_NODES_MAX"]
 
@@ -96,14 +102,20 @@ class LayerSolver:
         self.mesh, self.cost_passes = mesh, cost_passes
         self.example_inputs = example_inputs
         self.batch = batch_size(example_inputs)
-        self.model, self.prefix, self.num_blocks = _two_block_copy(model)
-        block = repr(block_fingerprint(model.get_submodule(self.prefix)[0])).encode()
-        self.fingerprint = (f"{type(model).__name__}:{self.num_blocks}x"
+        # (num_blocks: the repeated blocks after the ``lead`` leading ones that differ)
+        self.model, self.prefix, self.num_blocks, self.lead = _two_block_copy(model)
+        block = repr([block_fingerprint(b) for b in
+                      list(model.get_submodule(self.prefix))[:self.lead + 1]]).encode()
+        self.fingerprint = (f"{type(model).__name__}:{self.lead}+{self.num_blocks}x"
                             f"{hashlib.sha256(block).hexdigest()[:12]}")
         self.traces: dict[int, tuple[Any, Any]] = {}
         self.solved: dict[tuple[int, int, bool, int], LayerCosts] = {}
         self.spaces: dict[tuple[int, int, int], Any] = {}
         self.seq = sequence_length(example_inputs)
+        # the experts of the model's MoE layers (the fewest, if they differ), 0 without
+        counts = [getattr(m, "num_experts", 0) for m in model.modules()
+                  if experts_block_form(m) is not None]
+        self.num_experts = min(counts) if counts else 0
         self.trace_s = self.solve_s = 0.0
 
     def costs(self, tp: int, b: int, sp: bool, cp: int = 1) -> LayerCosts:
@@ -124,7 +136,8 @@ class LayerSolver:
                                             sequence_parallel=sp if tp > 1 else None,
                                             base_space=self.spaces[(b, tp, cp)])
             self.solved[key] = layer_costs(traced, fwd, space, costs, res.choice, self.num_blocks,
-                                           self.config.optimizer, (tp if sp else 1) * cp)
+                                           self.config.optimizer, (tp if sp else 1) * cp,
+                                           self.lead)
             self.solve_s += time.perf_counter() - t0
         return self.solved[key]
 
@@ -175,19 +188,22 @@ class LayerSolver:
         return self.traces[b]
 
 
-def _two_block_copy(model: nn.Module) -> tuple[nn.Module, str, int]:
-    """A shallow copy of ``model`` whose block list holds its first two blocks (the weights are
-    shared, not copied), the list's path and the model's number of blocks."""
+def _two_block_copy(model: nn.Module) -> tuple[nn.Module, str, int, int]:
+    """A shallow copy of ``model`` whose block list holds its leading blocks that differ from
+    the rest (:func:`~autopar.capture.layers.leading_blocks`, none for most models) and two of
+    the repeated ones (the weights are shared, not copied), the list's path, the model's number
+    of repeated blocks and of leading ones."""
     prefix = block_prefix([n for n, _ in model.named_parameters(remove_duplicate=False)])
     if prefix is None:
         raise PlanError(f"the cluster search prices a model by its repeated blocks (an "
                         f"nn.ModuleList of layers); {type(model).__name__} has none. Plan it with "
                         f"autopar.plan(model, mesh, example_inputs) instead.")
     blocks = model.get_submodule(prefix)
-    prints = {block_fingerprint(b) for b in blocks}
-    if len(prints) > 1:
-        raise PlanError(f"the blocks of {prefix!r} differ ({len(prints)} kinds); the cluster "
-                        f"search needs identical blocks. Plan it with autopar.plan(...) instead.")
+    lead = leading_blocks(model)
+    if lead < 0:
+        raise PlanError(f"the blocks of {prefix!r} differ other than in a leading run; the "
+                        f"cluster search needs identical blocks after the first few. Plan it "
+                        f"with autopar.plan(...) instead.")
     parts = prefix.split(".")
     root = _shallow(model)
     parent = root
@@ -195,8 +211,8 @@ def _two_block_copy(model: nn.Module) -> tuple[nn.Module, str, int]:
         child = _shallow(parent._modules[name])
         parent._modules[name] = child
         parent = child
-    parent._modules[parts[-1]] = nn.ModuleList(list(blocks)[:2])
-    return root, prefix, len(blocks)
+    parent._modules[parts[-1]] = nn.ModuleList(list(blocks)[:lead + 2])
+    return root, prefix, len(blocks) - lead, lead
 
 
 def _shallow(module: nn.Module) -> nn.Module:
@@ -206,15 +222,17 @@ def _shallow(module: nn.Module) -> nn.Module:
 
 
 def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str, int],
-                num_blocks: int, optimizer: str, seq_shards: int) -> LayerCosts:
-    """Per-unit costs of a two-block trace's ILP solution (unit 2, the second block, stands for
-    every block); ``seq_shards``: the tp degree when the block input is sequence-sharded."""
+                num_blocks: int, optimizer: str, seq_shards: int, lead: int = 0) -> LayerCosts:
+    """Per-unit costs of a two-block trace's ILP solution (the second repeated block stands for
+    every block; ``lead`` leading blocks that differ count in ``pre``); ``seq_shards``: the tp
+    degree when the block input is sequence-sharded."""
 
     nodes = list(traced.gm.graph.nodes)
-    units, unit_of = layer_units(nodes, fwd.units[1].rsplit(".", 1)[0], 2)
+    units, unit_of = layer_units(nodes, fwd.units[1].rsplit(".", 1)[0], lead + 2)
     backward = {n.name for n in nodes if is_backward(n)}
     acc = [dict(f=0.0, b=0.0, fc=0.0, bc=0.0, state=0.0, act=0.0, elems=0.0, attn_f=0.0,
-                attn_b=0.0, rand=0.0) for _ in units]
+                attn_b=0.0, rand=0.0, xelems=0.0, xstate=0.0, xf=(), xb=()) for _ in units]
+    experts = _expert_weights(nodes)
     seq = _seq_len(traced)
     params = {p.node: p for p in traced.params}
     by_name = {p.name: p for p in traced.params}
@@ -234,11 +252,18 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
             for u in users or {0}:
                 acc[u]["state"] += state
                 acc[u]["elems"] += elems
+                if n.name in experts:  # (split over ep in closed form: training_step)
+                    acc[u]["xstate"] += state
+                    acc[u]["xelems"] += elems
             if p.tied_to is not None or len(users) > 1:  # held by two units
                 tied_state, tied_elems = tied_state + state, tied_elems + elems
             continue
         a = acc[unit_of.get(n.name, len(units) - 1)]
         a["b" if n.name in backward else "f"] += costs.compute[n.name][i]
+        if n.target in EXPERT_OPS:
+            key = "xb" if n.name in backward else "xf"
+            a[key] = a[key] + _exchange_bytes(n, space.nodes[n.name].strategies[i],
+                                              space.mesh_shape)
         a["act"] += costs.memory[n.name][i]
         if n.name not in backward and is_random(n):
             a["rand"] += costs.memory[n.name][i]
@@ -250,12 +275,45 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
     peaks = _recompute_peaks(traced, space, choice, unit_of)
     unit = lambda a, u: UnitCosts(  # noqa: E731
         a["f"] + a["fc"], a["b"] + a["bc"], a["fc"], a["bc"], a["state"], a["act"], a["elems"],
-        a["attn_f"], a["attn_b"], a["rand"], tuple((p, v.get(u, 0.0)) for p, v in peaks.items()))
+        a["attn_f"], a["attn_b"], a["rand"], tuple((p, v.get(u, 0.0)) for p, v in peaks.items()),
+        a["xelems"], a["xstate"], a["xf"], a["xb"])
     boundary = _boundary_bytes(fwd)
     itemsize = traced.params[0].dtype.itemsize if traced.params else 4
-    return LayerCosts(unit(acc[0], 0), unit(acc[2], 2), unit(acc[-1], len(units) - 1), num_blocks,
+    pre = acc[0]
+    for a in acc[1:lead + 1]:  # (the leading blocks run where pre does: the first stage)
+        pre = {k: pre[k] + a[k] for k in pre}
+    pre_peaks = {p: {0: max(v.get(u, 0.0) for u in range(lead + 1))} for p, v in peaks.items()}
+    return LayerCosts(unit(pre, 0) if not lead else _unit_with(unit(pre, 0), pre_peaks),
+                      unit(acc[lead + 2], lead + 2), unit(acc[-1], len(units) - 1), num_blocks,
                       tied_state, tied_elems,
                       boundary, boundary / seq_shards, itemsize, optimizer)
+
+
+def _unit_with(u: UnitCosts, peaks: dict[str, dict[int, float]]) -> UnitCosts:
+    """``u`` with the recomputation peaks of unit 0 in ``peaks``."""
+    return dataclasses.replace(u, recompute_peak_bytes=tuple((p, v[0]) for p, v in peaks.items()))
+
+
+def _expert_weights(nodes: Sequence[Any]) -> set[str]:
+    """The placeholders the MoE experts ops read as expert weights."""
+    out = set()
+    for n in nodes:
+        if n.target in EXPERT_OPS:
+            ins = tensor_inputs(n)
+            first = EXPERT_OPS[n.target][1]
+            out |= {a.name for a in ins[first:first + 2] if a.op == "placeholder"}
+    return out
+
+
+def _exchange_bytes(n: Any, strategy: Any, mesh_shape: Sequence[int]) -> tuple[float, ...]:
+    """The bytes a rank sends in each all-to-all of experts op ``n`` once its experts are split
+    over an ep axis (the same for any ep: every pair is sent; ``cost_models.experts``), at the
+    rank's tokens under ``strategy``."""
+    ins = tensor_inputs(n)
+    shapes = [local_shape(a.meta["val"].shape, p, mesh_shape) for a, p in zip(ins, strategy.inputs)]
+    split = [(Shard(0),)] * len(ins)
+    return tuple(b for _, _, b in experts_exchanges(n.target, split, shapes,
+                                                    ins[0].meta["val"].element_size(), (1,)))
 
 
 def _recompute_peaks(traced: Any, space: Any, choice: dict[str, int],
@@ -309,9 +367,10 @@ def _boundary_bytes(fwd: Any) -> float:
 def candidate_setups(num_devices: int, gpus_per_node: int, batch: int, num_blocks: int,
                      config: Config, tp_max: int | None = None,
                      replica_microbatches: Sequence[int] | None = None,
-                     seq: int | None = None) -> Iterator[Setup]:
+                     seq: int | None = None, experts: int = 0) -> Iterator[Setup]:
     """Every setup allowed by ``config``: (dp, tp, pp, cp) with tp dividing a node, cp of
-    :func:`cp_degrees` for a sequence of ``seq`` tokens, microbatch size
+    :func:`cp_degrees` for a sequence of ``seq`` tokens, ep of :func:`ep_degrees` for MoE
+    layers of ``experts`` experts, microbatch size
     ``b`` a power of two up to 8 dividing the per-replica batch (Megatron-LM's range, SC'21
     Fig. 7) with a pipeline, the whole per-replica batch without one (the runtime does not
     accumulate gradients over microbatches without a pipeline), schedules, recomputation,
@@ -340,13 +399,16 @@ def candidate_setups(num_devices: int, gpus_per_node: int, batch: int, num_block
                         for zero, shard in _sharding(config, dp, pp):
                             # (with cp, the sequence is split already: no sp on tp too)
                             for sp in (False, True) if tp > 1 and cp == 1 else (False,):
-                                if _allowed(config, recompute=rc, sequence_parallel=sp):
-                                    # the runtime reduces a pipeline's gradients once a step
-                                    # (runtime.pipeline, every schedule), with ZeRO-1 as
-                                    # reduce-scatter and a gather of the parameters
+                                if not _allowed(config, recompute=rc, sequence_parallel=sp):
+                                    continue
+                                # the runtime reduces a pipeline's gradients once a step
+                                # (runtime.pipeline, every schedule), with ZeRO-1 as
+                                # reduce-scatter and a gather of the parameters
+                                eps = ep_degrees(config, dp, experts)
+                                for ep in eps if not shard else [e for e in eps if e == 1]:
                                     yield Setup(dp, tp, pp, b, m, schedule, v, rc, zero, sp,
                                                 grad_sync=_grad_sync(zero, pp), dp_shard=shard,
-                                                cp=cp)
+                                                cp=cp, ep=ep)
 
 
 # the shortest sequence for which the search tries context parallelism when Config.cp is None.
@@ -368,6 +430,15 @@ def cp_degrees(config: Config, seq: int | None, devices: int) -> list[int]:
         return [1]
     return [1] + [c for c in (2, 4, 8, 16, 32) if c <= CP_MAX and devices % c == 0
                   and seq % (2 * c) == 0]
+
+
+def ep_degrees(config: Config, dp: int, experts: int) -> list[int]:
+    """The expert-parallel degrees searched for ``dp`` replicas and MoE layers of ``experts``
+    experts (0: none): ``Config.ep`` when set (if it divides dp), else 1 and every divisor of
+    dp that splits the experts evenly."""
+    if config.ep is not None:
+        return [config.ep] if dp % config.ep == 0 and (config.ep == 1 or experts) else []
+    return [1] + [e for e in _divisors(dp) if e > 1 and experts and experts % e == 0]
 
 
 def sequence_length(example_inputs: Any) -> int | None:
@@ -493,8 +564,8 @@ def search_unsupported(model: nn.Module, example_inputs: Any, mesh: Mesh,
         return f"{type(model).__name__} has no list of repeated blocks"
     if count < 2:
         return f"{prefix!r} is not a list of two or more blocks"
-    if kinds > 1:
-        return f"the blocks of {prefix!r} differ"
+    if kinds > 1 and leading_blocks(model) < 0:
+        return f"the blocks of {prefix!r} differ (other than a leading run)"
     try:
         batch_size(example_inputs)
     except PlanError as e:
@@ -532,7 +603,7 @@ def search(model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config | N
     price_s = 0.0
     setups = list(candidate_setups(mesh.size, topo.gpus_per_node, rep.batch, rep.num_blocks,
                                    config, replica_microbatches=replica_microbatches,
-                                   seq=rep.seq))
+                                   seq=rep.seq, experts=rep.num_experts))
     later = [] if pipelines_always(config, mesh) else [s for s in setups if s.pp > 1]
     # without context parallelism first: the best of those bounds the setups with it
     # (LayerSolver.bound), whose (cp, tp) layer ILPs are the search's dearest
@@ -587,11 +658,12 @@ def search(model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config | N
 
 def model_flops(layers: LayerSolver, b: int) -> float:
     """The model's FLOPs for one microbatch of ``b`` samples (forward and backward, without
-    recomputation), from the two-block trace: everything outside the blocks plus the number of
-    blocks times the second block's count."""
+    recomputation), from the two-block trace: everything outside the repeated blocks (the
+    leading ones included) plus the number of repeated blocks times the second one's count."""
     traced, _ = layers._trace(b)
-    block = {n for n, layer in traced.node_layer.items() if layer == f"{layers.prefix}.1"}
-    first = {n for n, layer in traced.node_layer.items() if layer == f"{layers.prefix}.0"}
+    second, first = (f"{layers.prefix}.{layers.lead + i}" for i in (1, 0))
+    block = {n for n, layer in traced.node_layer.items() if layer == second}
+    first = {n for n, layer in traced.node_layer.items() if layer == first}
     per_block = graph_flops(traced.gm, block)
     rest = graph_flops(traced.gm) - graph_flops(traced.gm, block | first)
     return rest + layers.num_blocks * per_block

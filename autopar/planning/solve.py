@@ -28,8 +28,8 @@ from autopar.planning.records import (
 from autopar.plan_context import ExplainContext, attach, context_of
 from autopar.capture.layers import is_backward, is_op
 from autopar.capture.remat import recompute_nodes
-from autopar.strategies.rules import SEQUENCE_ATTENTION_QUERY
-from autopar.strategies.space import StrategySpace, build_space
+from autopar.strategies.rules import EXPERT_OPS, SEQUENCE_ATTENTION_QUERY, dispatches_experts
+from autopar.strategies.space import StrategySpace, build_space, tensor_inputs
 
 __all__ = ['regathered_share', 'replace_plan', 'solve_candidate', 'solve_space', 'unpinned_space']
 
@@ -80,6 +80,8 @@ def priced_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidat
         base_space = unpinned_space(traced, cand, config)
     space = dataclasses.replace(base_space, nodes=dict(base_space.nodes))
     zero_axes = tuple(cand.zero_axes) if config.zero and zero_once else ()
+    for axis in cand.ep_axes:  # (before ZeRO's sharding, which leaves them split there)
+        _store_experts_split(traced, space, axis, cand.shape[axis])
     if config.zero and cand.zero_axes and not zero_once:
         _shard_states(traced, space, cand)
     for p in traced.params:
@@ -95,6 +97,7 @@ def priced_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidat
             _sequence_only(traced, space, axis)
         else:
             _pin_attention(traced, space, axis, sequence=False)
+        _pin_experts(traced, space, axis, axis in cand.ep_axes)
     recompute = recompute_nodes(traced, config.recompute or "none")
     share = regathered_share(traced) if config.zero == 3 and not zero_once else 1.0
     costs = run_cost_passes(price_space(traced, space, mesh.topology, config.optimizer, recompute,
@@ -215,6 +218,42 @@ def _pin_attention(traced: TracedGraph, space: StrategySpace, axis: int,
               f"attention {n.name} has no strategy with its queries sharded on the sequence over "
               f"the cp axis (it has dropout, or an attention mask that cannot follow the "
               f"queries); use cp=1 for this model.")
+
+
+def _store_experts_split(traced: TracedGraph, space: StrategySpace, axis: int, size: int) -> None:
+    """Expert parallelism: the MoE experts' weights stored split on their experts dim over the
+    ep ``axis`` (a data axis, where other parameters are replicated): each rank holds, updates
+    and keeps the optimizer state of its own experts only, their gradients reduced over the
+    other data axes (Megatron-LM's expert-data-parallel group)."""
+    weights = set()
+    for n in traced.gm.graph.nodes:
+        if n.target in EXPERT_OPS:
+            first = EXPERT_OPS[n.target][1]
+            weights |= {a.name for a in tensor_inputs(n)[first:first + 2] if a.op == "placeholder"}
+    for name in weights:
+        ns = space.nodes[name]
+        experts = traced.node(name).meta["val"].shape[0]
+        if experts % size:
+            raise PlanError(f"{name} holds {experts} experts, which do not split over ep={size}; "
+                            f"use an ep that divides {experts}.")
+        split = tuple(dataclasses.replace(st, outputs=(tuple(
+            Shard(0) if a == axis else p for a, p in enumerate(st.outputs[0])),))
+            for st in ns.strategies)
+        space.nodes[name] = dataclasses.replace(ns, strategies=tuple(dict.fromkeys(split)))
+
+
+def _pin_experts(traced: TracedGraph, space: StrategySpace, axis: int, dispatch: bool) -> None:
+    """Expert parallelism: on the ep ``axis`` (``dispatch``) keep the strategies of the MoE
+    experts ops that split both their tokens and their experts there (the pairs sent to their
+    experts' ranks by all-to-all, ``passes.experts``); on any other axis drop them, so that the
+    tokens are sent over one axis only, the ep axis the plan names."""
+    for n in traced.gm.graph.nodes:
+        if n.target not in EXPERT_OPS or n.name not in space.nodes:
+            continue
+        _keep(space, n.name, lambda s: dispatches_experts(n.target, s.inputs, axis) == dispatch,
+              f"MoE experts {n.name} have no strategy that "
+              f"{'splits' if dispatch else 'does not split'} both tokens and experts over mesh "
+              f"axis {axis}; use ep=1 for this model.")
 
 
 def _shapes(val: Any) -> list[tuple[int, ...] | None]:

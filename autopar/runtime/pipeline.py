@@ -378,7 +378,8 @@ class PipelineModule(StateDictMixin, nn.Module):
         stages' inputs require grad, or earlier stages would silently get no input gradient)."""
         pipe = self.plan.pipeline
         # (split on the batch over the data axes: dp, or hybrid sharding's two)
-        edge = tuple("S(0)" if n in ("dp", *HSDP_AXES) else "R" for n in self.plan.axis_names[1:])
+        edge = tuple("S(0)" if n in ("dp", "ep", *HSDP_AXES) else "R"
+                     for n in self.plan.axis_names[1:])
         traced = self._traced[j]
         nodes = {n.name: n for n in traced.gm.graph.nodes}
 

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from autopar._torch_private import TorchDispatchMode
+from autopar.capture.moe import OPS_WITH_COLLECTIVES
 
 __all__ = ["CommMeter", "StepProfile", "profile_step"]
 
@@ -89,6 +90,10 @@ class CommMeter(TorchDispatchMode):
         self.bytes: Counter = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        body = OPS_WITH_COLLECTIVES.get(func)
+        if body is not None:  # (an op that communicates inside: run its body under the meter)
+            with self:
+                return body(*args, **(kwargs or {}))
         entry = _OPS.get(getattr(func, "overloadpacket", None))
         if entry is not None:
             kind, size = entry

@@ -14,11 +14,12 @@ DTensor's propagator too, so the planner and the runtime use the same rule.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+import autopar.capture.moe  # noqa: F401  (registers the experts ops)
 from autopar import _torch_private as private
 from autopar._torch_private import (
     OpOverload,
@@ -29,7 +30,8 @@ from autopar._torch_private import (
     expand_to_full_mesh_op_strategy,
 )
 
-__all__ = ["OpRule", "SEQUENCE_ATTENTION_QUERY", "register_op_rule", "registered_rules", "rule_for"]
+__all__ = ["EXPERT_OPS", "OpRule", "SEQUENCE_ATTENTION_QUERY", "dispatch_axes", "dispatches_experts",
+           "expert_owners", "register_op_rule", "registered_rules", "rule_for"]
 
 RuleFn = Callable[[tuple[Any, ...], dict[str, Any]], list[list[Any]]]
 
@@ -146,3 +148,76 @@ def _sdpa_cpu_backward_rule(
         rules.append([Shard(2), Partial(), Partial(), Shard(2), Shard(2), Replicate(), Replicate(),
                       Shard(2), Shard(2)] + _mask_placement(kwargs_meta, 2))
     return rules
+
+
+# The experts of an MoE layer (``autopar.capture.moe``): inputs hidden [tokens, hidden], the
+# top-k ids and weights [tokens, k], the two expert weights [experts, ...]. Per mesh axis: all
+# whole; tokens split, experts whole (data parallel: the weights' gradients partial); tokens
+# and experts split (expert parallel: the op sends each pair to its expert's rank and back,
+# all-to-all, run by ``passes.experts``); tokens whole, experts split (each rank adds its own
+# experts' share: the output partial, summed after).
+
+# the experts ops, each with where its tokens and its first expert weight are among its tensor
+# inputs (read by the planner's ep pinning and by passes.experts)
+EXPERT_OPS = {
+    torch.ops.autopar.experts.default: (0, 3),
+    torch.ops.autopar.experts_backward.default: (1, 4),
+}
+
+
+def dispatches_experts(target: Any, inputs: tuple, axis: int) -> bool:
+    """Whether a strategy's input placements ``inputs`` of an experts op split both the tokens
+    and the experts over mesh ``axis`` (tokens sent to their experts' ranks there)."""
+    tok, wt = EXPERT_OPS[target]
+    return _split(inputs[tok][axis]) and _split(inputs[wt][axis])
+
+
+def _split(p: Any) -> bool:
+    return isinstance(p, Shard) and p.dim == 0
+
+
+def dispatch_axes(tokens: Sequence[Any], weights: Sequence[Any]) -> list[int]:
+    """The mesh axes over which both an experts op's tokens and its experts are split."""
+    return [a for a, (t, w) in enumerate(zip(tokens, weights)) if _split(t) and _split(w)]
+
+
+def expert_owners(num_experts: int, weights: Sequence[Any], mesh_shape: Sequence[int],
+                  coordinate: Sequence[int], axis: int | None) -> list[int]:
+    """For each expert, the rank along ``axis`` (the dispatching axis; ``None``: only this rank)
+    holding it among the ranks that share this rank's (``coordinate``) other coordinates, or
+    -1; the experts are split on dim 0 by ``weights`` in DTensor's order (the first mesh axis
+    splits first): ``autopar.capture.moe``'s ``owner``."""
+    out = [-1] * num_experts
+    for j in range(mesh_shape[axis] if axis is not None else 1):
+        c = list(coordinate)
+        if axis is not None:
+            c[axis] = j
+        start, size = 0, num_experts
+        for a, p in enumerate(weights):
+            if _split(p):
+                if size % mesh_shape[a]:
+                    raise ValueError(f"{num_experts} experts do not split evenly over the mesh "
+                                     f"axes {tuple(mesh_shape)} as {tuple(weights)}.")
+                size //= mesh_shape[a]
+                start += c[a] * size
+        out[start:start + size] = [j] * size
+    return out
+
+
+def _experts_rules(grad: bool) -> list[list[Any]]:
+    R, S0, P = Replicate(), Shard(0), Partial()
+    if grad:  # outputs g_hidden, g_weights, g_w_in, g_w_out; inputs grad, hidden, index, weights, w_in, w_out
+        return [[R] * 10, [S0, S0, P, P] + [S0] * 4 + [R, R], [S0] * 10,
+                [P, P, S0, S0] + [R] * 4 + [S0, S0]]
+    return [[R] * 6, [S0] * 4 + [R, R], [S0] * 6, [P, R, R, R, S0, S0]]
+
+
+@register_op_rule(torch.ops.autopar.experts.default, 1, 5)
+def _experts_rule(args_meta: tuple[Any, ...], kwargs_meta: dict[str, Any]) -> list[list[Any]]:
+    return _experts_rules(grad=False)
+
+
+@register_op_rule(torch.ops.autopar.experts_backward.default, 4, 6)
+def _experts_backward_rule(args_meta: tuple[Any, ...], kwargs_meta: dict[str, Any]
+                           ) -> list[list[Any]]:
+    return _experts_rules(grad=True)

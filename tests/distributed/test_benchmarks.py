@@ -100,3 +100,30 @@ def test_context_parallel_benchmark_runs_at_tiny_size(tmp_path):
     assert row["degrees"]["cp"] == 2 and row["bytes"] == row["plan_bytes"]
     # PyTorch's runs here, and its loss is not one process's: the model's positions are local
     assert res["torch"]["torch"] == "ran" and res["torch"]["loss_rel_err"] > 1e-4
+
+
+@pytest.mark.slow  # 30 s
+def test_moe_ep_benchmark_runs_at_tiny_size(tmp_path):
+    """benchmarks/moe_ep.py: autopar's ep=2 next to expert parallelism written by hand with
+    all_to_all_single. autopar sends the plan's all-to-alls (the bytes, which follow the
+    routing, equal the plan's summed over the ranks); the hand-written step's loss and
+    gradients are one process's on the same global batch. Tolerance: fp32 with the same math,
+    summed in another order (each rank's mean loss averaged over the ranks, the experts' rows
+    grouped by rank, the dense gradients all-reduced), a few ulps of the loss, 1e-6 relative;
+    a routing decided differently would change the loss by far more."""
+    _run("moe_ep.py", "--procs", "2", "--size", "tiny", "--repeats", "2", "--warmup", "1",
+         "--json", str(tmp_path / "moe.json"))
+    (r,) = json.loads((tmp_path / "moe_2.json").read_text())["results"]
+    assert r["autopar_s"] > 0 and r["hand_s"] > 0 and r["ratio"] > 0
+    assert len(r["times"]["autopar"]) == len(r["times"]["hand"]) == 2
+    assert r["degrees"]["ep"] == 2 and r["degrees"]["dp"] == 2
+    for rank in r["ranks"]:
+        a2a = rank["autopar"]["counts"].get("all_to_all", 0)
+        assert a2a > 0 and a2a == rank["plan"]["counts"]["all_to_all"], rank
+        assert rank["hand"]["counts"].get("all_to_all", 0) > 0, rank
+    total = lambda who: sum(rank[who]["bytes"]["all_to_all"] for rank in r["ranks"])  # noqa: E731
+    assert total("autopar") == total("plan")
+    assert r["hand_loss_rel_err"] <= 1e-6 and r["hand_grad_rel_err"] <= 1e-5, r
+    assert r["autopar_loss_rel_err"] <= 1e-6, r
+    # the skew is measured on the rows each rank received: one process's routing of the batch
+    assert r["routing_as_one_process"] and r["skew"] >= 1 and min(r["skew_per_layer"]) >= 1

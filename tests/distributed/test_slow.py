@@ -76,6 +76,20 @@ def test_more_hugging_face_moe_models_equal_one_process(results_dir):
         check_comm_equals_plan(check, r)
 
 
+def test_expert_parallel_on_four_processes(results_dir):
+    """Mixtral, Qwen3-MoE and DeepSeek-V3 (a dense first layer, a shared expert) with their
+    experts split over ep=4, ep=2 x tp=2 and pp=2 x ep=2; Qwen3-MoE and DeepSeek-V3 over ep=2
+    on 2 processes, and Mixtral's ep=2 with ZeRO-1, ZeRO-3 and bf16 autocast: each equal to one
+    process, the all-to-alls counted as planned."""
+    from test_equivalence import EXPERT_PARALLEL, check_expert_parallel
+
+    two = ["qwen3moe:ep=2", "deepseekv3:ep=2", "mixtral:ep=2,zero=1", "mixtral:ep=2,zero=3",
+           "mixtral:ep=2,mixed_precision=bf16"]
+    results = run_worker(4, EXPERT_PARALLEL[4], results_dir) | run_worker(2, two, results_dir)
+    for check, r in results.items():
+        check_expert_parallel(check, r)
+
+
 HSDP_PIPELINE = [f"gpt:layers=2,dim=128,seq=32,batch=32,microbatch_size=8,pp=2,dp=4,dp_shard=2,"
                  f"zero={z},schedule=1f1b,topo=a100-dgx,memory=1" for z in (1, 3)]
 

@@ -21,7 +21,7 @@ def _plan(cp: int, devices: int, **config) -> autopar.Plan:
 
 def test_cp_axis_shards_attention_queries_and_gathers_keys_and_values():
     plan = _plan(2, 4, tp=2)
-    assert plan.degrees == {"dp": 1, "tp": 2, "pp": 1, "cp": 2}
+    assert plan.degrees == {"dp": 1, "tp": 2, "pp": 1, "cp": 2, "ep": 1}
     assert plan.axis_names == ("cp", "tp")
     forward = [n for n in plan.nodes if n.startswith("_scaled_dot_product_flash_attention_for_cpu")
                and "backward" not in n]

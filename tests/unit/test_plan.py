@@ -38,7 +38,7 @@ def small():
 
 def test_megatron_layout(megatron):
     *_, plan = megatron
-    assert plan.degrees == {"dp": 1, "tp": 2, "pp": 1, "cp": 1}
+    assert plan.degrees == {"dp": 1, "tp": 2, "pp": 1, "cp": 1, "ep": 1}
     assert plan.mesh_shape == (2,) and plan.axis_names == ("tp",)
     for i in range(2):
         # column-parallel fused qkv (head-aligned) and fc1, row-parallel proj and fc2

@@ -129,7 +129,7 @@ def test_zero_plan_shards_parameters_and_state_over_dp():
     mesh = autopar.Mesh.virtual("a100-dgx", gpus_per_node=2)
     plain = autopar.plan(model, mesh, inputs, config=autopar.Config(dp=2))
     zero = autopar.plan(model, mesh, inputs, config=autopar.Config(dp=2, zero=1))
-    assert zero.degrees == plain.degrees == {"dp": 2, "tp": 1, "pp": 1, "cp": 1}
+    assert zero.degrees == plain.degrees == {"dp": 2, "tp": 1, "pp": 1, "cp": 1, "ep": 1}
     sharded = [n for n, p in zero.params.items() if p[0].startswith("S")]
     assert len(sharded) == len(zero.params)  # every GPT parameter has a dim divisible by 2
     # every gradient all-reduce of plain data parallelism becomes a reduce-scatter

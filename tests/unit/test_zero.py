@@ -125,7 +125,7 @@ def test_zero3_price_shards_everything_and_gathers_twice():
 def test_70b_llama_plan_on_64_h100s_is_zero3_and_fits_80gb():
     model, inputs, mesh = _llama_on_64_h100s("llama2-70b")
     plan = autopar.plan(model, mesh, inputs, config=autopar.Config(tp=1, pp=1))
-    assert plan.techniques["zero"] == 3 and plan.degrees == {"dp": 64, "tp": 1, "pp": 1, "cp": 1}
+    assert plan.techniques["zero"] == 3 and plan.degrees == {"dp": 64, "tp": 1, "pp": 1, "cp": 1, "ep": 1}
     assert plan.predicted["peak_memory_bytes"] <= 80 * 1e9
     # every parameter stored sharded over the shard group between steps (each dim divides),
     # replicated across the groups when the search chose hybrid sharding

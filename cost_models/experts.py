@@ -1,0 +1,104 @@
+"""What the MoE experts op (``autopar.capture.moe``) costs under one strategy: its FLOPs at the
+rows its rank's experts receive, and its all-to-alls over the dispatching axis.
+
+Routing is assumed uniform: each of a rank's (token, choice) pairs goes to any expert with
+equal chance, so a rank's experts receive ``pairs * group * local / experts`` rows (``group``:
+the ranks of the dispatching axis, ``local``: the rank's experts), times ``skew``, the busiest
+rank's load over the mean (:data:`EXPERT_LOAD_SKEW`: 1, uniform; measured skews are reported
+by ``benchmarks/moe_ep.py``). The all-to-alls run inside the op, serial with its compute, so
+their time is priced as part of the node's (``cost_models.sharding``); the plan lists them
+(``planning.collectives``) with these bytes, what a rank sends: exact for the dispatch of the
+forward and the backward when the experts are split over the dispatching axis only (every pair
+is sent), the uniform expectation for the rows sent back.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch.distributed.tensor import Shard
+
+from autopar.cost_models.comm import axis_collective_time
+from autopar.cost_models.compute import FLOP_FORMULAS_BY_NAME
+from autopar.cost_models.topology import Topology
+from autopar.strategies.rules import EXPERT_OPS, dispatch_axes, expert_owners
+
+_FORWARD = torch.ops.autopar.experts.default
+
+__all__ = ["EXPERT_LOAD_SKEW", "experts_flops", "experts_exchanges", "experts_owner_for",
+           "experts_comm_time"]
+
+# the busiest rank's received rows over the mean, uniform routing (an assumption, stated)
+EXPERT_LOAD_SKEW = 1.0
+_COUNT_BYTES = 8  # the per-expert counts exchanged first (int64)
+
+
+def _rows(tokens: int, k: int, owner: Sequence[int], local: int) -> float:
+    """Rows a rank's experts receive: its group's pairs times its share of the experts."""
+    group = max(owner) + 1
+    return tokens * k * group * local / len(owner) * EXPERT_LOAD_SKEW
+
+
+def experts_flops(hidden: Any, index: Any, weights: Any, w_in: Any, w_out: Any, form: str,
+                  owner: Sequence[int], group: str = "", *, grad: bool = False) -> float:
+    """FLOPs of one experts op (``grad``: its backward, which runs the experts again and then
+    their two gradients: three times the forward's), from its (local) arguments."""
+    rows = _rows(hidden.shape[0], index.shape[-1], owner, w_in.shape[0])
+    per_row = 2 * w_in.shape[1] * w_in.shape[2] + 2 * w_out.shape[1] * w_out.shape[2]
+    return rows * per_row * (3 if grad else 1)
+
+
+def experts_owner_for(target: Any, placements: Sequence[tuple], shapes: Sequence[tuple],
+                      mesh_shape: Sequence[int]) -> tuple[list[int], int | None]:
+    """The ``owner`` argument rank 0 runs a strategy's experts op with (input ``placements``
+    and global ``shapes`` of its tensor inputs), and the dispatching axis (None: none)."""
+    tok, wt = EXPERT_OPS[target]
+    axes = dispatch_axes(placements[tok], placements[wt])
+    axis = axes[0] if axes else None
+    return expert_owners(shapes[wt][0], placements[wt], mesh_shape, [0] * len(mesh_shape),
+                         axis), axis
+
+
+def experts_exchanges(target: Any, placements: Sequence[tuple], shapes: Sequence[tuple],
+                      itemsize: int, mesh_shape: Sequence[int]) -> list[tuple[str, int, float]]:
+    """The all-to-alls of one experts op as ``(kind, axis, bytes a rank sends)``, in order:
+    the counts, the rows out, the rows back; none without a dispatching axis."""
+    owner, axis = experts_owner_for(target, placements, shapes, mesh_shape)
+    if axis is None:
+        return []
+    tok, wt = EXPERT_OPS[target]
+    tokens, k = shapes[tok][0], shapes[tok + 1][-1]
+    tokens //= _split_count(placements[tok], mesh_shape)
+    local = shapes[wt][0] // _split_count(placements[wt], mesh_shape)
+    group = mesh_shape[axis]
+    pairs = tokens * k * sum(o >= 0 for o in owner) / len(owner)
+    d = shapes[tok][-1]
+    out_width, back_width = (2 * d + 1, d + 1) if target is not _FORWARD else (d, d)
+    return [("all_to_all", axis, group * local * _COUNT_BYTES),
+            ("all_to_all", axis, pairs * out_width * itemsize),
+            ("all_to_all", axis, pairs * back_width * itemsize)]
+
+
+def experts_comm_time(target: Any, placements: Sequence[tuple], shapes: Sequence[tuple],
+                      itemsize: int, mesh_shape: Sequence[int], topology: Topology) -> float:
+    """Seconds of :func:`experts_exchanges` on ``topology``."""
+    strides = [1] * len(mesh_shape)
+    for a in range(len(mesh_shape) - 2, -1, -1):
+        strides[a] = strides[a + 1] * mesh_shape[a + 1]
+    return sum(axis_collective_time(kind, nbytes, mesh_shape[axis], strides[axis], topology)
+               for kind, axis, nbytes in experts_exchanges(target, placements, shapes, itemsize,
+                                                           mesh_shape))
+
+
+def _split_count(placements: Sequence[Any], mesh_shape: Sequence[int]) -> int:
+    n = 1
+    for a, p in enumerate(placements):
+        if isinstance(p, Shard) and p.dim == 0:
+            n *= mesh_shape[a]
+    return n
+
+
+FLOP_FORMULAS_BY_NAME["autopar::experts"] = experts_flops
+FLOP_FORMULAS_BY_NAME["autopar::experts_backward"] = \
+    lambda grad, *args, **kw: experts_flops(*args, grad=True)

@@ -1,0 +1,205 @@
+"""The experts of transformers' MoE families as one op (autopar.capture.moe), the expert-parallel
+pieces that need no processes: which rank holds which expert, what the op's all-to-alls move and
+cost, the ep candidates of the planner, the config's checks. The multi-process runs (ep=2, 4,
+ep x tp, pp x ep): tests/distributed/test_equivalence.py and test_slow.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+from autopar import Config
+from autopar.capture import capture
+from autopar.capture.moe import experts, experts_block_form, experts_forward
+from autopar.cost_models.experts import experts_exchanges, experts_flops
+from autopar.planning.candidates import mesh_candidates
+from autopar.strategies.rules import expert_owners
+from models import build, hf_moe
+
+FAMILIES = ["mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "phimoe", "deepseekv3"]
+FORWARD = torch.ops.autopar.experts.default
+BACKWARD = torch.ops.autopar.experts_backward.default
+
+
+def _block(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = hf_moe(kind)
+    return next(m for m in model.modules() if experts_block_form(m) is not None)
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_the_op_computes_what_the_experts_module_does(kind):
+    """Output and every gradient (tokens, routing weights, both expert weights) against the
+    module's own grouped forward, on a routing where some experts get no token. Tolerance: fp32
+    sums in another order (per expert, then per token), 1e-6 relative."""
+    m = _block(kind)
+    g = torch.Generator().manual_seed(1)
+    d = m.down_proj.shape[2] if m.is_transposed else m.down_proj.shape[1]
+    tokens, k = 9, 2
+    hidden = torch.randn(tokens, d, generator=g, requires_grad=True)
+    index = torch.randint(0, m.num_experts - 1, (tokens, k), generator=g)  # last expert unused
+    weights = torch.rand(tokens, k, generator=g, requires_grad=True)
+    own = m(hidden, index, weights)
+    grad = torch.randn(own.shape, generator=g)
+    want = torch.autograd.grad(own, [hidden, weights, *m.parameters()], grad)
+    out = experts_forward(m, hidden, index, weights)
+    got = torch.autograd.grad(out, [hidden, weights, *m.parameters()], grad)
+    torch.testing.assert_close(out, own, rtol=1e-6, atol=1e-7)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_rank_holding_some_experts_adds_only_theirs():
+    """``owner`` with -1 (experts another rank holds): the output is the share of the rank's
+    experts, and the shares of two ranks add up to the whole."""
+    m = _block("mixtral")
+    g = torch.Generator().manual_seed(2)
+    hidden, index = torch.randn(6, 64, generator=g), torch.randint(0, 4, (6, 2), generator=g)
+    weights = torch.rand(6, 2, generator=g)
+    form = experts_block_form(m)
+    whole = experts(hidden, index, weights, m.gate_up_proj, m.down_proj, form, [0] * 4, "")
+    first = experts(hidden, index, weights, m.gate_up_proj[:2], m.down_proj[:2], form,
+                    [0, 0, -1, -1], "")
+    second = experts(hidden, index, weights, m.gate_up_proj[2:], m.down_proj[2:], form,
+                     [-1, -1, 0, 0], "")
+    torch.testing.assert_close(first + second, whole, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(first, whole)
+
+
+def test_expert_owners_follow_dtensor_order():
+    """8 experts split over a (2, 2) mesh on both axes: rank (i, j) holds experts 4i+2j, +1
+    (the first axis splits first). Dispatching over axis 0 from rank (1, 0): ranks 0 and 1 of
+    that axis hold experts 0-1 and 4-5; the rest belong to other ranks of axis 1."""
+    s = (Shard(0), Shard(0))
+    assert expert_owners(8, s, (2, 2), (1, 0), 0) == [0, 0, -1, -1, 1, 1, -1, -1]
+    assert expert_owners(8, s, (2, 2), (1, 1), None) == [-1] * 6 + [0, 0]
+    assert expert_owners(8, (Shard(0), Replicate()), (2, 2), (0, 1), 0) == [0] * 4 + [1] * 4
+    with pytest.raises(ValueError, match="evenly"):
+        expert_owners(6, (Shard(0), Shard(0)), (2, 2), (0, 0), 0)
+
+
+def test_the_all_to_alls_and_flops_of_each_split():
+    """Forward on 16 tokens x 2 choices, hidden 64, 4 experts [4, 256, 64] and [4, 64, 128],
+    mesh of 2: dispatching sends every pair (32 rows of 64 fp32) out and, uniform routing, as
+    many back, after the 2 x 2 int64 counts; the backward sends 2d+1 wide and d+1 back. Each
+    rank's experts then compute as many rows as data parallelism would (32); the split with
+    the tokens whole computes half of the 64 rows."""
+    shapes = [(16, 64), (16, 2), (16, 2), (4, 256, 64), (4, 64, 128)]
+    S, R = (Shard(0),), (Replicate(),)
+    dispatch = [S, S, S, S, S]
+    assert experts_exchanges(FORWARD, dispatch, shapes, 4, (2,)) == [
+        ("all_to_all", 0, 2 * 2 * 8), ("all_to_all", 0, 8 * 2 * 64 * 4),
+        ("all_to_all", 0, 8 * 2 * 64 * 4)]
+    back = experts_exchanges(BACKWARD, [S] + dispatch, [(16, 64)] + shapes, 4, (2,))
+    assert [b for _, _, b in back] == [32, 8 * 2 * 129 * 4, 8 * 2 * 65 * 4]
+    assert experts_exchanges(FORWARD, [S, S, S, R, R], shapes, 4, (2,)) == []
+    per_row = 2 * 256 * 64 + 2 * 64 * 128
+    local = lambda *s: [torch.empty(x, device="meta") for x in s]  # noqa: E731
+    data = experts_flops(*local((8, 64), (8, 2), (8, 2), (4, 256, 64), (4, 64, 128)), "", [0] * 4)
+    ep = experts_flops(*local((8, 64), (8, 2), (8, 2), (2, 256, 64), (2, 64, 128)), "",
+                       [0, 0, 1, 1])
+    sliced = experts_flops(*local((16, 64), (16, 2), (16, 2), (2, 256, 64), (2, 64, 128)), "",
+                           [0, 0, -1, -1])
+    assert data == ep == 16 * per_row and sliced == 16 * per_row
+    assert experts_flops(*local((8, 64), (8, 2), (8, 2), (2, 256, 64), (2, 64, 128)), "",
+                         [0, 0, 1, 1], grad=True) == 3 * ep
+
+
+def test_moe_models_capture_their_experts_as_one_op_each():
+    model, inputs = build("mixtral")
+    traced = capture(model, inputs)
+    targets = [n.target for n in traced.gm.graph.nodes]
+    assert targets.count(FORWARD) == targets.count(BACKWARD) == 2  # two MoE layers
+
+
+def test_ep_candidates_cut_the_data_axis():
+    names = lambda cands: [(c.names, c.shape, c.ep_axes) for c in cands]  # noqa: E731
+    assert names(mesh_candidates(4, Config(tp=1, ep=2))) == [(("dp", "ep"), (2, 2), (1,))]
+    assert names(mesh_candidates(2, Config(tp=1, ep=2))) == [(("ep",), (2,), (0,))]
+    free = names(mesh_candidates(4, Config(tp=1), experts=True))
+    assert free == [(("dp",), (4,), ()), (("dp", "ep"), (2, 2), (1,)), (("ep",), (4,), (0,))]
+    assert names(mesh_candidates(4, Config(tp=1))) == [(("dp",), (4,), ())]
+
+
+def test_config_ep_must_fit_dp():
+    with pytest.raises(ValueError, match="ep must divide dp"):
+        Config(dp=4, ep=3)
+    with pytest.raises(ValueError, match="hybrid sharding"):
+        Config(ep=2, dp_shard=2, zero=3)
+    with pytest.raises(ValueError, match="positive int"):
+        Config(ep=0)
+
+
+def test_the_setup_search_prices_ep_in_closed_form():
+    """A block of 1e8 parameter elements, 8e7 of them experts (16 B of state each, fp32 Adam),
+    on 8 H100s of one node, dp=8: ep=4 holds a quarter of the experts' state (6e7 elements x
+    16 B less) and adds its all-to-alls (NVLink, 3 forward and 3 backward per block and
+    microbatch) to the step; the experts' gradients are reduced over dp / ep = 2 ranks."""
+    import dataclasses
+
+    from autopar.cost_models.comm import axis_collective_time
+    from autopar.cost_models.topology import get_preset
+    from autopar.cost_models.training_step import LayerCosts, Setup, UnitCosts, price_setup
+
+    topo = get_preset("h100-dgx")
+    fwd, bwd = (8.0, 4e6, 4e6), (8.0, 8e6, 4e6)
+    block = UnitCosts(1e-3, 2e-3, 0, 0, 1.6e9, 1e8, 1e8, expert_elements=8e7,
+                      expert_state_bytes=1.28e9, expert_forward_bytes=fwd,
+                      expert_backward_bytes=bwd)
+    zero = UnitCosts(0, 0, 0, 0, 0, 0, 0)
+    lc = LayerCosts(zero, block, zero, 4, 0, 0, 0, 1e7, 4, "adam")
+    plain = Setup(8, 1, 1, 1, 1, "none", 1, "none", 0, False)
+    a = price_setup(lc, plain, topo, 80e9)
+    b = price_setup(lc, dataclasses.replace(plain, ep=4), topo, 80e9)
+    assert a.rank_memory_bytes[0] - b.rank_memory_bytes[0] == pytest.approx(4 * 1.28e9 * 3 / 4)
+    a2a = sum(axis_collective_time("all_to_all", x, 4, 1, topo) for x in fwd + bwd)
+    assert b.parts["pipeline_s"] - a.parts["pipeline_s"] == pytest.approx(4 * a2a)
+    assert b.parts["dp_comm_s"] < a.parts["dp_comm_s"]  # (the experts' a quarter, over 2)
+    assert "ep=4" in b.setup.describe()
+
+
+def test_ep_degrees_searched():
+    from autopar.planning.search import ep_degrees
+
+    assert ep_degrees(Config(), 8, 8) == [1, 2, 4, 8]
+    assert ep_degrees(Config(), 8, 6) == [1, 2]  # (6 experts split evenly by 2 only)
+    assert ep_degrees(Config(), 8, 0) == [1]  # (no MoE layers)
+    assert ep_degrees(Config(ep=4), 8, 8) == [4] and ep_degrees(Config(ep=4), 2, 8) == []
+
+
+def test_ep_on_a_model_without_experts_is_refused():
+    import autopar
+    from autopar.errors import PlanError
+
+    model, inputs = build("llama")
+    with pytest.raises(PlanError, match="splits the experts"):
+        autopar.plan(model, autopar.Mesh.virtual("cpu-gloo", 1, 2), inputs,
+                     config=Config(ep=2))
+
+
+def test_a_forced_ep_is_searched_without_hybrid_sharding():
+    """Hybrid sharding and ep both cut dp: with ep forced, the search offers no hybrid setup
+    (one would reach the realization with ep=1 against the config)."""
+    from autopar.planning.search import candidate_setups
+
+    setups = list(candidate_setups(4, 4, 8, 2, Config(tp=1, pp=1, ep=4), experts=4))
+    assert setups and all(s.ep == 4 and s.dp_shard == 0 for s in setups)
+    free = list(candidate_setups(4, 4, 8, 2, Config(tp=1, pp=1), experts=4))
+    assert {s.ep for s in free} == {1, 2, 4} and all(s.ep == 1 for s in free if s.dp_shard)
+
+
+def test_an_ep_plan_stores_each_rank_its_own_experts():
+    """Mixtral on 2 virtual devices, ep=2: the experts' weights are stored split on their
+    experts dim over the ep axis (each rank updates its own), the other weights replicated;
+    the experts dispatch over it, and the plan lists their all-to-alls."""
+    import autopar
+
+    model, inputs = build("mixtral")
+    plan = autopar.plan(model, autopar.Mesh.virtual("cpu-gloo", 1, 2), inputs,
+                        config=Config(ep=2, zero=0))
+    assert plan.degrees["ep"] == 2 and plan.axis_names == ("ep",)
+    experts = {k: v for k, v in plan.params.items() if ".experts." in k}
+    assert len(experts) == 4 and set(experts.values()) == {("S(0)",)}
+    assert all(v == ("R",) for k, v in plan.params.items() if k not in experts)
+    assert sum(c.kind == "all_to_all" for c in plan.collectives) == 12  # 2 layers x 6
