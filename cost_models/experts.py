@@ -14,20 +14,21 @@ is sent), the uniform expectation for the rows sent back.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 from torch.distributed.tensor import Shard
 
 from autopar.cost_models.comm import axis_collective_time
-from autopar.cost_models.compute import FLOP_FORMULAS_BY_NAME
+from autopar.cost_models.compute import FLOP_FORMULAS_BY_NAME, op_time
 from autopar.cost_models.topology import Topology
 from autopar.strategies.rules import EXPERT_OPS, dispatch_axes, expert_owners
 
 _FORWARD = torch.ops.autopar.experts.default
 
-__all__ = ["EXPERT_LOAD_SKEW", "experts_flops", "experts_exchanges", "experts_owner_for",
-           "experts_comm_time"]
+__all__ = ["EXPERT_LOAD_SKEW", "ExpertsWork", "experts_flops", "experts_exchanges",
+           "experts_owner_for", "experts_comm_time", "experts_work"]
 
 # the busiest rank's received rows over the mean, uniform routing (an assumption, stated)
 EXPERT_LOAD_SKEW = 1.0
@@ -47,6 +48,35 @@ def experts_flops(hidden: Any, index: Any, weights: Any, w_in: Any, w_out: Any, 
     rows = _rows(hidden.shape[0], index.shape[-1], owner, w_in.shape[0])
     per_row = 2 * w_in.shape[1] * w_in.shape[2] + 2 * w_out.shape[1] * w_out.shape[2]
     return rows * per_row * (3 if grad else 1)
+
+
+@dataclass(frozen=True)
+class ExpertsWork:
+    """What one experts op computes and moves through device memory on a rank: its FLOPs, the
+    bytes of its token-sized tensors (read and written) and of its expert weights (read; the
+    backward also writes their gradients). The weights' bytes shrink with ep
+    (``training_step``), the rest does not."""
+
+    flops: float
+    activation_bytes: float
+    weight_bytes: float
+
+    def __add__(self, other: "ExpertsWork") -> "ExpertsWork":
+        return ExpertsWork(self.flops + other.flops, self.activation_bytes + other.activation_bytes,
+                           self.weight_bytes + other.weight_bytes)
+
+    def seconds(self, topology: Topology, itemsize: int, weight_share: float = 1.0) -> float:
+        """Roofline seconds (``compute.op_time``), the weights' bytes times ``weight_share``."""
+        return op_time(self.flops, self.activation_bytes + self.weight_bytes * weight_share,
+                       topology, "bf16" if itemsize == 2 else "fp32", is_matmul=True)
+
+
+def experts_work(target: Any, local: Sequence[Any], form: str, owner: Sequence[int]) -> ExpertsWork:
+    """:class:`ExpertsWork` of one experts op from its local tensor inputs (meta tensors)."""
+    grad = target is not _FORWARD
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    return ExpertsWork(experts_flops(*local[-5:], form, owner, grad=grad),
+                       2.0 * nbytes(local[:-2]), (2.0 if grad else 1.0) * nbytes(local[-2:]))
 
 
 def experts_owner_for(target: Any, placements: Sequence[tuple], shapes: Sequence[tuple],

@@ -22,7 +22,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.cost_models.comm import axis_collective_time
 from autopar.cost_models.compute import flops_of_node, op_time
-from autopar.cost_models.experts import experts_comm_time, experts_flops, experts_owner_for
+from autopar.cost_models.experts import (
+    ExpertsWork, experts_comm_time, experts_owner_for, experts_work,
+)
 from autopar.strategies.rules import EXPERT_OPS
 from autopar.cost_models.topology import Topology
 from autopar.capture.layers import aten_ops, is_op
@@ -34,7 +36,7 @@ from autopar.strategies.space import (
     Placements, Strategy, StrategySpace, tensor_inputs, boundary_placements,
 )
 
-__all__ = ["REGATHERED_LAYERS", "SpaceCosts", "StepEndBucket", "deferred_gradient_matrix", "deferred_placement", "price_space",
+__all__ = ["REGATHERED_LAYERS", "SpaceCosts", "StepEndBucket", "deferred_gradient_matrix", "deferred_placement", "experts_node_work", "price_space",
            "recomputed_bytes", "reshard_time", "state_bytes_per_element", "step_end_buckets",
            "stored_dim", "stored_placement", "zero_placement"]
 
@@ -166,18 +168,22 @@ def _compute_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: To
 def _experts_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: Topology) -> float:
     """An MoE experts op (``cost_models.experts``): its FLOPs at the rows its experts receive
     and its memory traffic, plus its all-to-alls, which run inside it."""
+    work, item = experts_node_work(n, s, mesh_shape)
+    shapes = [tuple(a.meta["val"].shape) for a in tensor_inputs(n)]
+    return work.seconds(topo, item) + experts_comm_time(n.target, s.inputs, shapes, item,
+                                                       mesh_shape, topo)
+
+
+def experts_node_work(n: fx.Node, s: Strategy, mesh_shape: Sequence[int]) -> tuple[ExpertsWork, int]:
+    """The :class:`~autopar.cost_models.experts.ExpertsWork` of experts node ``n`` under
+    strategy ``s`` on one rank, and its tokens' itemsize."""
     inputs = tensor_inputs(n)
     shapes = [tuple(a.meta["val"].shape) for a in inputs]
     owner, _ = experts_owner_for(n.target, s.inputs, shapes, mesh_shape)
     local = [_meta_tensor(local_shape(a.meta["val"].shape, p, mesh_shape), a.meta["val"].dtype)
              for a, p in zip(inputs, s.inputs)]
-    form = n.args[len(inputs)]
-    flops = experts_flops(*local[-5:], form, owner, grad=len(local) == 6)
-    nbytes = sum(t.numel() * t.element_size() for t in local) * 2  # (read, and as much written)
-    item = inputs[0].meta["val"].element_size()
-    dtype = "bf16" if item == 2 else "fp32"
-    return op_time(flops, float(nbytes), topo, dtype, is_matmul=True) + \
-        experts_comm_time(n.target, s.inputs, shapes, item, mesh_shape, topo)
+    return experts_work(n.target, local, n.args[len(inputs)], owner), \
+        inputs[0].meta["val"].element_size()
 
 
 # layers whose gathered parameters ZeRO-3 holds at once: the one computing and the one whose

@@ -32,6 +32,7 @@ import functools
 from dataclasses import dataclass
 
 from autopar.cost_models.comm import axis_collective_time
+from autopar.cost_models.experts import ExpertsWork
 from autopar.cost_models.pipeline import in_flight
 from autopar.cost_models.sharding import REGATHERED_LAYERS
 from autopar.cost_models.topology import Topology
@@ -76,6 +77,9 @@ class UnitCosts:
     expert_state_bytes: float = 0.0
     expert_forward_bytes: tuple[float, ...] = ()
     expert_backward_bytes: tuple[float, ...] = ()
+    # the experts ops' work in the forward and the backward (its weights' traffic shrinks by ep)
+    expert_forward_work: ExpertsWork = ExpertsWork(0.0, 0.0, 0.0)
+    expert_backward_work: ExpertsWork = ExpertsWork(0.0, 0.0, 0.0)
 
     def peak(self, policy: str) -> float:
         """The recomputed values' bytes under ``policy`` (0 for ``"none"``)."""
@@ -225,17 +229,21 @@ def _expert_parallel(lc: LayerCosts, setup: Setup, topology: Topology) -> LayerC
     """``lc`` with the experts split over ``setup.ep``: each unit holds 1/ep of its experts'
     parameters and state, and its forward and backward add their all-to-alls over the ep
     ranks (stride cp * tp), which run inside the experts op, serial with it. Their compute is
-    unchanged: under uniform routing a rank's experts receive as many rows as it sends."""
+    unchanged: under uniform routing a rank's experts receive as many rows as it sends; they
+    read 1/ep of the experts' weights."""
     if setup.ep == 1:
         return lc
-    e, stride = setup.ep, setup.cp * setup.tp
+    e, stride, item = setup.ep, setup.cp * setup.tp, lc.param_itemsize
 
     def split(u: UnitCosts) -> UnitCosts:
         a2a = lambda bs: sum(axis_collective_time("all_to_all", b, e, stride, topology)  # noqa: E731
                              for b in bs)
         f, b = a2a(u.expert_forward_bytes), a2a(u.expert_backward_bytes)
+        # (the rank reads 1/ep of the experts' weights: priced at ep = 1, priced again)
+        fw, bw = (w.seconds(topology, item, 1 / e) - w.seconds(topology, item)
+                  for w in (u.expert_forward_work, u.expert_backward_work))
         return dataclasses.replace(
-            u, forward_s=u.forward_s + f, backward_s=u.backward_s + b,
+            u, forward_s=u.forward_s + f + fw, backward_s=u.backward_s + b + bw,
             forward_comm_s=u.forward_comm_s + f, backward_comm_s=u.backward_comm_s + b,
             state_bytes=u.state_bytes - u.expert_state_bytes * (1 - 1 / e),
             param_elements=u.param_elements - u.expert_elements * (1 - 1 / e),

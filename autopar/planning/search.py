@@ -44,14 +44,15 @@ from autopar.capture.layers import (
 from autopar.planning.pipeline import batch_size, chosen_comm, unflatten_inputs
 from autopar.planning.candidates import Candidate
 from autopar.planning.solve import solve_space, unpinned_space
-from autopar.cost_models.experts import experts_exchanges
+from autopar.cost_models.experts import ExpertsWork, experts_exchanges
+from autopar.cost_models.sharding import experts_node_work
 from autopar.strategies.reshard import local_shape
 from autopar.strategies.rules import EXPERT_OPS
 from autopar.strategies.space import tensor_inputs
 from autopar.capture.stages import capture_with_forward, microbatch_inputs
 
 __all__ = ["CP_MAX", "CP_MIN_SEQUENCE", "LayerSolver", "SearchResult", "candidate_setups",
-           "cp_degrees", "ep_degrees", "layer_costs", "model_flops", "sequence_length",
+           "cp_degrees", "ep_degrees", "two_block_copy", "layer_costs", "model_flops", "sequence_length",
            "pipelines_always", "pruned_examples", "search", "search_unsupported", "tp_degrees",
            "zero_stages", "TP_ACROSS_NODES_MAX"]
 
@@ -103,7 +104,7 @@ class LayerSolver:
         self.example_inputs = example_inputs
         self.batch = batch_size(example_inputs)
         # (num_blocks: the repeated blocks after the ``lead`` leading ones that differ)
-        self.model, self.prefix, self.num_blocks, self.lead = _two_block_copy(model)
+        self.model, self.prefix, self.num_blocks, self.lead = two_block_copy(model)
         block = repr([block_fingerprint(b) for b in
                       list(model.get_submodule(self.prefix))[:self.lead + 1]]).encode()
         self.fingerprint = (f"{type(model).__name__}:{self.lead}+{self.num_blocks}x"
@@ -188,7 +189,7 @@ class LayerSolver:
         return self.traces[b]
 
 
-def _two_block_copy(model: nn.Module) -> tuple[nn.Module, str, int, int]:
+def two_block_copy(model: nn.Module) -> tuple[nn.Module, str, int, int]:
     """A shallow copy of ``model`` whose block list holds its leading blocks that differ from
     the rest (:func:`~autopar.capture.layers.leading_blocks`, none for most models) and two of
     the repeated ones (the weights are shared, not copied), the list's path, the model's number
@@ -231,7 +232,8 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
     units, unit_of = layer_units(nodes, fwd.units[1].rsplit(".", 1)[0], lead + 2)
     backward = {n.name for n in nodes if is_backward(n)}
     acc = [dict(f=0.0, b=0.0, fc=0.0, bc=0.0, state=0.0, act=0.0, elems=0.0, attn_f=0.0,
-                attn_b=0.0, rand=0.0, xelems=0.0, xstate=0.0, xf=(), xb=()) for _ in units]
+                attn_b=0.0, rand=0.0, xelems=0.0, xstate=0.0, xf=(), xb=(),
+                xwf=ExpertsWork(0.0, 0.0, 0.0), xwb=ExpertsWork(0.0, 0.0, 0.0)) for _ in units]
     experts = _expert_weights(nodes)
     seq = _seq_len(traced)
     params = {p.node: p for p in traced.params}
@@ -262,8 +264,9 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
         a["b" if n.name in backward else "f"] += costs.compute[n.name][i]
         if n.target in EXPERT_OPS:
             key = "xb" if n.name in backward else "xf"
-            a[key] = a[key] + _exchange_bytes(n, space.nodes[n.name].strategies[i],
-                                              space.mesh_shape)
+            strategy = space.nodes[n.name].strategies[i]
+            a[key] = a[key] + _exchange_bytes(n, strategy, space.mesh_shape)
+            a["xw" + key[1]] = a["xw" + key[1]] + experts_node_work(n, strategy, space.mesh_shape)[0]
         a["act"] += costs.memory[n.name][i]
         if n.name not in backward and is_random(n):
             a["rand"] += costs.memory[n.name][i]
@@ -276,7 +279,7 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
     unit = lambda a, u: UnitCosts(  # noqa: E731
         a["f"] + a["fc"], a["b"] + a["bc"], a["fc"], a["bc"], a["state"], a["act"], a["elems"],
         a["attn_f"], a["attn_b"], a["rand"], tuple((p, v.get(u, 0.0)) for p, v in peaks.items()),
-        a["xelems"], a["xstate"], a["xf"], a["xb"])
+        a["xelems"], a["xstate"], a["xf"], a["xb"], a["xwf"], a["xwb"])
     boundary = _boundary_bytes(fwd)
     itemsize = traced.params[0].dtype.itemsize if traced.params else 4
     pre = acc[0]

@@ -134,19 +134,24 @@ def test_config_ep_must_fit_dp():
 def test_the_setup_search_prices_ep_in_closed_form():
     """A block of 1e8 parameter elements, 8e7 of them experts (16 B of state each, fp32 Adam),
     on 8 H100s of one node, dp=8: ep=4 holds a quarter of the experts' state (6e7 elements x
-    16 B less) and adds its all-to-alls (NVLink, 3 forward and 3 backward per block and
-    microbatch) to the step; the experts' gradients are reduced over dp / ep = 2 ranks."""
+    16 B less), reads a quarter of their weights, and adds its all-to-alls (NVLink, 3 forward
+    and 3 backward per block and microbatch) to the step; the experts' gradients are reduced
+    over dp / ep = 2 ranks."""
     import dataclasses
 
     from autopar.cost_models.comm import axis_collective_time
     from autopar.cost_models.topology import get_preset
     from autopar.cost_models.training_step import LayerCosts, Setup, UnitCosts, price_setup
 
+    from autopar.cost_models.experts import ExpertsWork
+
     topo = get_preset("h100-dgx")
     fwd, bwd = (8.0, 4e6, 4e6), (8.0, 8e6, 4e6)
+    # the experts' forward: 1 GFLOP, 8 MB of tokens, 320 MB of weights (memory-bound at ep=1)
+    work = ExpertsWork(1e9, 8e6, 3.2e8)
     block = UnitCosts(1e-3, 2e-3, 0, 0, 1.6e9, 1e8, 1e8, expert_elements=8e7,
                       expert_state_bytes=1.28e9, expert_forward_bytes=fwd,
-                      expert_backward_bytes=bwd)
+                      expert_backward_bytes=bwd, expert_forward_work=work)
     zero = UnitCosts(0, 0, 0, 0, 0, 0, 0)
     lc = LayerCosts(zero, block, zero, 4, 0, 0, 0, 1e7, 4, "adam")
     plain = Setup(8, 1, 1, 1, 1, "none", 1, "none", 0, False)
@@ -154,7 +159,9 @@ def test_the_setup_search_prices_ep_in_closed_form():
     b = price_setup(lc, dataclasses.replace(plain, ep=4), topo, 80e9)
     assert a.rank_memory_bytes[0] - b.rank_memory_bytes[0] == pytest.approx(4 * 1.28e9 * 3 / 4)
     a2a = sum(axis_collective_time("all_to_all", x, 4, 1, topo) for x in fwd + bwd)
-    assert b.parts["pipeline_s"] - a.parts["pipeline_s"] == pytest.approx(4 * a2a)
+    weights = work.seconds(topo, 4, 1 / 4) - work.seconds(topo, 4)  # (a quarter of them read)
+    assert weights < 0
+    assert b.parts["pipeline_s"] - a.parts["pipeline_s"] == pytest.approx(4 * (a2a + weights))
     assert b.parts["dp_comm_s"] < a.parts["dp_comm_s"]  # (the experts' a quarter, over 2)
     assert "ep=4" in b.setup.describe()
 
@@ -203,3 +210,17 @@ def test_an_ep_plan_stores_each_rank_its_own_experts():
     assert len(experts) == 4 and set(experts.values()) == {("S(0)",)}
     assert all(v == ("R",) for k, v in plan.params.items() if k not in experts)
     assert sum(c.kind == "all_to_all" for c in plan.collectives) == 12  # 2 layers x 6
+
+
+def test_leading_dense_blocks_are_searched_with_pre():
+    """DeepSeek-V3 with its first layer dense and three MoE layers: one leading block, the
+    two-block copy the search traces keeps it and two MoE blocks (3 repeated counted)."""
+    from autopar.capture.layers import leading_blocks
+    from autopar.planning.search import two_block_copy
+
+    model, _ = build("deepseekv3", layers=4)
+    assert leading_blocks(model) == 1
+    copy, prefix, repeated, lead = two_block_copy(model)
+    assert (repeated, lead) == (3, 1) and len(copy.get_submodule(prefix)) == 3
+    assert leading_blocks(build("mixtral")[0]) == 0
+    assert leading_blocks(build("deepseekv3", layers=2)[0]) == -1  # (one MoE block: no pair)
