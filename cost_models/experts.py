@@ -23,12 +23,14 @@ from torch.distributed.tensor import Shard
 from autopar.cost_models.comm import axis_collective_time
 from autopar.cost_models.compute import FLOP_FORMULAS_BY_NAME, op_time
 from autopar.cost_models.topology import Topology
+from autopar.strategies.reshard import local_shape
 from autopar.strategies.rules import EXPERT_OPS, dispatch_axes, expert_owners
+from autopar.strategies.space import tensor_inputs
 
 _FORWARD = torch.ops.autopar.experts.default
 
 __all__ = ["EXPERT_LOAD_SKEW", "ExpertsWork", "experts_flops", "experts_exchanges",
-           "experts_owner_for", "experts_comm_time", "experts_work"]
+           "experts_owner_for", "experts_comm_time", "experts_node_work", "experts_work"]
 
 # the busiest rank's received rows over the mean, uniform routing (an assumption, stated)
 EXPERT_LOAD_SKEW = 1.0
@@ -77,6 +79,18 @@ def experts_work(target: Any, local: Sequence[Any], form: str, owner: Sequence[i
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     return ExpertsWork(experts_flops(*local[-5:], form, owner, grad=grad),
                        2.0 * nbytes(local[:-2]), (2.0 if grad else 1.0) * nbytes(local[-2:]))
+
+
+def experts_node_work(n: Any, s: Any, mesh_shape: Sequence[int]) -> tuple[ExpertsWork, int]:
+    """The :class:`ExpertsWork` of experts node ``n`` (an FX node) under strategy ``s`` on one
+    rank, and its tokens' itemsize."""
+    inputs = tensor_inputs(n)
+    shapes = [tuple(a.meta["val"].shape) for a in inputs]
+    owner, _ = experts_owner_for(n.target, s.inputs, shapes, mesh_shape)
+    local = [torch.empty(local_shape(a.meta["val"].shape, p, mesh_shape), dtype=a.meta["val"].dtype,
+                         device="meta") for a, p in zip(inputs, s.inputs)]
+    return experts_work(n.target, local, n.args[len(inputs)], owner), \
+        inputs[0].meta["val"].element_size()
 
 
 def experts_owner_for(target: Any, placements: Sequence[tuple], shapes: Sequence[tuple],

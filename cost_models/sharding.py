@@ -22,9 +22,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.cost_models.comm import axis_collective_time
 from autopar.cost_models.compute import flops_of_node, op_time
-from autopar.cost_models.experts import (
-    ExpertsWork, experts_comm_time, experts_owner_for, experts_work,
-)
+from autopar.cost_models.experts import experts_comm_time, experts_node_work
 from autopar.strategies.rules import EXPERT_OPS
 from autopar.cost_models.topology import Topology
 from autopar.capture.layers import aten_ops, is_op
@@ -36,7 +34,7 @@ from autopar.strategies.space import (
     Placements, Strategy, StrategySpace, tensor_inputs, boundary_placements,
 )
 
-__all__ = ["REGATHERED_LAYERS", "SpaceCosts", "StepEndBucket", "deferred_gradient_matrix", "deferred_placement", "experts_node_work", "price_space",
+__all__ = ["REGATHERED_LAYERS", "SpaceCosts", "StepEndBucket", "deferred_gradient_matrix", "deferred_placement", "price_space",
            "recomputed_bytes", "reshard_time", "state_bytes_per_element", "step_end_buckets",
            "stored_dim", "stored_placement", "zero_placement"]
 
@@ -172,18 +170,6 @@ def _experts_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: To
     shapes = [tuple(a.meta["val"].shape) for a in tensor_inputs(n)]
     return work.seconds(topo, item) + experts_comm_time(n.target, s.inputs, shapes, item,
                                                        mesh_shape, topo)
-
-
-def experts_node_work(n: fx.Node, s: Strategy, mesh_shape: Sequence[int]) -> tuple[ExpertsWork, int]:
-    """The :class:`~autopar.cost_models.experts.ExpertsWork` of experts node ``n`` under
-    strategy ``s`` on one rank, and its tokens' itemsize."""
-    inputs = tensor_inputs(n)
-    shapes = [tuple(a.meta["val"].shape) for a in inputs]
-    owner, _ = experts_owner_for(n.target, s.inputs, shapes, mesh_shape)
-    local = [_meta_tensor(local_shape(a.meta["val"].shape, p, mesh_shape), a.meta["val"].dtype)
-             for a, p in zip(inputs, s.inputs)]
-    return experts_work(n.target, local, n.args[len(inputs)], owner), \
-        inputs[0].meta["val"].element_size()
 
 
 # layers whose gathered parameters ZeRO-3 holds at once: the one computing and the one whose

@@ -48,7 +48,7 @@ _RANDOM = aten_ops("native_dropout", "bernoulli", "rand", "randn", "rand_like", 
                    "randint", "randint_like", "randperm", "normal", "uniform", "multinomial",
                    "dropout")
 _WAIT = frozenset({torch.ops._c10d_functional.wait_tensor})
-_SOFTMAX = aten_ops("_softmax", "softmax")
+_SOFTMAX = aten_ops("_softmax", "softmax", "_safe_softmax")  # (the last: SDPA's math path)
 _ATTENTION = aten_ops("scaled_dot_product_attention", "_scaled_dot_product_attention_math",
                       "_scaled_dot_product_flash_attention",
                       "_scaled_dot_product_flash_attention_for_cpu",

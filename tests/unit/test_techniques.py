@@ -309,3 +309,43 @@ def test_pipeline_settings_without_a_pipeline_are_refused_not_dropped():
     # the same settings with a pipeline hold in the plan
     plan = autopar.plan(model, mesh, inputs, config=autopar.Config(pp=2, schedule="1f1b", microbatch_size=2))
     assert (plan.pipeline.schedule, plan.pipeline.microbatches) == ("1f1b", 4)
+
+
+class _MathPathAttention(torch.nn.Module):
+    """Attention whose keys are wider than its values (as DeepSeek-V3's): scaled dot-product
+    attention then runs torch's math path, a softmax of its own (``aten._safe_softmax``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = torch.nn.Linear(16, 48), torch.nn.Linear(16, 48)
+        self.v, self.o = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k = (m(x).view(b, t, 4, 12).transpose(1, 2) for m in (self.q, self.k))
+        v = self.v(x).view(b, t, 4, 8).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(b, t, 32))
+
+
+def test_selective_recompute_takes_the_math_path_softmax():
+    """The search prices selective recomputation by the values of (seq, seq) shape; the
+    per-operator plan must recompute the same values, the math path's ``_safe_softmax`` chain
+    included (missed before 2026-11-26: a DeepSeek-V3 plan held 52 GiB of softmaxes the
+    search had dropped)."""
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([_MathPathAttention(), _MathPathAttention()])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = x + block(x)
+            return x.square().mean()
+
+    traced = capture(Model(), (torch.randn(2, 8, 16),))
+    picked = [traced.node(n) for n in recompute_nodes(traced, "selective")]
+    safe = [n for n in traced.gm.graph.nodes if n.target is torch.ops.aten._safe_softmax.default]
+    assert len(safe) == 2 and all(n in picked for n in safe)
+    assert all(tuple(n.meta["val"].shape[-2:]) == (8, 8) for n in picked
+               if n.target is not torch.ops.aten.detach.default)

@@ -1,0 +1,170 @@
+"""Per-unit costs of a two-block trace's solved intra-operator ILP (``pre``, one repeated block,
+``post``): what the setup search's closed form (``cost_models.training_step``) composes. A
+model's leading blocks that differ from the repeated ones (DeepSeek-V3's dense first layers)
+count in ``pre``; the experts of MoE layers are recorded apart (their state, their all-to-alls'
+bytes, their work), for the closed form to split them over ep."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import torch
+from torch.distributed.tensor import Shard
+
+from autopar.capture.layers import is_backward, layer_units
+from autopar.capture.remat import is_random, recompute_nodes
+from autopar.cost_models.experts import ExpertsWork, experts_exchanges, experts_node_work
+from autopar.cost_models.sharding import recomputed_bytes, state_bytes_per_element
+from autopar.cost_models.training_step import RECOMPUTE, LayerCosts, UnitCosts
+from autopar.planning.pipeline import chosen_comm
+from autopar.strategies.reshard import local_shape
+from autopar.strategies.rules import EXPERT_OPS
+from autopar.strategies.space import tensor_inputs
+
+__all__ = ["layer_costs"]
+
+
+def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str, int],
+                num_blocks: int, optimizer: str, seq_shards: int, lead: int = 0) -> LayerCosts:
+    """Per-unit costs of a two-block trace's ILP solution (the second repeated block stands for
+    every block; ``lead`` leading blocks that differ count in ``pre``); ``seq_shards``: the tp
+    degree when the block input is sequence-sharded."""
+
+    nodes = list(traced.gm.graph.nodes)
+    units, unit_of = layer_units(nodes, fwd.units[1].rsplit(".", 1)[0], lead + 2)
+    backward = {n.name for n in nodes if is_backward(n)}
+    acc = [dict(f=0.0, b=0.0, fc=0.0, bc=0.0, state=0.0, act=0.0, elems=0.0, attn_f=0.0,
+                attn_b=0.0, rand=0.0, xelems=0.0, xstate=0.0, xf=(), xb=(),
+                xwf=ExpertsWork(0.0, 0.0, 0.0), xwb=ExpertsWork(0.0, 0.0, 0.0)) for _ in units]
+    experts = _expert_weights(nodes)
+    seq = _seq_len(traced)
+    params = {p.node: p for p in traced.params}
+    by_name = {p.name: p for p in traced.params}
+    tied_state = tied_elems = 0.0
+    for n in nodes:
+        if n.name not in choice:
+            continue
+        i = choice[n.name]
+        if n.name in params:
+            p = params[n.name]
+            # a tied alias holds no state of its own in the ILP; its holder's state is counted
+            # again in the units that read the alias (a pipeline stage there holds a copy)
+            src = by_name[p.tied_to] if p.tied_to is not None else p
+            state = costs.memory[src.node][choice[src.node]]
+            elems = state / state_bytes_per_element(optimizer, p.dtype.itemsize)
+            users = {unit_of[u.name] for u in n.users if u.name in unit_of and u.name not in backward}
+            for u in users or {0}:
+                acc[u]["state"] += state
+                acc[u]["elems"] += elems
+                if n.name in experts:  # (split over ep in closed form: training_step)
+                    acc[u]["xstate"] += state
+                    acc[u]["xelems"] += elems
+            if p.tied_to is not None or len(users) > 1:  # held by two units
+                tied_state, tied_elems = tied_state + state, tied_elems + elems
+            continue
+        a = acc[unit_of.get(n.name, len(units) - 1)]
+        a["b" if n.name in backward else "f"] += costs.compute[n.name][i]
+        if n.target in EXPERT_OPS:
+            key = "xb" if n.name in backward else "xf"
+            strategy = space.nodes[n.name].strategies[i]
+            a[key] = a[key] + _exchange_bytes(n, strategy, space.mesh_shape)
+            a["xw" + key[1]] = a["xw" + key[1]] + experts_node_work(n, strategy, space.mesh_shape)[0]
+        a["act"] += costs.memory[n.name][i]
+        if n.name not in backward and is_random(n):
+            a["rand"] += costs.memory[n.name][i]
+        if n.name not in backward and _is_attention_core(n, seq):
+            a["attn_f"] += costs.compute[n.name][i]
+            a["attn_b"] += costs.memory[n.name][i]
+    for name, in_backward, t in chosen_comm(space, costs, choice, backward):
+        acc[unit_of.get(name, len(units) - 1)]["bc" if in_backward else "fc"] += t
+    peaks = _recompute_peaks(traced, space, choice, unit_of)
+    unit = lambda a, u: UnitCosts(  # noqa: E731
+        a["f"] + a["fc"], a["b"] + a["bc"], a["fc"], a["bc"], a["state"], a["act"], a["elems"],
+        a["attn_f"], a["attn_b"], a["rand"], tuple((p, v.get(u, 0.0)) for p, v in peaks.items()),
+        a["xelems"], a["xstate"], a["xf"], a["xb"], a["xwf"], a["xwb"])
+    boundary = _boundary_bytes(fwd)
+    itemsize = traced.params[0].dtype.itemsize if traced.params else 4
+    pre = acc[0]
+    for a in acc[1:lead + 1]:  # (the leading blocks run where pre does: the first stage)
+        pre = {k: pre[k] + a[k] for k in pre}
+    pre_peaks = {p: {0: max(v.get(u, 0.0) for u in range(lead + 1))} for p, v in peaks.items()}
+    return LayerCosts(unit(pre, 0) if not lead else _unit_with(unit(pre, 0), pre_peaks),
+                      unit(acc[lead + 2], lead + 2), unit(acc[-1], len(units) - 1), num_blocks,
+                      tied_state, tied_elems,
+                      boundary, boundary / seq_shards, itemsize, optimizer)
+
+
+def _unit_with(u: UnitCosts, peaks: dict[str, dict[int, float]]) -> UnitCosts:
+    """``u`` with the recomputation peaks of unit 0 in ``peaks``."""
+    return dataclasses.replace(u, recompute_peak_bytes=tuple((p, v[0]) for p, v in peaks.items()))
+
+
+def _expert_weights(nodes: Sequence[Any]) -> set[str]:
+    """The placeholders the MoE experts ops read as expert weights."""
+    out = set()
+    for n in nodes:
+        if n.target in EXPERT_OPS:
+            ins = tensor_inputs(n)
+            first = EXPERT_OPS[n.target][1]
+            out |= {a.name for a in ins[first:first + 2] if a.op == "placeholder"}
+    return out
+
+
+def _exchange_bytes(n: Any, strategy: Any, mesh_shape: Sequence[int]) -> tuple[float, ...]:
+    """The bytes a rank sends in each all-to-all of experts op ``n`` once its experts are split
+    over an ep axis (the same for any ep: every pair is sent; ``cost_models.experts``), at the
+    rank's tokens under ``strategy``."""
+    ins = tensor_inputs(n)
+    shapes = [local_shape(a.meta["val"].shape, p, mesh_shape) for a, p in zip(ins, strategy.inputs)]
+    split = [(Shard(0),)] * len(ins)
+    return tuple(b for _, _, b in experts_exchanges(n.target, split, shapes,
+                                                    ins[0].meta["val"].element_size(), (1,)))
+
+
+def _recompute_peaks(traced: Any, space: Any, choice: dict[str, int],
+                     unit_of: dict[str, int]) -> dict[str, dict[int, float]]:
+    """Per recomputation policy and unit, the bytes of the unit's recomputed values under the
+    chosen strategies: what one block's backward holds at once (as the per-operator model adds
+    it, :func:`autopar.planning.solve.solve_space`)."""
+    mesh_shape = tuple(space.mesh_shape)
+    out: dict[str, dict[int, float]] = {}
+    for policy in RECOMPUTE[1:]:
+        acc: dict[int, float] = {}
+        for name in recompute_nodes(traced, policy):
+            if name in choice and name in unit_of:
+                nbytes = recomputed_bytes(traced.node(name), space.nodes[name].strategies,
+                                          mesh_shape)[choice[name]]
+                acc[unit_of[name]] = acc.get(unit_of[name], 0.0) + float(nbytes)
+        out[policy] = acc
+    return out
+
+
+def _seq_len(traced: Any) -> int | None:
+    shapes = [i.shape for i in traced.inputs if len(i.shape) >= 2]
+    return shapes[0][1] if shapes else None
+
+
+def _is_attention_core(n: Any, seq: int | None) -> bool:
+    """A forward node whose output ends in (seq, seq) that selective recomputation re-runs:
+    attention scores and softmax ([SEL]). A random node (attention dropout) is not among them:
+    the runtime never recomputes a random draw (:func:`autopar.passes.recompute.is_random`), so
+    its values stay saved, as the per-operator plan prices them."""
+    if is_random(n):
+        return False
+    vals = n.meta.get("val")
+    vals = vals if isinstance(vals, (tuple, list)) else [vals]
+    return seq is not None and any(isinstance(v, torch.Tensor) and v.dim() >= 2
+                                   and tuple(v.shape[-2:]) == (seq, seq) for v in vals)
+
+
+def _boundary_bytes(fwd: Any) -> float:
+    """Bytes crossing from the first block to the second per microbatch (one pipeline cut)."""
+    total = 0
+    for n in fwd.gm.graph.nodes:
+        if fwd.unit_of.get(n.name) != 1:
+            continue
+        val = n.meta.get("val")
+        if hasattr(val, "numel") and any(fwd.unit_of.get(u.name, 0) >= 2 for u in n.users):
+            total += val.numel() * val.element_size()
+    return float(total)
