@@ -35,6 +35,10 @@ class Config:
             back by all-to-all; every other part of the model sees them as data-parallel
             ranks. ``None``: the planner tries the divisors of dp for models with experts
             (``autopar.capture.moe``), 1 for others.
+        expert_load_skew: the routing skew the cost model assumes for MoE experts split over
+            ranks: the busiest rank's rows over the mean (1.0: uniform routing; a trained
+            router is rarely that even: ``benchmarks/moe_ep.py`` measures it). It scales the
+            split experts' compute and their all-to-alls' time, not the plan's listed bytes.
         memory_bytes: per-device memory budget; ``None`` takes the topology preset's memory.
         solver_time_limit_s: time limit of each ILP solve.
         unknown_op: what to do with an operator that has no sharding rule: ``"replicate"``
@@ -87,6 +91,7 @@ class Config:
     pp: int | None = None
     cp: int | None = None
     ep: int | None = None
+    expert_load_skew: float = 1.0
     memory_bytes: float | None = None
     solver_time_limit_s: float = 30.0
     unknown_op: str = "replicate"
@@ -123,6 +128,10 @@ class Config:
             raise ValueError(f"Config.zero={self.zero!r}: use a ZeRO stage of {ZERO_STAGES}, or "
                              f"None to let the planner choose.")
         self._check_dp_shard()
+        if not (isinstance(self.expert_load_skew, (int, float)) and 1.0 <= self.expert_load_skew < math.inf):
+            raise ValueError(f"Config.expert_load_skew={self.expert_load_skew!r}: give the busiest "
+                             f"rank's routed rows over the mean, a finite number >= 1.0 (1.0: "
+                             f"uniform routing).")
         if self.ep is not None and self.ep > 1 and self.dp is not None and self.dp % self.ep:
             raise ValueError(f"Config(dp={self.dp}, ep={self.ep}): the expert-parallel ranks are "
                              f"data-parallel ranks, so ep must divide dp; use a divisor of "

@@ -4,8 +4,9 @@ rows its rank's experts receive, and its all-to-alls over the dispatching axis.
 Routing is assumed uniform: each of a rank's (token, choice) pairs goes to any expert with
 equal chance, so a rank's experts receive ``pairs * group * local / experts`` rows (``group``:
 the ranks of the dispatching axis, ``local``: the rank's experts), times ``skew``, the busiest
-rank's load over the mean (:data:`EXPERT_LOAD_SKEW`: 1, uniform; measured skews are reported
-by ``benchmarks/moe_ep.py``). The all-to-alls run inside the op, serial with its compute, so
+rank's load over the mean where the experts are split over ranks (``Config.expert_load_skew``:
+1.0, uniform, by default; ``benchmarks/moe_ep.py`` reports measured skews), on its experts'
+compute and token traffic and on the all-to-alls' time. The all-to-alls run inside the op, serial with its compute, so
 their time is priced as part of the node's (``cost_models.sharding``); the plan lists them
 (``planning.collectives``) with these bytes, what a rank sends: exact for the dispatch of the
 forward and the backward when the experts are split over the dispatching axis only (every pair
@@ -29,18 +30,16 @@ from autopar.strategies.space import tensor_inputs
 
 _FORWARD = torch.ops.autopar.experts.default
 
-__all__ = ["EXPERT_LOAD_SKEW", "ExpertsWork", "experts_flops", "experts_exchanges",
+__all__ = ["ExpertsWork", "experts_flops", "experts_exchanges",
            "experts_owner_for", "experts_comm_time", "experts_node_work", "experts_work"]
 
-# the busiest rank's received rows over the mean, uniform routing (an assumption, stated)
-EXPERT_LOAD_SKEW = 1.0
 _COUNT_BYTES = 8  # the per-expert counts exchanged first (int64)
 
 
 def _rows(tokens: int, k: int, owner: Sequence[int], local: int) -> float:
     """Rows a rank's experts receive: its group's pairs times its share of the experts."""
     group = max(owner) + 1
-    return tokens * k * group * local / len(owner) * EXPERT_LOAD_SKEW
+    return tokens * k * group * local / len(owner)
 
 
 def experts_flops(hidden: Any, index: Any, weights: Any, w_in: Any, w_out: Any, form: str,
@@ -62,10 +61,16 @@ class ExpertsWork:
     flops: float
     activation_bytes: float
     weight_bytes: float
+    skew: float = 1.0  # the load skew the FLOPs and token bytes include (1: none)
 
     def __add__(self, other: "ExpertsWork") -> "ExpertsWork":
         return ExpertsWork(self.flops + other.flops, self.activation_bytes + other.activation_bytes,
-                           self.weight_bytes + other.weight_bytes)
+                           self.weight_bytes + other.weight_bytes, max(self.skew, other.skew))
+
+    def skewed(self, skew: float) -> "ExpertsWork":
+        """This work at load skew ``skew`` (the FLOPs and token bytes of the busiest rank)."""
+        f = skew / self.skew
+        return ExpertsWork(self.flops * f, self.activation_bytes * f, self.weight_bytes, skew)
 
     def seconds(self, topology: Topology, itemsize: int, weight_share: float = 1.0) -> float:
         """Roofline seconds (``compute.op_time``), the weights' bytes times ``weight_share``."""
@@ -81,16 +86,19 @@ def experts_work(target: Any, local: Sequence[Any], form: str, owner: Sequence[i
                        2.0 * nbytes(local[:-2]), (2.0 if grad else 1.0) * nbytes(local[-2:]))
 
 
-def experts_node_work(n: Any, s: Any, mesh_shape: Sequence[int]) -> tuple[ExpertsWork, int]:
-    """The :class:`ExpertsWork` of experts node ``n`` (an FX node) under strategy ``s`` on one
-    rank, and its tokens' itemsize."""
+def experts_node_work(n: Any, s: Any, mesh_shape: Sequence[int], skew: float = 1.0
+                      ) -> tuple[ExpertsWork, int]:
+    """The :class:`ExpertsWork` of experts node ``n`` (an FX node) under strategy ``s`` on the
+    busiest rank (load ``skew`` where the strategy splits the experts over ranks), and its
+    tokens' itemsize."""
     inputs = tensor_inputs(n)
     shapes = [tuple(a.meta["val"].shape) for a in inputs]
     owner, _ = experts_owner_for(n.target, s.inputs, shapes, mesh_shape)
     local = [torch.empty(local_shape(a.meta["val"].shape, p, mesh_shape), dtype=a.meta["val"].dtype,
                          device="meta") for a, p in zip(inputs, s.inputs)]
-    return experts_work(n.target, local, n.args[len(inputs)], owner), \
-        inputs[0].meta["val"].element_size()
+    work = experts_work(n.target, local, n.args[len(inputs)], owner)
+    split = local[-1].shape[0] < shapes[-1][0]
+    return work.skewed(skew) if split else work, inputs[0].meta["val"].element_size()
 
 
 def experts_owner_for(target: Any, placements: Sequence[tuple], shapes: Sequence[tuple],
@@ -125,14 +133,17 @@ def experts_exchanges(target: Any, placements: Sequence[tuple], shapes: Sequence
 
 
 def experts_comm_time(target: Any, placements: Sequence[tuple], shapes: Sequence[tuple],
-                      itemsize: int, mesh_shape: Sequence[int], topology: Topology) -> float:
-    """Seconds of :func:`experts_exchanges` on ``topology``."""
+                      itemsize: int, mesh_shape: Sequence[int], topology: Topology,
+                      skew: float = 1.0) -> float:
+    """Seconds of :func:`experts_exchanges` on ``topology``, the rows' at load ``skew`` (the
+    busiest rank receives that many times the mean and the exchange waits for it)."""
     strides = [1] * len(mesh_shape)
     for a in range(len(mesh_shape) - 2, -1, -1):
         strides[a] = strides[a + 1] * mesh_shape[a + 1]
-    return sum(axis_collective_time(kind, nbytes, mesh_shape[axis], strides[axis], topology)
-               for kind, axis, nbytes in experts_exchanges(target, placements, shapes, itemsize,
-                                                           mesh_shape))
+    exchanges = experts_exchanges(target, placements, shapes, itemsize, mesh_shape)
+    return sum(axis_collective_time(kind, nbytes * (skew if i else 1.0), mesh_shape[axis],
+                                    strides[axis], topology)
+               for i, (kind, axis, nbytes) in enumerate(exchanges))  # (0: the counts)
 
 
 def _split_count(placements: Sequence[Any], mesh_shape: Sequence[int]) -> int:

@@ -132,11 +132,11 @@ def _meta_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
 
 
 def _compute_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: Topology,
-                  fused: frozenset = frozenset()) -> float:
+                  fused: frozenset = frozenset(), skew: float = 1.0) -> float:
     if is_op(n, _FREE):
         return 0.0
     if n.target in EXPERT_OPS:
-        return _experts_time(n, s, mesh_shape, topo)
+        return _experts_time(n, s, mesh_shape, topo, skew)
     inputs = tensor_inputs(n)
     local_in = {}
     nbytes = 0
@@ -163,13 +163,15 @@ def _compute_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: To
     return op_time(flops, float(nbytes), topo, dtype, is_matmul=flops > 0)
 
 
-def _experts_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: Topology) -> float:
+def _experts_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: Topology,
+                  skew: float) -> float:
     """An MoE experts op (``cost_models.experts``): its FLOPs at the rows its experts receive
-    and its memory traffic, plus its all-to-alls, which run inside it."""
-    work, item = experts_node_work(n, s, mesh_shape)
+    and its memory traffic, plus its all-to-alls, which run inside it; the busiest rank's, at
+    load ``skew``."""
+    work, item = experts_node_work(n, s, mesh_shape, skew)
     shapes = [tuple(a.meta["val"].shape) for a in tensor_inputs(n)]
     return work.seconds(topo, item) + experts_comm_time(n.target, s.inputs, shapes, item,
-                                                       mesh_shape, topo)
+                                                       mesh_shape, topo, skew)
 
 
 # layers whose gathered parameters ZeRO-3 holds at once: the one computing and the one whose
@@ -187,7 +189,8 @@ def _numel(shape: Sequence[int]) -> int:
 
 def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
                 optimizer: str = "adam", recompute: frozenset[str] = frozenset(),
-                zero_axes: Sequence[int] = (), gathered_share: float = 1.0) -> SpaceCosts:
+                zero_axes: Sequence[int] = (), gathered_share: float = 1.0,
+                expert_skew: float = 1.0) -> SpaceCosts:
     """Price every strategy and every edge of ``space`` on ``topology``.
 
     ``zero_axes``: the parameters are stored as :func:`zero_placement` over these axes and
@@ -198,6 +201,8 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
     reader and gathers it again, so the copies of a few layers are held at once: the ILP's
     memory is linear, so each copy counts that share of its bytes, exact when the layers are
     alike; the plan's peak is the liveness walk, ``cost_models.liveness``).
+
+    ``expert_skew``: the load skew of MoE experts split over ranks (``cost_models.experts``).
 
     ``recompute``: forward nodes recomputed in the backward (``passes.recompute``); their compute
     is paid twice, their outputs are not saved (their inputs are), and ``recomputed`` holds the
@@ -227,7 +232,8 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
                 cache[key] = np.zeros(len(ns.strategies))
             else:
                 # a recomputed node runs twice: forward, and again before its backward
-                cache[key] = np.array([_compute_time(n, s, mesh_shape, topology, fused)
+                cache[key] = np.array([_compute_time(n, s, mesh_shape, topology, fused,
+                                                     expert_skew)
                                        for s in ns.strategies]) * (2.0 if again else 1.0)
         compute[name] = cache[key]
         if again:

@@ -105,6 +105,7 @@ class LayerCosts:
     input_bytes: float
     param_itemsize: int
     optimizer: str
+    expert_load_skew: float = 1.0  # (Config.expert_load_skew: of experts split over ranks)
 
 
 @dataclass(frozen=True)
@@ -234,13 +235,15 @@ def _expert_parallel(lc: LayerCosts, setup: Setup, topology: Topology) -> LayerC
     if setup.ep == 1:
         return lc
     e, stride, item = setup.ep, setup.cp * setup.tp, lc.param_itemsize
+    skew = lc.expert_load_skew
 
     def split(u: UnitCosts) -> UnitCosts:
-        a2a = lambda bs: sum(axis_collective_time("all_to_all", b, e, stride, topology)  # noqa: E731
-                             for b in bs)
+        # (the rows out and back at the busiest rank's load; the counts first, as they are)
+        a2a = lambda bs: sum(axis_collective_time("all_to_all", b * (skew if i else 1.0), e,  # noqa: E731
+                                                  stride, topology) for i, b in enumerate(bs))
         f, b = a2a(u.expert_forward_bytes), a2a(u.expert_backward_bytes)
-        # (the rank reads 1/ep of the experts' weights: priced at ep = 1, priced again)
-        fw, bw = (w.seconds(topology, item, 1 / e) - w.seconds(topology, item)
+        # (the busiest rank's experts, reading 1/ep of the weights: priced at ep = 1, again)
+        fw, bw = (w.skewed(skew).seconds(topology, item, 1 / e) - w.seconds(topology, item)
                   for w in (u.expert_forward_work, u.expert_backward_work))
         return dataclasses.replace(
             u, forward_s=u.forward_s + f + fw, backward_s=u.backward_s + b + bw,

@@ -131,7 +131,7 @@ class LayerSolver:
                                             base_space=self.spaces[(b, tp, cp)])
             self.solved[key] = layer_costs(traced, fwd, space, costs, res.choice, self.num_blocks,
                                            self.config.optimizer, (tp if sp else 1) * cp,
-                                           self.lead)
+                                           self.lead, self.config.expert_load_skew)
             self.solve_s += time.perf_counter() - t0
         return self.solved[key]
 

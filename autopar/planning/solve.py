@@ -101,7 +101,7 @@ def priced_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidat
     recompute = recompute_nodes(traced, config.recompute or "none")
     share = regathered_share(traced) if config.zero == 3 and not zero_once else 1.0
     costs = run_cost_passes(price_space(traced, space, mesh.topology, config.optimizer, recompute,
-                                        zero_axes, share),
+                                        zero_axes, share, config.expert_load_skew),
                             space, mesh.topology, cost_passes)
     if activation_scale != 1:
         # parameters are held once; a gradient coming in from the next stage (a tangent) is

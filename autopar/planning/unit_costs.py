@@ -26,7 +26,8 @@ __all__ = ["layer_costs"]
 
 
 def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str, int],
-                num_blocks: int, optimizer: str, seq_shards: int, lead: int = 0) -> LayerCosts:
+                num_blocks: int, optimizer: str, seq_shards: int, lead: int = 0,
+                expert_skew: float = 1.0) -> LayerCosts:
     """Per-unit costs of a two-block trace's ILP solution (the second repeated block stands for
     every block; ``lead`` leading blocks that differ count in ``pre``); ``seq_shards``: the tp
     degree when the block input is sequence-sharded."""
@@ -69,7 +70,8 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
             key = "xb" if n.name in backward else "xf"
             strategy = space.nodes[n.name].strategies[i]
             a[key] = a[key] + _exchange_bytes(n, strategy, space.mesh_shape)
-            a["xw" + key[1]] = a["xw" + key[1]] + experts_node_work(n, strategy, space.mesh_shape)[0]
+            a["xw" + key[1]] = a["xw" + key[1]] + experts_node_work(n, strategy, space.mesh_shape,
+                                                                    expert_skew)[0]
         a["act"] += costs.memory[n.name][i]
         if n.name not in backward and is_random(n):
             a["rand"] += costs.memory[n.name][i]
@@ -92,7 +94,7 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
     return LayerCosts(unit(pre, 0) if not lead else _unit_with(unit(pre, 0), pre_peaks),
                       unit(acc[lead + 2], lead + 2), unit(acc[-1], len(units) - 1), num_blocks,
                       tied_state, tied_elems,
-                      boundary, boundary / seq_shards, itemsize, optimizer)
+                      boundary, boundary / seq_shards, itemsize, optimizer, expert_skew)
 
 
 def _unit_with(u: UnitCosts, peaks: dict[str, dict[int, float]]) -> UnitCosts:

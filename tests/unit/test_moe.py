@@ -224,3 +224,37 @@ def test_leading_dense_blocks_are_searched_with_pre():
     assert (repeated, lead) == (3, 1) and len(copy.get_submodule(prefix)) == 3
     assert leading_blocks(build("mixtral")[0]) == 0
     assert leading_blocks(build("deepseekv3", layers=2)[0]) == -1  # (one MoE block: no pair)
+
+
+def test_the_load_skew_prices_the_busiest_rank_where_experts_are_split():
+    """``Config.expert_load_skew`` (the busiest rank's rows over the mean): the experts op
+    split over ranks computes and sends that much more on its busiest rank; the same op with
+    its experts whole on every rank has no skew (each rank runs its own tokens); the closed
+    form's ep setups pay it too, the ep=1 setup not."""
+    import dataclasses
+
+    from autopar.cost_models.experts import ExpertsWork, experts_comm_time
+    from autopar.cost_models.topology import get_preset
+    from autopar.cost_models.training_step import LayerCosts, Setup, UnitCosts, price_setup
+
+    topo = get_preset("h100-dgx")
+    work = ExpertsWork(1e12, 8e6, 3.2e8)
+    assert work.skewed(1.5).flops == 1.5e12 and work.skewed(1.5).skewed(1.0).flops == 1e12
+    assert work.skewed(1.5).weight_bytes == work.weight_bytes
+    shapes = [(16, 64), (16, 2), (16, 2), (4, 256, 64), (4, 64, 128)]
+    S = (Shard(0),)
+    even = experts_comm_time(FORWARD, [S] * 5, shapes, 4, (2,), topo)
+    assert experts_comm_time(FORWARD, [S] * 5, shapes, 4, (2,), topo, skew=1.5) > even
+    block = UnitCosts(1e-2, 2e-2, 0, 0, 1.6e9, 1e8, 1e8, expert_elements=8e7,
+                      expert_state_bytes=1.28e9, expert_forward_bytes=(8.0, 4e6, 4e6),
+                      expert_backward_bytes=(8.0, 8e6, 4e6), expert_forward_work=work)
+    zero = UnitCosts(0, 0, 0, 0, 0, 0, 0)
+    lc = LayerCosts(zero, block, zero, 4, 0, 0, 0, 1e7, 4, "adam")
+    skewed = dataclasses.replace(lc, expert_load_skew=1.5)
+    plain = Setup(8, 1, 1, 1, 1, "none", 1, "none", 0, False)
+    ep = dataclasses.replace(plain, ep=4)
+    assert price_setup(skewed, plain, topo, 80e9).step_time_s == \
+        price_setup(lc, plain, topo, 80e9).step_time_s
+    assert price_setup(skewed, ep, topo, 80e9).step_time_s > price_setup(lc, ep, topo, 80e9).step_time_s
+    with pytest.raises(ValueError, match="expert_load_skew"):
+        Config(expert_load_skew=0.5)
