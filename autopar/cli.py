@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
     for name in ("dp", "tp", "pp", "cp", "ep", "microbatch-size", "dp-shard"):
         p.add_argument(f"--{name}", type=int, default=None, help=f"fix {name} (default: searched)")
+    p.add_argument("--expert-load-skew", type=float, default=1.0,
+                   help="MoE routing skew the cost model assumes: the busiest rank's rows over "
+                        "the mean (default 1.0, uniform)")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default=None)
     p.add_argument("--zero", type=int, choices=ZERO_STAGES, default=None)
     p.add_argument("--memory-gib", type=float, default=None, help="per-device budget (default: the hardware's)")
@@ -116,6 +119,7 @@ def _plan(args: argparse.Namespace) -> Any:
     say(f"building {args.model} (batch {args.batch}, seq {args.seq}) for {nodes}x{gpus} {topo.name}")
     model, inputs = load_model(args.model, args.batch, args.seq)
     config = autopar.Config(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
+                            expert_load_skew=args.expert_load_skew,
                             microbatch_size=args.microbatch_size,
                             recompute=args.recompute, zero=args.zero, dp_shard=args.dp_shard,
                             memory_bytes=args.memory_gib * 2**30 if args.memory_gib else None)

@@ -128,7 +128,8 @@ class Config:
             raise ValueError(f"Config.zero={self.zero!r}: use a ZeRO stage of {ZERO_STAGES}, or "
                              f"None to let the planner choose.")
         self._check_dp_shard()
-        if not (isinstance(self.expert_load_skew, (int, float)) and 1.0 <= self.expert_load_skew < math.inf):
+        if isinstance(self.expert_load_skew, bool) or not (
+                isinstance(self.expert_load_skew, (int, float)) and 1.0 <= self.expert_load_skew < math.inf):
             raise ValueError(f"Config.expert_load_skew={self.expert_load_skew!r}: give the busiest "
                              f"rank's routed rows over the mean, a finite number >= 1.0 (1.0: "
                              f"uniform routing).")

@@ -250,9 +250,7 @@ def compare(size: dict, repeats: int, warmup: int) -> dict:
     batch = make_batch(size, n)
     ref, ref_loss, routes = one_process(size, batch)
     mesh = autopar.Mesh.from_torchrun(topology="cpu-gloo")
-    # zero=0: no ZeRO, as the hand-written side (and what the search picks on 2 ranks anyway);
-    # left to the search on 4 ranks, its hybrid-sharded setups (ep=1) are realised with ep=4
-    # and fail Config's check ("hybrid sharding and expert parallelism ...")
+    # zero=0: no ZeRO, as the hand-written side (and what the search picks on 2 ranks anyway)
     config = autopar.Config(dp=n, ep=n, tp=1, pp=1, zero=0)
     pm = autopar.parallelize(make_model(size), mesh, {"input_ids": batch[0], "labels": batch[1]},
                              config=config, plan_cache=False)

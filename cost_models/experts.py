@@ -43,12 +43,15 @@ def _rows(tokens: int, k: int, owner: Sequence[int], local: int) -> float:
 
 
 def experts_flops(hidden: Any, index: Any, weights: Any, w_in: Any, w_out: Any, form: str,
-                  owner: Sequence[int], group: str = "", *, grad: bool = False) -> float:
-    """FLOPs of one experts op (``grad``: its backward, which runs the experts again and then
-    their two gradients: three times the forward's), from its (local) arguments."""
+                  owner: Sequence[int], group: str = "", *, grad: bool = False,
+                  rerun: bool = True) -> float:
+    """FLOPs of one experts op from its (local) arguments; ``grad``: its backward, the two
+    gradients (twice the forward's) and, with ``rerun``, the experts run again first (the op
+    does: three times the forward's). A model's FLOPs (MFU) count the backward without the
+    re-run, as they count no recomputation."""
     rows = _rows(hidden.shape[0], index.shape[-1], owner, w_in.shape[0])
     per_row = 2 * w_in.shape[1] * w_in.shape[2] + 2 * w_out.shape[1] * w_out.shape[2]
-    return rows * per_row * (3 if grad else 1)
+    return rows * per_row * ((3 if rerun else 2) if grad else 1)
 
 
 @dataclass(frozen=True)
@@ -62,20 +65,24 @@ class ExpertsWork:
     activation_bytes: float
     weight_bytes: float
     skew: float = 1.0  # the load skew the FLOPs and token bytes include (1: none)
+    itemsize: int = 4  # of the expert weights: the dtype the experts compute in
 
     def __add__(self, other: "ExpertsWork") -> "ExpertsWork":
         return ExpertsWork(self.flops + other.flops, self.activation_bytes + other.activation_bytes,
-                           self.weight_bytes + other.weight_bytes, max(self.skew, other.skew))
+                           self.weight_bytes + other.weight_bytes, max(self.skew, other.skew),
+                           min(self.itemsize, other.itemsize))
 
     def skewed(self, skew: float) -> "ExpertsWork":
         """This work at load skew ``skew`` (the FLOPs and token bytes of the busiest rank)."""
         f = skew / self.skew
-        return ExpertsWork(self.flops * f, self.activation_bytes * f, self.weight_bytes, skew)
+        return ExpertsWork(self.flops * f, self.activation_bytes * f, self.weight_bytes, skew,
+                           self.itemsize)
 
-    def seconds(self, topology: Topology, itemsize: int, weight_share: float = 1.0) -> float:
-        """Roofline seconds (``compute.op_time``), the weights' bytes times ``weight_share``."""
+    def seconds(self, topology: Topology, weight_share: float = 1.0) -> float:
+        """Roofline seconds (``compute.op_time``) in the experts' dtype, the weights' bytes
+        times ``weight_share``."""
         return op_time(self.flops, self.activation_bytes + self.weight_bytes * weight_share,
-                       topology, "bf16" if itemsize == 2 else "fp32", is_matmul=True)
+                       topology, "bf16" if self.itemsize == 2 else "fp32", is_matmul=True)
 
 
 def experts_work(target: Any, local: Sequence[Any], form: str, owner: Sequence[int]) -> ExpertsWork:
@@ -83,7 +90,8 @@ def experts_work(target: Any, local: Sequence[Any], form: str, owner: Sequence[i
     grad = target is not _FORWARD
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     return ExpertsWork(experts_flops(*local[-5:], form, owner, grad=grad),
-                       2.0 * nbytes(local[:-2]), (2.0 if grad else 1.0) * nbytes(local[-2:]))
+                       2.0 * nbytes(local[:-2]), (2.0 if grad else 1.0) * nbytes(local[-2:]),
+                       itemsize=local[-2].element_size())
 
 
 def experts_node_work(n: Any, s: Any, mesh_shape: Sequence[int], skew: float = 1.0
@@ -156,4 +164,4 @@ def _split_count(placements: Sequence[Any], mesh_shape: Sequence[int]) -> int:
 
 FLOP_FORMULAS_BY_NAME["autopar::experts"] = experts_flops
 FLOP_FORMULAS_BY_NAME["autopar::experts_backward"] = \
-    lambda grad, *args, **kw: experts_flops(*args, grad=True)
+    lambda grad, *args, **kw: experts_flops(*args, grad=True, rerun=False)

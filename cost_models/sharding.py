@@ -170,7 +170,7 @@ def _experts_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: To
     load ``skew``."""
     work, item = experts_node_work(n, s, mesh_shape, skew)
     shapes = [tuple(a.meta["val"].shape) for a in tensor_inputs(n)]
-    return work.seconds(topo, item) + experts_comm_time(n.target, s.inputs, shapes, item,
+    return work.seconds(topo) + experts_comm_time(n.target, s.inputs, shapes, item,
                                                        mesh_shape, topo, skew)
 
 

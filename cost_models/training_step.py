@@ -80,6 +80,11 @@ class UnitCosts:
     # the experts ops' work in the forward and the backward (its weights' traffic shrinks by ep)
     expert_forward_work: ExpertsWork = ExpertsWork(0.0, 0.0, 0.0)
     expert_backward_work: ExpertsWork = ExpertsWork(0.0, 0.0, 0.0)
+    # the experts ops' forward seconds within ``forward_s`` (and their collectives' within
+    # ``forward_comm_s``): full recomputation does not run them again (their backward op
+    # takes their inputs, not their output)
+    expert_forward_s: float = 0.0
+    expert_forward_comm_s: float = 0.0
 
     def peak(self, policy: str) -> float:
         """The recomputed values' bytes under ``policy`` (0 for ``"none"``)."""
@@ -220,7 +225,8 @@ def _block_parts(lc: LayerCosts, recompute: str) -> tuple[float, float, float]:
     """(forward s, backward s, saved bytes) of one block under ``recompute`` ([MEG], [SEL])."""
     b = lc.block
     if recompute == "full":  # the block's input, and its random values (never re-drawn)
-        return b.forward_s, b.backward_s + b.forward_s, lc.input_bytes + b.random_bytes
+        again = b.forward_s - b.expert_forward_s  # (MoE experts: not run again)
+        return b.forward_s, b.backward_s + again, lc.input_bytes + b.random_bytes
     if recompute == "selective":
         return b.forward_s, b.backward_s + b.attention_forward_s, b.activation_bytes - b.attention_bytes
     return b.forward_s, b.backward_s, b.activation_bytes
@@ -234,8 +240,7 @@ def _expert_parallel(lc: LayerCosts, setup: Setup, topology: Topology) -> LayerC
     read 1/ep of the experts' weights."""
     if setup.ep == 1:
         return lc
-    e, stride, item = setup.ep, setup.cp * setup.tp, lc.param_itemsize
-    skew = lc.expert_load_skew
+    e, stride, skew = setup.ep, setup.cp * setup.tp, lc.expert_load_skew
 
     def split(u: UnitCosts) -> UnitCosts:
         # (the rows out and back at the busiest rank's load; the counts first, as they are)
@@ -243,11 +248,13 @@ def _expert_parallel(lc: LayerCosts, setup: Setup, topology: Topology) -> LayerC
                                                   stride, topology) for i, b in enumerate(bs))
         f, b = a2a(u.expert_forward_bytes), a2a(u.expert_backward_bytes)
         # (the busiest rank's experts, reading 1/ep of the weights: priced at ep = 1, again)
-        fw, bw = (w.skewed(skew).seconds(topology, item, 1 / e) - w.seconds(topology, item)
+        fw, bw = (w.skewed(skew).seconds(topology, 1 / e) - w.seconds(topology)
                   for w in (u.expert_forward_work, u.expert_backward_work))
         return dataclasses.replace(
             u, forward_s=u.forward_s + f + fw, backward_s=u.backward_s + b + bw,
             forward_comm_s=u.forward_comm_s + f, backward_comm_s=u.backward_comm_s + b,
+            expert_forward_s=u.expert_forward_s + f + fw,
+            expert_forward_comm_s=u.expert_forward_comm_s + f,
             state_bytes=u.state_bytes - u.expert_state_bytes * (1 - 1 / e),
             param_elements=u.param_elements - u.expert_elements * (1 - 1 / e),
             expert_elements=u.expert_elements / e, expert_state_bytes=u.expert_state_bytes / e)
@@ -421,7 +428,8 @@ def optimizer_step_time(elements: float, optimizer: str, topology: Topology) -> 
 def _comm_per_stage(lc: LayerCosts, counts: tuple[int, ...], recompute: str) -> list[float]:
     """Collective seconds per stage and microbatch (recomputation repeats the forward's)."""
     b = lc.block
-    per_block = b.forward_comm_s + b.backward_comm_s + (recompute == "full") * b.forward_comm_s
+    per_block = b.forward_comm_s + b.backward_comm_s + \
+        (recompute == "full") * (b.forward_comm_s - b.expert_forward_comm_s)
     out = []
     for j, n in enumerate(counts):
         out.append(n * per_block + (j == 0) * (lc.pre.forward_comm_s + lc.pre.backward_comm_s)

@@ -103,9 +103,10 @@ def identical_blocks(model: nn.Module) -> tuple[str | None, int, int]:
 
 
 def leading_blocks(model: nn.Module) -> int:
-    """How many of the repeated blocks, at the front of the list, differ from the rest when the
-    rest (two or more) are identical: 0 when all are alike, the count of a leading run (such as
-    DeepSeek-V3's dense first layers before its MoE layers), -1 for any other mix."""
+    """How many blocks at the front of the list come before the run of identical blocks that
+    ends it: 0 when all are alike, the leading ones' count otherwise (such as DeepSeek-V3's
+    dense first layers before its MoE layers; they may differ among themselves), -1 when that
+    final run is shorter than two blocks."""
     prefix = block_prefix([n for n, _ in model.named_parameters(remove_duplicate=False)])
     if prefix is None:
         return -1

@@ -33,8 +33,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["ACTIVATIONS", "OPS_WITH_COLLECTIVES", "experts", "experts_backward", "experts_block_form",
-           "experts_forward", "has_expert_blocks", "routed_rows"]
+__all__ = ["ACTIVATIONS", "OPS_WITH_COLLECTIVES", "expert_count", "experts", "experts_backward",
+           "experts_block_form", "experts_forward", "has_expert_blocks", "routed_rows"]
 
 
 def _silu_grad(x: torch.Tensor) -> torch.Tensor:
@@ -76,10 +76,12 @@ def experts_block_form(m: nn.Module) -> str | None:
     from transformers.integrations.moe import _default_apply_gate  # the block is transformers'
 
     gate = bool(getattr(m, "has_gate", False))
+    act = getattr(m, "act_fn", None)
     if getattr(m, "has_bias", False) or getattr(m, "has_post_expert_norm", False) or \
             (gate and getattr(type(m), "_apply_gate", None) is not _default_apply_gate) or \
-            type(getattr(m, "act_fn", None)).__name__ not in ACTIVATIONS:
-        return None
+            type(act).__name__ not in ACTIVATIONS or \
+            (isinstance(act, nn.GELU) and act.approximate != "none"):
+        return None  # (torch's GELU may be the tanh one under the same class name: not taken)
     return json.dumps({"gate": gate, "transposed": bool(m.is_transposed),
                        "act": type(m.act_fn).__name__})
 
@@ -87,7 +89,14 @@ def experts_block_form(m: nn.Module) -> str | None:
 def has_expert_blocks(model: nn.Module) -> bool:
     """Whether ``model`` has experts that capture as :func:`experts` (and so can be split over
     an ep axis)."""
-    return any(experts_block_form(m) is not None for m in model.modules())
+    return expert_count(model) > 0
+
+
+def expert_count(model: nn.Module) -> int:
+    """The experts an ep degree must split evenly in every MoE layer of ``model`` that captures
+    as :func:`experts`: the gcd of their counts (0 without such layers)."""
+    counts = [m.down_proj.shape[0] for m in model.modules() if experts_block_form(m) is not None]
+    return math.gcd(*counts) if counts else 0
 
 
 def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -232,7 +241,9 @@ def _experts(hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, w
     back = ex.combine(out)
     per_pair = back.new_zeros(index.numel(), back.shape[-1])
     per_pair[ex.pairs] = back
-    mixed = per_pair.view(*index.shape, -1) * weights.unsqueeze(-1).to(back.dtype)
+    # (weighted and summed in the promoted dtype, as transformers' grouped form does)
+    dtype = torch.promote_types(back.dtype, weights.dtype)
+    mixed = per_pair.view(*index.shape, -1).to(dtype) * weights.unsqueeze(-1).to(dtype)
     return mixed.sum(-2).to(hidden.dtype)
 
 

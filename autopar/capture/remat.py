@@ -30,6 +30,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.fx as fx
 
+import autopar.capture.moe  # noqa: F401  (registers autopar::experts)
 from autopar.capture.layers import aten_ops, is_backward, is_op
 from autopar.graph import TracedGraph
 
@@ -172,8 +173,9 @@ def recompute_nodes(traced: TracedGraph, policy: str) -> frozenset[str]:
     layer = traced.node_layer
     fwd = [n for n in traced.gm.graph.nodes if is_forward(n) and layer.get(n.name)]
     if policy == "full":
-        # a block's values, except those read outside it (the block's output): they are saved
-        picked = {n.name for n in fwd if not is_random(n) and all(
+        # a block's values, except those read outside it (the block's output): they are saved;
+        # an MoE experts op is never run again (its backward op takes its inputs, not it)
+        picked = {n.name for n in fwd if not is_random(n) and n.target is not _EXPERTS and all(
             u.op == "call_function" and (layer.get(u.name) == layer[n.name] or not is_forward(u))
             for u in n.users)}
     else:
@@ -182,6 +184,7 @@ def recompute_nodes(traced: TracedGraph, policy: str) -> frozenset[str]:
 
 
 _MATMUL = aten_ops("mm", "bmm", "matmul", "baddbmm", "addmm")
+_EXPERTS = torch.ops.autopar.experts.default
 _CASTS = aten_ops("_to_copy", "to", "type_as")
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from autopar.config import Config
 from autopar.errors import PlanError
 
-__all__ = ['Candidate', 'HSDP_AXES', 'memory_techniques', 'mesh_candidates']
+__all__ = ['Candidate', 'HSDP_AXES', 'ep_degrees', 'memory_techniques', 'mesh_candidates']
 
 
 @dataclass(frozen=True)
@@ -37,13 +37,13 @@ class Candidate:
 HSDP_AXES = ("dp_replicate", "dp_shard")
 
 
-def mesh_candidates(world: int, config: Config, experts: bool = False) -> list[Candidate]:
+def mesh_candidates(world: int, config: Config, experts: int = 0) -> list[Candidate]:
     """Logical meshes to try: (dp, cp, tp) factorisations of ``world`` allowed by the config
     (``world`` is the devices of one pipeline stage; cp is ``Config.cp``, 1 when ``None``);
     with ``Config.dp_shard`` smaller than dp, the dp axis is cut into (``dp_replicate``,
     ``dp_shard``), the shard groups being consecutive ranks (inside a node first); with an
-    expert-parallel degree ep > 1 (``Config.ep``, or when None and the model has ``experts``,
-    each divisor of dp), into (``dp``, ``ep``), the ep groups consecutive ranks, an axis of size
+    expert-parallel degree ep > 1 (:func:`ep_degrees`; ``experts``: the experts of the model's
+    MoE layers, 0 without), into (``dp``, ``ep``), the ep groups consecutive ranks, an axis of size
     1 left out. Axes run data, context, tensor (outermost first), as Megatron-LM orders
     them."""
     cp = config.cp or 1
@@ -81,19 +81,22 @@ def mesh_candidates(world: int, config: Config, experts: bool = False) -> list[C
     return out
 
 
-def _expert_splits(data: tuple, dp: int, config: Config, experts: bool) -> list[tuple]:
+def ep_degrees(config: Config, dp: int, experts: int) -> list[int]:
+    """The expert-parallel degrees to try for ``dp`` replicas and MoE layers of ``experts``
+    experts (0: none; several layers: the gcd of their counts): ``Config.ep`` when set (if it
+    divides dp), else 1 and every divisor of dp that splits the experts evenly."""
+    if config.ep is not None:
+        return [config.ep] if dp % config.ep == 0 and (config.ep == 1 or experts) else []
+    return [1] + [e for e in range(2, dp + 1) if dp % e == 0 and experts and experts % e == 0]
+
+
+def _expert_splits(data: tuple, dp: int, config: Config, experts: int) -> list[tuple]:
     """The data axes ``data`` (shape, names, dp axes, shard axes) as they are (ep = 1), or with
-    dp cut into (``dp``, ``ep``) for each expert-parallel degree ``Config.ep`` allows."""
-    if config.ep is not None and config.ep > 1:
-        if dp % config.ep:
-            return []
-        degrees = [config.ep]
-    elif config.ep is None and experts and data[2] == (0,) and data[1] == ("dp",):
-        degrees = [1] + [e for e in range(2, dp + 1) if dp % e == 0]
-    else:
-        degrees = [1]
+    dp cut into (``dp``, ``ep``) for each expert-parallel degree > 1 of :func:`ep_degrees`
+    (not beside hybrid sharding's axes)."""
+    hybrid = data[1] == HSDP_AXES
     out = []
-    for ep in degrees:
+    for ep in ep_degrees(config, dp, experts) if not hybrid else [1]:
         if ep == 1:
             out.append((*data, ()))
         elif ep == dp:

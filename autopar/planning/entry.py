@@ -266,14 +266,14 @@ def _realize(cost: StepCost, model: nn.Module, mesh: Mesh, example_inputs: Any, 
         if whole[0] is None:
             whole[0] = capture(model, example_inputs, config.mixed_precision)
         traced = whole[0]
-        cand = mesh_candidates(mesh.size, pinned)[0]
+        cand = mesh_candidates(mesh.size, pinned, layers.num_experts)[0]
         plan = solve_candidate(traced, mesh, concrete, cand, cost_passes, budget)
         flops, dtype = traced_flops(traced, concrete)
         step = plan.predicted["step_time_s"] + plan.predicted["optimizer_s"]
         return _replace(plan, predicted={
             **plan.predicted, "model_flops": flops,
             "mfu": mfu(flops, step, mesh.size, mesh.topology, dtype)})
-    cand = mesh_candidates(mesh.size // st.pp, pinned)[0]
+    cand = mesh_candidates(mesh.size // st.pp, pinned, layers.num_experts)[0]
     stage_of_block = [j for j, n in enumerate(cost.blocks_per_stage) for _ in range(n)]
     stage_of_unit = (0, *[0] * layers.lead, *stage_of_block, st.pp * st.virtual_stages - 1)
     setup = PipelineSetup(st.pp, cand, st.microbatches, st.schedule, st.virtual_stages,

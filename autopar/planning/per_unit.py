@@ -6,6 +6,8 @@ answer for."""
 
 from __future__ import annotations
 
+import math
+
 from typing import Any, Callable, Sequence
 
 
@@ -21,6 +23,7 @@ __all__ = ['make_plan']
 
 
 from autopar.strategies.rules import EXPERT_OPS
+from autopar.strategies.space import tensor_inputs
 from autopar.planning.candidates import Candidate, memory_techniques, mesh_candidates
 from autopar.planning.pipeline import ModelFacts, build_pipeline_plan, search_pipeline
 from autopar.planning.assembly import utilization
@@ -78,7 +81,9 @@ def _make_plan(traced: TracedGraph, mesh: Mesh, config: Config,
     ``flat`` False skips the plans without a pipeline."""
     budget = config.memory_bytes if config.memory_bytes is not None else mesh.topology.memory_bytes
     results, infeasible, unplaceable = [], [], []
-    experts = any(n.target in EXPERT_OPS for n in traced.gm.graph.nodes)
+    # (the experts of the MoE layers, their gcd: what an ep degree must split evenly)
+    experts = math.gcd(*[tensor_inputs(n)[EXPERT_OPS[n.target][1]].meta["val"].shape[0]
+                         for n in traced.gm.graph.nodes if n.target in EXPERT_OPS])
     cands = mesh_candidates(mesh.size, config, experts) if config.pp in (None, 1) and flat else []
     for cand in cands:
         try:

@@ -31,7 +31,7 @@ from autopar.errors import PlanError
 from autopar.graph import TracedGraph
 from autopar.mesh import Mesh
 from autopar.capture.layers import is_backward, layer_units
-from autopar.capture.moe import has_expert_blocks
+from autopar.capture.moe import expert_count
 from autopar.plan import Collective, PipelinePlan, Plan
 from autopar.solver.ilp import InfeasibleMemoryError, format_bytes
 from autopar.planning.assembly import traced_flops
@@ -209,7 +209,7 @@ def search_pipeline(model: Any, example_inputs: Any, mesh: Mesh, config: Config,
             raise PlanError(f"Config(pp={pp}) does not divide the {mesh.size} devices of the mesh.")
         try:
             cands = mesh_candidates(mesh.size // pp, dataclasses.replace(config, pp=None),
-                                    has_expert_blocks(model))
+                                    expert_count(model))
         except PlanError as e:  # the fixed dp/tp degrees leave no room for this pp
             failures.append(f"pp={pp}: {e}")
             continue

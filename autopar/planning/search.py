@@ -34,18 +34,19 @@ from autopar.cost_models.training_step import (
 )
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
-from autopar.capture.moe import experts_block_form
+from autopar.capture.moe import expert_count
 from autopar.capture.layers import (
     block_fingerprint, block_prefix, identical_blocks, leading_blocks,
 )
 from autopar.planning.pipeline import batch_size, unflatten_inputs
-from autopar.planning.candidates import Candidate
+from autopar.planning.candidates import Candidate, ep_degrees
 from autopar.planning.solve import solve_space, unpinned_space
 from autopar.planning.unit_costs import layer_costs
+from autopar.cost_models.experts import ExpertsWork
 from autopar.capture.stages import capture_with_forward, microbatch_inputs
 
 __all__ = ["CP_MAX", "CP_MIN_SEQUENCE", "LayerSolver", "SearchResult", "candidate_setups",
-           "cp_degrees", "ep_degrees", "two_block_copy", "model_flops", "sequence_length",
+           "cp_degrees", "two_block_copy", "model_flops", "sequence_length",
            "pipelines_always", "pruned_examples", "search", "search_unsupported", "tp_degrees",
            "zero_stages", "TP_ACROSS_NODES_MAX"]
 
@@ -106,10 +107,7 @@ class LayerSolver:
         self.solved: dict[tuple[int, int, bool, int], LayerCosts] = {}
         self.spaces: dict[tuple[int, int, int], Any] = {}
         self.seq = sequence_length(example_inputs)
-        # the experts of the model's MoE layers (the fewest, if they differ), 0 without
-        counts = [getattr(m, "num_experts", 0) for m in model.modules()
-                  if experts_block_form(m) is not None]
-        self.num_experts = min(counts) if counts else 0
+        self.num_experts = expert_count(model)  # (of its MoE layers; 0 without)
         self.trace_s = self.solve_s = 0.0
 
     def costs(self, tp: int, b: int, sp: bool, cp: int = 1) -> LayerCosts:
@@ -146,10 +144,16 @@ class LayerSolver:
         lc = self.costs(setup.tp, setup.microbatch_size, setup.sequence_parallel, 1)
         cp = setup.cp
 
+        topo, none = self.mesh.topology, ExpertsWork(0.0, 0.0, 0.0)
+
         def share(u: UnitCosts) -> UnitCosts:
+            # (MoE experts, whose ep price may fall below 1/cp of theirs: left out altogether)
+            xf, xb = u.expert_forward_work.seconds(topo), u.expert_backward_work.seconds(topo)
             return dataclasses.replace(
-                u, forward_s=(u.forward_s - u.forward_comm_s) / cp,
-                backward_s=(u.backward_s - u.backward_comm_s) / cp, forward_comm_s=0.0,
+                u, forward_s=max(0.0, u.forward_s - u.forward_comm_s - xf) / cp,
+                backward_s=max(0.0, u.backward_s - u.backward_comm_s - xb) / cp,
+                expert_forward_bytes=(), expert_backward_bytes=(), expert_forward_work=none,
+                expert_backward_work=none, forward_comm_s=0.0,
                 backward_comm_s=0.0, activation_bytes=u.activation_bytes / cp,
                 attention_forward_s=u.attention_forward_s / cp,
                 attention_bytes=u.attention_bytes / cp, random_bytes=u.random_bytes / cp,
@@ -281,15 +285,6 @@ def cp_degrees(config: Config, seq: int | None, devices: int) -> list[int]:
         return [1]
     return [1] + [c for c in (2, 4, 8, 16, 32) if c <= CP_MAX and devices % c == 0
                   and seq % (2 * c) == 0]
-
-
-def ep_degrees(config: Config, dp: int, experts: int) -> list[int]:
-    """The expert-parallel degrees searched for ``dp`` replicas and MoE layers of ``experts``
-    experts (0: none): ``Config.ep`` when set (if it divides dp), else 1 and every divisor of
-    dp that splits the experts evenly."""
-    if config.ep is not None:
-        return [config.ep] if dp % config.ep == 0 and (config.ep == 1 or experts) else []
-    return [1] + [e for e in _divisors(dp) if e > 1 and experts and experts % e == 0]
 
 
 def sequence_length(example_inputs: Any) -> int | None:

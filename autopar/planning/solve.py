@@ -4,6 +4,7 @@ tied weights), prices, cost passes and the ILP, assembled into a Plan."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable, Sequence
 
 import torch
@@ -236,10 +237,18 @@ def _store_experts_split(traced: TracedGraph, space: StrategySpace, axis: int, s
         if experts % size:
             raise PlanError(f"{name} holds {experts} experts, which do not split over ep={size}; "
                             f"use an ep that divides {experts}.")
-        split = tuple(dataclasses.replace(st, outputs=(tuple(
+        split = [dataclasses.replace(st, outputs=(tuple(
             Shard(0) if a == axis else p for a, p in enumerate(st.outputs[0])),))
-            for st in ns.strategies)
-        space.nodes[name] = dataclasses.replace(ns, strategies=tuple(dict.fromkeys(split)))
+            for st in ns.strategies]
+        # (dim 0 split over the ep axis and any other axis that splits it: evenly, or not at all)
+        even = [st for st in split if experts % math.prod(
+            size_ for size_, p in zip(space.mesh_shape, st.outputs[0])
+            if isinstance(p, Shard) and p.dim == 0) == 0]
+        if not even:
+            raise PlanError(f"{name} holds {experts} experts, which no placement splits evenly "
+                            f"over ep={size} and the other axes of the mesh {space.mesh_shape}; "
+                            f"choose degrees that divide {experts}.")
+        space.nodes[name] = dataclasses.replace(ns, strategies=tuple(dict.fromkeys(even)))
 
 
 def _pin_experts(traced: TracedGraph, space: StrategySpace, axis: int, dispatch: bool) -> None:

@@ -18,7 +18,6 @@ from autopar.cost_models.experts import ExpertsWork, experts_exchanges, experts_
 from autopar.cost_models.sharding import recomputed_bytes, state_bytes_per_element
 from autopar.cost_models.training_step import RECOMPUTE, LayerCosts, UnitCosts
 from autopar.planning.pipeline import chosen_comm
-from autopar.strategies.reshard import local_shape
 from autopar.strategies.rules import EXPERT_OPS
 from autopar.strategies.space import tensor_inputs
 
@@ -37,7 +36,8 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
     backward = {n.name for n in nodes if is_backward(n)}
     acc = [dict(f=0.0, b=0.0, fc=0.0, bc=0.0, state=0.0, act=0.0, elems=0.0, attn_f=0.0,
                 attn_b=0.0, rand=0.0, xelems=0.0, xstate=0.0, xf=(), xb=(),
-                xwf=ExpertsWork(0.0, 0.0, 0.0), xwb=ExpertsWork(0.0, 0.0, 0.0)) for _ in units]
+                xwf=ExpertsWork(0.0, 0.0, 0.0), xwb=ExpertsWork(0.0, 0.0, 0.0), xfs=0.0)
+           for _ in units]
     experts = _expert_weights(nodes)
     seq = _seq_len(traced)
     params = {p.node: p for p in traced.params}
@@ -72,6 +72,8 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
             a[key] = a[key] + _exchange_bytes(n, strategy, space.mesh_shape)
             a["xw" + key[1]] = a["xw" + key[1]] + experts_node_work(n, strategy, space.mesh_shape,
                                                                     expert_skew)[0]
+            if key == "xf":
+                a["xfs"] += costs.compute[n.name][i]
         a["act"] += costs.memory[n.name][i]
         if n.name not in backward and is_random(n):
             a["rand"] += costs.memory[n.name][i]
@@ -84,7 +86,7 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
     unit = lambda a, u: UnitCosts(  # noqa: E731
         a["f"] + a["fc"], a["b"] + a["bc"], a["fc"], a["bc"], a["state"], a["act"], a["elems"],
         a["attn_f"], a["attn_b"], a["rand"], tuple((p, v.get(u, 0.0)) for p, v in peaks.items()),
-        a["xelems"], a["xstate"], a["xf"], a["xb"], a["xwf"], a["xwb"])
+        a["xelems"], a["xstate"], a["xf"], a["xb"], a["xwf"], a["xwb"], a["xfs"])
     boundary = _boundary_bytes(fwd)
     itemsize = traced.params[0].dtype.itemsize if traced.params else 4
     pre = acc[0]
@@ -114,14 +116,16 @@ def _expert_weights(nodes: Sequence[Any]) -> set[str]:
 
 
 def _exchange_bytes(n: Any, strategy: Any, mesh_shape: Sequence[int]) -> tuple[float, ...]:
-    """The bytes a rank sends in each all-to-all of experts op ``n`` once its experts are split
-    over an ep axis (the same for any ep: every pair is sent; ``cost_models.experts``), at the
-    rank's tokens under ``strategy``."""
+    """The bytes a rank sends in each all-to-all of experts op ``n`` under ``strategy`` once
+    its experts are split over an ep axis too (the same for any ep: every pair whose expert the
+    rank's ep group holds is sent; ``cost_models.experts``): priced with a dispatching axis of
+    one rank added."""
     ins = tensor_inputs(n)
-    shapes = [local_shape(a.meta["val"].shape, p, mesh_shape) for a, p in zip(ins, strategy.inputs)]
-    split = [(Shard(0),)] * len(ins)
-    return tuple(b for _, _, b in experts_exchanges(n.target, split, shapes,
-                                                    ins[0].meta["val"].element_size(), (1,)))
+    shapes = [tuple(a.meta["val"].shape) for a in ins]
+    placements = [(*p, Shard(0)) for p in strategy.inputs]
+    return tuple(b for _, _, b in experts_exchanges(n.target, placements, shapes,
+                                                    ins[0].meta["val"].element_size(),
+                                                    (*mesh_shape, 1)))
 
 
 def _recompute_peaks(traced: Any, space: Any, choice: dict[str, int],

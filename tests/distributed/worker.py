@@ -152,7 +152,7 @@ def _max_over_ranks(x: float) -> float:
 
 
 def _sum_over_ranks(counts: dict) -> dict:
-    """Each kind's count summed over the ranks (the kinds some rank has)."""
+    """Each kind's figure (a count or bytes) summed over the ranks (the kinds some rank has)."""
     kinds = ["all_gather", "all_reduce", "all_to_all", "broadcast", "recv", "reduce_scatter", "send"]
     t = torch.tensor([float(counts.get(k, 0)) for k in kinds], dtype=torch.float64)
     dist.all_reduce(t)

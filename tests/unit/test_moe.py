@@ -11,7 +11,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from autopar import Config
 from autopar.capture import capture
-from autopar.capture.moe import experts, experts_block_form, experts_forward
+from autopar.capture.moe import ACTIVATIONS, experts, experts_block_form, experts_forward
 from autopar.cost_models.experts import experts_exchanges, experts_flops
 from autopar.planning.candidates import mesh_candidates
 from autopar.strategies.rules import expert_owners
@@ -115,9 +115,11 @@ def test_moe_models_capture_their_experts_as_one_op_each():
 
 def test_ep_candidates_cut_the_data_axis():
     names = lambda cands: [(c.names, c.shape, c.ep_axes) for c in cands]  # noqa: E731
-    assert names(mesh_candidates(4, Config(tp=1, ep=2))) == [(("dp", "ep"), (2, 2), (1,))]
-    assert names(mesh_candidates(2, Config(tp=1, ep=2))) == [(("ep",), (2,), (0,))]
-    free = names(mesh_candidates(4, Config(tp=1), experts=True))
+    assert names(mesh_candidates(4, Config(tp=1, ep=2), 4)) == [(("dp", "ep"), (2, 2), (1,))]
+    assert names(mesh_candidates(2, Config(tp=1, ep=2), 4)) == [(("ep",), (2,), (0,))]
+    assert names(mesh_candidates(4, Config(tp=1), experts=6)) == [  # (6 experts: ep=2 only)
+        (("dp",), (4,), ()), (("dp", "ep"), (2, 2), (1,))]
+    free = names(mesh_candidates(4, Config(tp=1), experts=4))
     assert free == [(("dp",), (4,), ()), (("dp", "ep"), (2, 2), (1,)), (("ep",), (4,), (0,))]
     assert names(mesh_candidates(4, Config(tp=1))) == [(("dp",), (4,), ())]
 
@@ -159,7 +161,7 @@ def test_the_setup_search_prices_ep_in_closed_form():
     b = price_setup(lc, dataclasses.replace(plain, ep=4), topo, 80e9)
     assert a.rank_memory_bytes[0] - b.rank_memory_bytes[0] == pytest.approx(4 * 1.28e9 * 3 / 4)
     a2a = sum(axis_collective_time("all_to_all", x, 4, 1, topo) for x in fwd + bwd)
-    weights = work.seconds(topo, 4, 1 / 4) - work.seconds(topo, 4)  # (a quarter of them read)
+    weights = work.seconds(topo, 1 / 4) - work.seconds(topo)  # (a quarter of them read)
     assert weights < 0
     assert b.parts["pipeline_s"] - a.parts["pipeline_s"] == pytest.approx(4 * (a2a + weights))
     assert b.parts["dp_comm_s"] < a.parts["dp_comm_s"]  # (the experts' a quarter, over 2)
@@ -167,7 +169,7 @@ def test_the_setup_search_prices_ep_in_closed_form():
 
 
 def test_ep_degrees_searched():
-    from autopar.planning.search import ep_degrees
+    from autopar.planning.candidates import ep_degrees
 
     assert ep_degrees(Config(), 8, 8) == [1, 2, 4, 8]
     assert ep_degrees(Config(), 8, 6) == [1, 2]  # (6 experts split evenly by 2 only)
@@ -258,3 +260,59 @@ def test_the_load_skew_prices_the_busiest_rank_where_experts_are_split():
     assert price_setup(skewed, ep, topo, 80e9).step_time_s > price_setup(lc, ep, topo, 80e9).step_time_s
     with pytest.raises(ValueError, match="expert_load_skew"):
         Config(expert_load_skew=0.5)
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_each_activation_derivative_matches_autograd(name):
+    """The op's backward writes its activations' derivatives out (autograd does not run inside
+    a custom op): each against autograd of the function, fp64, away from ReLU's kink."""
+    fn, grad = ACTIVATIONS[name]
+    x = torch.linspace(-4, 4, 101, dtype=torch.float64).add(1e-3).requires_grad_()
+    (want,) = torch.autograd.grad(fn(x).sum(), x)
+    torch.testing.assert_close(grad(x.detach()), want, rtol=1e-10, atol=1e-12)
+
+
+def test_the_op_without_a_gate_and_with_transposed_weights():
+    """The forms no family above has: experts without a gate (``up_proj``, one activation)
+    and weights stored transposed ``[experts, in, out]``; output and gradients against the
+    experts written out per token, fp64 (so that only the maths can differ)."""
+    import json
+
+    g = torch.Generator().manual_seed(3)
+    tokens, k, d, ffn, n = 7, 2, 6, 5, 3
+    hidden = torch.randn(tokens, d, dtype=torch.float64, generator=g, requires_grad=True)
+    index = torch.randint(0, n, (tokens, k), generator=g)
+    weights = torch.rand(tokens, k, dtype=torch.float64, generator=g, requires_grad=True)
+    w_in = torch.randn(n, d, ffn, dtype=torch.float64, generator=g, requires_grad=True)
+    w_out = torch.randn(n, ffn, d, dtype=torch.float64, generator=g, requires_grad=True)
+    form = json.dumps({"gate": False, "transposed": True, "act": "GELUActivation"})
+    out = experts(hidden, index, weights, w_in, w_out, form, [0] * n, "")
+    want = torch.stack([sum(weights[t, j] * (torch.nn.functional.gelu(hidden[t] @ w_in[index[t, j]])
+                                             @ w_out[index[t, j]]) for j in range(k))
+                        for t in range(tokens)])
+    torch.testing.assert_close(out, want)
+    args = (hidden, weights, w_in, w_out)
+    for a, b in zip(torch.autograd.grad(out.sum(), args), torch.autograd.grad(want.sum(), args)):
+        torch.testing.assert_close(a, b)
+
+
+def test_full_recomputation_does_not_run_the_experts_again():
+    """The experts' backward op takes their inputs, not their output: full recomputation
+    picks the rest of a MoE block, not the experts op, and the closed form re-runs the block's
+    forward without the experts' seconds."""
+    from autopar.capture.remat import recompute_nodes
+    from autopar.cost_models.topology import get_preset
+    from autopar.cost_models.training_step import LayerCosts, Setup, UnitCosts, price_setup
+
+    model, inputs = build("mixtral")
+    traced = capture(model, inputs)
+    full = {traced.node(n).target for n in recompute_nodes(traced, "full")}
+    assert FORWARD not in full and torch.ops.aten.mm.default in full
+    block = UnitCosts(3e-3, 6e-3, 0, 0, 1e6, 1e6, 1e5, expert_forward_s=1e-3)
+    zero = UnitCosts(0, 0, 0, 0, 0, 0, 0)
+    lc = LayerCosts(zero, block, zero, 4, 0, 0, 0, 1e3, 4, "adam")
+    plain = Setup(1, 1, 1, 1, 1, "none", 1, "none", 0, False)
+    topo = get_preset("h100-dgx")
+    again = price_setup(lc, Setup(1, 1, 1, 1, 1, "none", 1, "full", 0, False), topo, 80e9)
+    assert again.step_time_s - price_setup(lc, plain, topo, 80e9).step_time_s == \
+        pytest.approx(4 * 2e-3)  # (4 blocks, each 3 ms forward less the experts' 1 ms)
