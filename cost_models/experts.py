@@ -19,19 +19,19 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-from torch.distributed.tensor import Shard
 
 from autopar.cost_models.comm import axis_collective_time
 from autopar.cost_models.compute import FLOP_FORMULAS_BY_NAME, op_time
 from autopar.cost_models.topology import Topology
 from autopar.strategies.reshard import local_shape
-from autopar.strategies.rules import EXPERT_OPS, dispatch_axes, expert_owners
+from autopar.strategies.rules import EXPERT_OPS, dispatch_axes, expert_owners, splits_experts
 from autopar.strategies.space import tensor_inputs
 
 _FORWARD = torch.ops.autopar.experts.default
 
 __all__ = ["ExpertsWork", "experts_flops", "experts_exchanges",
-           "experts_owner_for", "experts_comm_time", "experts_node_work", "experts_work"]
+           "experts_owner_for", "experts_comm_time", "experts_node_work", "experts_work",
+           "expert_weight_params"]
 
 _COUNT_BYTES = 8  # the per-expert counts exchanged first (int64)
 
@@ -92,6 +92,16 @@ def experts_work(target: Any, local: Sequence[Any], form: str, owner: Sequence[i
     return ExpertsWork(experts_flops(*local[-5:], form, owner, grad=grad),
                        2.0 * nbytes(local[:-2]), (2.0 if grad else 1.0) * nbytes(local[-2:]),
                        itemsize=local[-2].element_size())
+
+
+def expert_weight_params(nodes: Sequence[Any]) -> set[str]:
+    """The placeholders (of FX ``nodes``) the MoE experts ops read as their expert weights."""
+    out = set()
+    for n in nodes:
+        if n.target in EXPERT_OPS:
+            first = EXPERT_OPS[n.target][1]
+            out |= {a.name for a in tensor_inputs(n)[first:first + 2] if a.op == "placeholder"}
+    return out
 
 
 def experts_node_work(n: Any, s: Any, mesh_shape: Sequence[int], skew: float = 1.0
@@ -157,7 +167,7 @@ def experts_comm_time(target: Any, placements: Sequence[tuple], shapes: Sequence
 def _split_count(placements: Sequence[Any], mesh_shape: Sequence[int]) -> int:
     n = 1
     for a, p in enumerate(placements):
-        if isinstance(p, Shard) and p.dim == 0:
+        if splits_experts(p):
             n *= mesh_shape[a]
     return n
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-from autopar.strategies.rules import EXPERT_OPS, dispatch_axes, expert_owners
+from autopar.strategies.rules import EXPERT_OPS, dispatch_axes, expert_owners, splits_experts
 
 __all__ = ["needs_local", "run_local"]
 
@@ -26,7 +26,7 @@ def needs_local(target: Any, in_placements: Sequence[tuple]) -> bool:
     """Whether a node is an experts op with its experts split over some axis."""
     if target not in EXPERT_OPS:
         return False
-    return any(isinstance(p, Shard) and p.dim == 0 for p in in_placements[EXPERT_OPS[target][1]])
+    return any(splits_experts(p) for p in in_placements[EXPERT_OPS[target][1]])
 
 
 def run_local(n: Any, args: tuple, out_placements: Sequence[tuple], mesh: Any) -> Any:

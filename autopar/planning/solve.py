@@ -21,6 +21,7 @@ from autopar.placements import to_str
 from autopar.plan import Plan
 from autopar.planning.buckets import reduce_at_outputs
 from autopar.cost_models.liveness import StageRun
+from autopar.cost_models.experts import expert_weight_params
 from autopar.solver.ilp import InfeasibleMemoryError, format_bytes
 from autopar.solver.intra_op import IntraOpResult, ilp_groups, solve_intra_op
 from autopar.planning.records import (
@@ -29,8 +30,10 @@ from autopar.planning.records import (
 from autopar.plan_context import ExplainContext, attach, context_of
 from autopar.capture.layers import is_backward, is_op
 from autopar.capture.remat import recompute_nodes
-from autopar.strategies.rules import EXPERT_OPS, SEQUENCE_ATTENTION_QUERY, dispatches_experts
-from autopar.strategies.space import StrategySpace, build_space, tensor_inputs
+from autopar.strategies.rules import (
+    EXPERT_OPS, SEQUENCE_ATTENTION_QUERY, dispatches_experts, splits_experts,
+)
+from autopar.strategies.space import StrategySpace, build_space
 
 __all__ = ['regathered_share', 'replace_plan', 'solve_candidate', 'solve_space', 'unpinned_space']
 
@@ -226,12 +229,7 @@ def _store_experts_split(traced: TracedGraph, space: StrategySpace, axis: int, s
     ep ``axis`` (a data axis, where other parameters are replicated): each rank holds, updates
     and keeps the optimizer state of its own experts only, their gradients reduced over the
     other data axes (Megatron-LM's expert-data-parallel group)."""
-    weights = set()
-    for n in traced.gm.graph.nodes:
-        if n.target in EXPERT_OPS:
-            first = EXPERT_OPS[n.target][1]
-            weights |= {a.name for a in tensor_inputs(n)[first:first + 2] if a.op == "placeholder"}
-    for name in weights:
+    for name in expert_weight_params(traced.gm.graph.nodes):
         ns = space.nodes[name]
         experts = traced.node(name).meta["val"].shape[0]
         if experts % size:
@@ -243,7 +241,7 @@ def _store_experts_split(traced: TracedGraph, space: StrategySpace, axis: int, s
         # (dim 0 split over the ep axis and any other axis that splits it: evenly, or not at all)
         even = [st for st in split if experts % math.prod(
             size_ for size_, p in zip(space.mesh_shape, st.outputs[0])
-            if isinstance(p, Shard) and p.dim == 0) == 0]
+            if splits_experts(p)) == 0]
         if not even:
             raise PlanError(f"{name} holds {experts} experts, which no placement splits evenly "
                             f"over ep={size} and the other axes of the mesh {space.mesh_shape}; "

@@ -14,7 +14,9 @@ from torch.distributed.tensor import Shard
 
 from autopar.capture.layers import is_backward, layer_units
 from autopar.capture.remat import is_random, recompute_nodes
-from autopar.cost_models.experts import ExpertsWork, experts_exchanges, experts_node_work
+from autopar.cost_models.experts import (
+    ExpertsWork, expert_weight_params, experts_exchanges, experts_node_work,
+)
 from autopar.cost_models.sharding import recomputed_bytes, state_bytes_per_element
 from autopar.cost_models.training_step import RECOMPUTE, LayerCosts, UnitCosts
 from autopar.planning.pipeline import chosen_comm
@@ -38,7 +40,7 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
                 attn_b=0.0, rand=0.0, xelems=0.0, xstate=0.0, xf=(), xb=(),
                 xwf=ExpertsWork(0.0, 0.0, 0.0), xwb=ExpertsWork(0.0, 0.0, 0.0), xfs=0.0)
            for _ in units]
-    experts = _expert_weights(nodes)
+    experts = expert_weight_params(nodes)
     seq = _seq_len(traced)
     params = {p.node: p for p in traced.params}
     by_name = {p.name: p for p in traced.params}
@@ -102,17 +104,6 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
 def _unit_with(u: UnitCosts, peaks: dict[str, dict[int, float]]) -> UnitCosts:
     """``u`` with the recomputation peaks of unit 0 in ``peaks``."""
     return dataclasses.replace(u, recompute_peak_bytes=tuple((p, v[0]) for p, v in peaks.items()))
-
-
-def _expert_weights(nodes: Sequence[Any]) -> set[str]:
-    """The placeholders the MoE experts ops read as expert weights."""
-    out = set()
-    for n in nodes:
-        if n.target in EXPERT_OPS:
-            ins = tensor_inputs(n)
-            first = EXPERT_OPS[n.target][1]
-            out |= {a.name for a in ins[first:first + 2] if a.op == "placeholder"}
-    return out
 
 
 def _exchange_bytes(n: Any, strategy: Any, mesh_shape: Sequence[int]) -> tuple[float, ...]:

@@ -31,7 +31,7 @@ from autopar._torch_private import (
 )
 
 __all__ = ["EXPERT_OPS", "OpRule", "SEQUENCE_ATTENTION_QUERY", "dispatch_axes", "dispatches_experts",
-           "expert_owners", "register_op_rule", "registered_rules", "rule_for"]
+           "expert_owners", "register_op_rule", "splits_experts", "registered_rules", "rule_for"]
 
 RuleFn = Callable[[tuple[Any, ...], dict[str, Any]], list[list[Any]]]
 
@@ -169,16 +169,17 @@ def dispatches_experts(target: Any, inputs: tuple, axis: int) -> bool:
     """Whether a strategy's input placements ``inputs`` of an experts op split both the tokens
     and the experts over mesh ``axis`` (tokens sent to their experts' ranks there)."""
     tok, wt = EXPERT_OPS[target]
-    return _split(inputs[tok][axis]) and _split(inputs[wt][axis])
+    return splits_experts(inputs[tok][axis]) and splits_experts(inputs[wt][axis])
 
 
-def _split(p: Any) -> bool:
+def splits_experts(p: Any) -> bool:
+    """Whether placement ``p`` splits dim 0 (the experts of a weight, the tokens of an input)."""
     return isinstance(p, Shard) and p.dim == 0
 
 
 def dispatch_axes(tokens: Sequence[Any], weights: Sequence[Any]) -> list[int]:
     """The mesh axes over which both an experts op's tokens and its experts are split."""
-    return [a for a, (t, w) in enumerate(zip(tokens, weights)) if _split(t) and _split(w)]
+    return [a for a, (t, w) in enumerate(zip(tokens, weights)) if splits_experts(t) and splits_experts(w)]
 
 
 def expert_owners(num_experts: int, weights: Sequence[Any], mesh_shape: Sequence[int],
@@ -194,7 +195,7 @@ def expert_owners(num_experts: int, weights: Sequence[Any], mesh_shape: Sequence
             c[axis] = j
         start, size = 0, num_experts
         for a, p in enumerate(weights):
-            if _split(p):
+            if splits_experts(p):
                 if size % mesh_shape[a]:
                     raise ValueError(f"{num_experts} experts do not split evenly over the mesh "
                                      f"axes {tuple(mesh_shape)} as {tuple(weights)}.")
