@@ -235,7 +235,7 @@ def skew(received: list[list[int]]) -> tuple[list[float], float]:
     return per_layer, max(total) / (sum(total) / len(total))
 
 
-def routed_rows(routes: list[torch.Tensor], experts: int, world: int) -> list[list[int]]:
+def received_per_rank(routes: list[torch.Tensor], experts: int, world: int) -> list[list[int]]:
     """Per layer and rank, the rows one process's routing of the whole batch sends to the
     rank's experts (what each rank should receive)."""
     local = experts // world
@@ -281,7 +281,7 @@ def compare(size: dict, repeats: int, warmup: int) -> dict:
             "autopar_loss": autopar_loss,
             "autopar_loss_rel_err": abs(autopar_loss - ref_loss) / abs(ref_loss),
             **checks, "routing_as_one_process":
-                checks["received"] == routed_rows(routes, size["experts"], n),
+                checks["received"] == received_per_rank(routes, size["experts"], n),
             "skew_per_layer": per_layer, "skew": overall, "expert_elements_held": held,
             "ranks": ranks,
             "times": {k: v["times"] for k, v in res.items()}}

@@ -24,7 +24,7 @@ The ``launch_s`` term is the fixed per-call overhead of the link (NCCL baseLat, 
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 from autopar.cost_models.topology import AxisLink, Topology
 
@@ -37,6 +37,7 @@ __all__ = [
     "send_recv_time",
     "collective_time",
     "axis_collective_time",
+    "axis_strides",
 ]
 
 COLLECTIVE_KINDS: tuple[str, ...] = (
@@ -142,6 +143,16 @@ def collective_time(kind: str, nbytes: float, n: int, link: AxisLink) -> float:
     if kind == "send_recv":
         return send_recv_time(nbytes, link)
     return _FLAT[kind](nbytes, n, link)
+
+
+def axis_strides(mesh_shape: Sequence[int]) -> list[int]:
+    """Each mesh axis's stride: the product of the sizes of the axes after it (the ``stride``
+    :func:`axis_collective_time` takes)."""
+    out, acc = [], 1
+    for size in reversed(mesh_shape):
+        out.append(acc)
+        acc *= size
+    return list(reversed(out))
 
 
 def axis_collective_time(

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from autopar.cost_models.comm import axis_collective_time
+from autopar.cost_models.comm import axis_collective_time, axis_strides
 from autopar.cost_models.compute import FLOP_FORMULAS_BY_NAME, op_time
 from autopar.cost_models.topology import Topology
 from autopar.strategies.reshard import local_shape
@@ -155,9 +155,7 @@ def experts_comm_time(target: Any, placements: Sequence[tuple], shapes: Sequence
                       skew: float = 1.0) -> float:
     """Seconds of :func:`experts_exchanges` on ``topology``, the rows' at load ``skew`` (the
     busiest rank receives that many times the mean and the exchange waits for it)."""
-    strides = [1] * len(mesh_shape)
-    for a in range(len(mesh_shape) - 2, -1, -1):
-        strides[a] = strides[a + 1] * mesh_shape[a + 1]
+    strides = axis_strides(mesh_shape)
     exchanges = experts_exchanges(target, placements, shapes, itemsize, mesh_shape)
     return sum(axis_collective_time(kind, nbytes * (skew if i else 1.0), mesh_shape[axis],
                                     strides[axis], topology)

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autopar.cost_models.comm import axis_collective_time
+from autopar.cost_models.comm import axis_collective_time, axis_strides
 from autopar.cost_models.compute import flops_of_node, op_time
 from autopar.cost_models.experts import experts_comm_time, experts_node_work
 from autopar.strategies.rules import EXPERT_OPS
@@ -77,14 +77,6 @@ def state_bytes_per_element(optimizer: str, itemsize: int = 4) -> int:
     return 18 if optimizer == "adam" else 10
 
 
-def _strides(mesh_shape: Sequence[int]) -> list[int]:
-    out, acc = [], 1
-    for s in reversed(mesh_shape):
-        out.append(acc)
-        acc *= s
-    return list(reversed(out))
-
-
 def reshard_time(src: Placements, dst: Placements, shape: tuple[int, ...], itemsize: int,
                  mesh_shape: tuple[int, ...], topology: Topology) -> float:
     """Seconds to move a tensor from ``src`` to ``dst`` placements (sum of its collectives)."""
@@ -93,7 +85,7 @@ def reshard_time(src: Placements, dst: Placements, shape: tuple[int, ...], items
 
 def _reshard_time(src: Placements, dst: Placements, shape: tuple[int, ...], itemsize: int,
                   mesh_shape: tuple[int, ...], topology: Topology) -> float:
-    strides = _strides(mesh_shape)
+    strides = axis_strides(mesh_shape)
     total = 0.0
     for step in reshard_steps(src, dst, shape, itemsize, mesh_shape):
         if step.kind != "local":

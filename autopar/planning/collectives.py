@@ -9,10 +9,9 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-import numpy as np
 import torch.fx as fx
 
-from autopar.cost_models.comm import axis_collective_time
+from autopar.cost_models.comm import axis_collective_time, axis_strides
 from autopar.cost_models.experts import experts_exchanges
 from autopar.cost_models.overlap import Comm
 from autopar.cost_models.sharding import step_end_buckets
@@ -51,7 +50,7 @@ class _Walk:
         self.outputs, self.mesh = outputs, mesh
         self.chains, self.tagged = regather, tagged  # ZeRO-3's chains; recomputed nodes
         self.prefetch = prefetch | regather  # the chains whose gathers are prefetched
-        self.strides = [int(np.prod(self.shape[a + 1:])) for a in range(len(self.shape))]
+        self.strides = axis_strides(self.shape)
         self.done: set[tuple[str, tuple]] = set()
         self.res = StepCollectives()
         self.previous: str | None = None  # the node computed last
@@ -254,7 +253,7 @@ def _merge_buckets(res: StepCollectives, merge: list[tuple[tuple | None, str, fl
     count) with one bucket key become one all-gather of their bytes, listed where the first
     was, needed by the first of them (its node waits for all of them), priced as one
     collective."""
-    strides = [int(np.prod(shape[a + 1:])) for a in range(len(shape))]
+    strides = axis_strides(shape)
     out = StepCollectives(per_node=dict(res.per_node))
     last_key, first, first_who = None, 0, ""
     for c, comm, (key, who, t) in zip(res.collectives, res.comms, merge):
