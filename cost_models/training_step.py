@@ -111,6 +111,12 @@ class LayerCosts:
     param_itemsize: int
     optimizer: str
     expert_load_skew: float = 1.0  # (Config.expert_load_skew: of experts split over ranks)
+    # the leading blocks that differ from the repeated ones (in ``pre``: DeepSeek-V3's dense
+    # first layers), which recomputation treats as blocks: their number, their forward
+    # seconds without their experts', and their saved bytes
+    lead_blocks: int = 0
+    lead_forward_s: float = 0.0
+    lead_activation_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -232,6 +238,19 @@ def _block_parts(lc: LayerCosts, recompute: str) -> tuple[float, float, float]:
     return b.forward_s, b.backward_s, b.activation_bytes
 
 
+def _pre_parts(lc: LayerCosts, recompute: str) -> tuple[float, float, float]:
+    """(forward s, backward s, saved bytes) of ``pre`` under ``recompute``: its leading blocks
+    (``LayerCosts.lead_blocks``) recompute as :func:`_block_parts` has a block do; the rest
+    (embedding) is never recomputed and has no attention core."""
+    u = lc.pre
+    if recompute == "full" and lc.lead_blocks:
+        return (u.forward_s, u.backward_s + lc.lead_forward_s, u.activation_bytes
+                - lc.lead_activation_bytes + lc.lead_blocks * lc.input_bytes)
+    if recompute in ("selective", "full"):
+        return u.forward_s, u.backward_s + u.attention_forward_s, u.activation_bytes - u.attention_bytes
+    return u.forward_s, u.backward_s, u.activation_bytes
+
+
 def _expert_parallel(lc: LayerCosts, setup: Setup, topology: Topology) -> LayerCosts:
     """``lc`` with the experts split over ``setup.ep``: each unit holds 1/ep of its experts'
     parameters and state, and its forward and backward add their all-to-alls over the ep
@@ -268,29 +287,16 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
     p, v, m = setup.pp, setup.virtual_stages, setup.microbatches
     stages = p * v
     bf, bb, bact = _block_parts(lc, setup.recompute)
+    pf, pb, pact = _pre_parts(lc, setup.recompute)
     if setup.even_split:
         counts = tuple(lc.num_blocks // stages + (j < lc.num_blocks % stages) for j in range(stages))
     else:
-        counts = blocks_per_stage(lc.num_blocks, stages, lc.pre.forward_s + lc.pre.backward_s,
+        counts = blocks_per_stage(lc.num_blocks, stages, pf + pb,
                                   lc.post.forward_s + lc.post.backward_s, bf + bb)
     # the pipeline axis is outermost (stride dp * cp * tp): sends cross nodes on a cluster
     send = axis_collective_time("send_recv", lc.boundary_bytes, p, setup.dp * setup.cp * setup.tp,
                                 topology) if p > 1 else 0.0
-    fw, bw, act, state, elems, xstate, xelems = [], [], [], [], [], [], []
-    for j, n in enumerate(counts):
-        first, last = j == 0, j == stages - 1
-        fw.append(n * bf + first * lc.pre.forward_s + last * lc.post.forward_s + (not last) * send)
-        bw.append(n * bb + first * lc.pre.backward_s + last * lc.post.backward_s + (not first) * send)
-        act.append(n * bact + first * lc.pre.activation_bytes + last * lc.post.activation_bytes)
-        shared = first and last  # pre and post on one stage hold the tied weight once
-        state.append(n * lc.block.state_bytes + first * lc.pre.state_bytes
-                     + last * lc.post.state_bytes - shared * lc.tied_state_bytes)
-        elems.append(n * lc.block.param_elements + first * lc.pre.param_elements
-                     + last * lc.post.param_elements - shared * lc.tied_elements)
-        xstate.append(n * lc.block.expert_state_bytes + first * lc.pre.expert_state_bytes
-                      + last * lc.post.expert_state_bytes)
-        xelems.append(n * lc.block.expert_elements + first * lc.pre.expert_elements
-                      + last * lc.post.expert_elements)
+    fw, bw, act, state, elems, xstate, xelems = _stage_sums(lc, setup, counts, send)
     if setup.grad_sync == "microbatch" and p > 1 and setup.dp > 1:
         fw, bw = _sync_per_microbatch(lc, setup, elems, fw, bw, topology)
     if setup.grad_sync == "regathered" and p > 1 and setup.dp > 1:  # ZeRO-3's gathers
@@ -301,23 +307,8 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
     # and drain of p - 1 stage-times (a stage is 1/v of a rank's work when interleaved)
     chunk = max(f + b for f, b in zip(fw, bw))
     pipe = m * max(busy) + (p - 1) * chunk
-    flight = _flight(setup.schedule, p, v, m)
-    memory = [0.0] * p
-    # a stage holding blocks also holds one block's recomputed values during its backward
-    peak = lc.block.peak(setup.recompute)
     experts = _expert_setup(setup)  # (the experts' state: sharded over the dp / ep ranks)
-    stage_memory = [_state_memory(lc, setup, state[j] - xstate[j], elems[j] - xelems[j])
-                    + _state_memory(lc, experts, xstate[j], xelems[j]) + act[j] * flight[j]
-                    + (counts[j] > 0) * peak for j in range(stages)]
-    if setup.zero == 3 and setup.dp > 1 and p == 1:  # the gathered layers, one unreduced grad
-        stage_memory = [m + _regathered_bytes(lc) for m in stage_memory]
-    for j in range(stages):
-        memory[j % p] += stage_memory[j]
-    if setup.zero == 3 and setup.dp > 1 and p > 1:
-        # the computing stage's gathered parameters and the flat buffer they came from (one
-        # stage of a rank computes at a time; the others hold no gathered copy)
-        memory = [mem + 2 * max(elems[j] for j in range(r, stages, p)) * lc.param_itemsize
-                  for r, mem in enumerate(memory)]
+    stage_memory, memory = _memory(lc, setup, counts, act, state, elems, xstate, xelems)
     comm = m * max(rank(_comm_per_stage(lc, counts, setup.recompute)))
     held = max(range(p), key=lambda r: rank(elems)[r])
     x = rank(xelems)[held]
@@ -333,6 +324,83 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
     return StepCost(setup, pipe + dp_s + tied_s + opt_s, parts, counts,
                     tuple(f + b for f, b in zip(fw, bw)), tuple(memory), budget_bytes,
                     tuple(stage_memory), tuple(fw))
+
+
+def _stage_sums(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], send: float
+                ) -> tuple[list[float], ...]:
+    """Per stage (``counts`` blocks each; ``pre`` on the first, ``post`` on the last, the
+    boundary's ``send`` on both sides of each cut): forward and backward seconds, saved bytes
+    per microbatch, training-state bytes and parameter elements, and of those the experts'."""
+    bf, bb, bact = _block_parts(lc, setup.recompute)
+    pf, pb, pact = _pre_parts(lc, setup.recompute)
+    stages = len(counts)
+    fw, bw, act, state, elems, xstate, xelems = [], [], [], [], [], [], []
+    for j, n in enumerate(counts):
+        first, last = j == 0, j == stages - 1
+        fw.append(n * bf + first * pf + last * lc.post.forward_s + (not last) * send)
+        bw.append(n * bb + first * pb + last * lc.post.backward_s + (not first) * send)
+        act.append(n * bact + first * pact + last * lc.post.activation_bytes)
+        shared = first and last  # pre and post on one stage hold the tied weight once
+        state.append(n * lc.block.state_bytes + first * lc.pre.state_bytes
+                     + last * lc.post.state_bytes - shared * lc.tied_state_bytes)
+        elems.append(n * lc.block.param_elements + first * lc.pre.param_elements
+                     + last * lc.post.param_elements - shared * lc.tied_elements)
+        xstate.append(n * lc.block.expert_state_bytes + first * lc.pre.expert_state_bytes
+                      + last * lc.post.expert_state_bytes)
+        xelems.append(n * lc.block.expert_elements + first * lc.pre.expert_elements
+                      + last * lc.post.expert_elements)
+    return fw, bw, act, state, elems, xstate, xelems
+
+
+def _memory(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], act: list[float],
+            state: list[float], elems: list[float], xstate: list[float], xelems: list[float]
+            ) -> tuple[list[float], list[float]]:
+    """Bytes per stage and per pipeline rank (the sum of its ``v`` stages): training state
+    (the experts' sharded over the ranks holding the same experts), the step's buffers
+    (:func:`_step_buffers`), one block's recomputed values while its backward runs (a stage
+    holding blocks), and ZeRO-3's gathered parameters."""
+    p, stages = setup.pp, len(counts)
+    flight = _flight(setup.schedule, p, setup.virtual_stages, setup.microbatches)
+    peak = lc.block.peak(setup.recompute)
+    experts = _expert_setup(setup)
+    stage_memory = [_state_memory(lc, setup, state[j] - xstate[j], elems[j] - xelems[j])
+                    + _state_memory(lc, experts, xstate[j], xelems[j])
+                    + _step_buffers(lc, setup, j, act[j], flight[j], elems[j])
+                    + (counts[j] > 0 or (j == 0 and lc.lead_blocks > 0)) * peak
+                    for j in range(stages)]
+    if setup.zero == 3 and setup.dp > 1 and p == 1:  # the gathered layers, one unreduced grad
+        stage_memory = [m + _regathered_bytes(lc) for m in stage_memory]
+    memory = [0.0] * p
+    for j in range(stages):
+        memory[j % p] += stage_memory[j]
+    if setup.zero == 3 and setup.dp > 1 and p > 1:
+        # the computing stage's gathered parameters and the flat buffer they came from (one
+        # stage of a rank computes at a time; the others hold no gathered copy)
+        memory = [mem + 2 * max(elems[j] for j in range(r, stages, p)) * lc.param_itemsize
+                  for r, mem in enumerate(memory)]
+    return stage_memory, memory
+
+
+def _step_buffers(lc: LayerCosts, setup: Setup, j: int, act: float, flight: int,
+                  elements: float) -> float:
+    """The buffers stage ``j`` holds beside its training state, as the per-operator memory
+    model counts them (``cost_models.liveness``): its saved values for ``flight`` microbatches
+    in flight, or, at the end of a microbatch's backward, those of the others and the
+    gradients the backward made (whichever is more: the backward frees one as it makes the
+    other); in a pipeline also the sum of the earlier microbatches' gradients
+    (``runtime.autograd.GradSink``) and the receive buffers torch's pipelining keeps per
+    microbatch for the stage's incoming activation (all but the first stage) and incoming
+    gradient (all but the last), one block input each. Without a pipeline a ZeRO step's
+    gradients are reduce-scattered as they are made: the rank keeps its shard."""
+    grads = elements * lc.param_itemsize
+    saved = max(act * flight, act * (flight - 1) + grads / (
+        setup.shard if setup.pp == 1 and setup.zero and setup.dp > 1 else 1))
+    if setup.pp == 1:
+        return saved
+    stages = setup.pp * setup.virtual_stages
+    sink = grads if setup.microbatches > 1 else 0.0
+    receive = setup.microbatches * lc.input_bytes * ((j > 0) + (j < stages - 1))
+    return saved + sink + receive
 
 
 def _sync_per_microbatch(lc: LayerCosts, setup: Setup, elems: list[float], fw: list[float],

@@ -135,8 +135,9 @@ MOE = ("mixtral", "qwen2moe", "qwen3moe", "granitemoe", "olmoe", "phimoe", "jetm
 
 
 def hf_moe(kind: str, vocab: int = 128, dim: int = 64, heads: int = 4, layers: int = 2,
-           seq: int = 32, experts: int = 4) -> nn.Module:
-    """A transformers mixture-of-experts causal LM (``MOE``) from a small config."""
+           seq: int = 32, experts: int = 4, dense: int = 1) -> nn.Module:
+    """A transformers mixture-of-experts causal LM (``MOE``) from a small config (``dense``:
+    DeepSeek-V3's dense first layers)."""
     import transformers as tf
 
     base = dict(vocab_size=vocab, hidden_size=dim, num_hidden_layers=layers,
@@ -154,7 +155,7 @@ def hf_moe(kind: str, vocab: int = 128, dim: int = 64, heads: int = 4, layers: i
                                   kv_channels=dim // heads)),
         "deepseekv3": ("DeepseekV3", dict(
             n_routed_experts=experts, n_shared_experts=1, moe_intermediate_size=dim,
-            intermediate_size=2 * dim, first_k_dense_replace=1, n_group=2, topk_group=1,
+            intermediate_size=2 * dim, first_k_dense_replace=dense, n_group=2, topk_group=1,
             kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
             v_head_dim=16)),
     }

@@ -131,7 +131,7 @@ def layer_units(nodes: Sequence[fx.Node], prefix: str | None,
     module, by position: in the forward, before the first block is ``pre`` and after it the unit
     of its latest input (glue between blocks, such as an activation applied by the parent); in
     the backward (``partitioner_tag == "is_backward"``), before the first block's gradient is
-    ``post``, after it ``pre``.
+    ``post``, after it the earliest block among its inputs' units, else ``pre``.
     """
     units = (PRE, *(f"{prefix}.{i}" for i in range(num_blocks)), POST)
     pat = re.compile(rf"^{re.escape(prefix)}\.(\d+)(\.|$)") if prefix else None
@@ -160,5 +160,10 @@ def layer_units(nodes: Sequence[fx.Node], prefix: str | None,
             top_unit.setdefault(tops[0], positional)
         if not tops and after and phase == "fwd":  # glue between blocks: with its latest input
             positional = max((out[a.name] for a in n.all_input_nodes if a.name in out), default=positional)
+        if not tops and after and phase == "bwd":  # (e.g. the backward of a write into a
+            # preallocated tensor, DeepSeek-V3's keys): with the earliest block among its
+            # inputs', if any (a gradient summed over the blocks: one add in each block)
+            positional = min((out[a.name] for a in n.all_input_nodes
+                              if 0 < out.get(a.name, 0) < len(units) - 1), default=positional)
         out[n.name] = top_unit.get(tops[0], positional) if tops else positional
     return units, out

@@ -36,9 +36,11 @@ from autopar.errors import PlanError
 from autopar.mesh import Mesh
 from autopar.capture.moe import expert_count
 from autopar.capture.layers import (
-    block_fingerprint, block_prefix, identical_blocks, leading_blocks,
+    block_fingerprint, block_prefix, identical_blocks, is_op, leading_blocks,
 )
+
 from autopar.planning.pipeline import batch_size, unflatten_inputs
+from autopar.planning.records import NORMS
 from autopar.planning.candidates import Candidate, ep_degrees
 from autopar.planning.solve import solve_space, unpinned_space
 from autopar.planning.unit_costs import layer_costs
@@ -47,7 +49,8 @@ from autopar.capture.stages import capture_with_forward, microbatch_inputs
 
 __all__ = ["CP_MAX", "CP_MIN_SEQUENCE", "LayerSolver", "SearchResult", "candidate_setups",
            "cp_degrees", "two_block_copy", "model_flops", "sequence_length",
-           "pipelines_always", "pruned_examples", "search", "search_unsupported", "tp_degrees",
+           "only_when_needed", "pipelines_always", "pruned_examples", "search", "search_unsupported",
+           "tp_degrees",
            "zero_stages", "TP_ACROSS_NODES_MAX"]
 
 _MAX_MICROBATCH = 8
@@ -73,7 +76,7 @@ class SearchResult:
     layer_solves: int
     timings: dict[str, float]
     num_devices: int
-    bounded: int = 0  # setups with cp > 1 skipped: their lower bound no better than the best
+    bounded: int = 0  # setups with cp or tp > 1 skipped: their lower bound no better than the best
 
     @property
     def best(self) -> StepCost:
@@ -97,8 +100,10 @@ class LayerSolver:
         self.mesh, self.cost_passes = mesh, cost_passes
         self.example_inputs = example_inputs
         self.batch = batch_size(example_inputs)
-        # (num_blocks: the repeated blocks after the ``lead`` leading ones that differ)
-        self.model, self.prefix, self.num_blocks, self.lead = two_block_copy(model)
+        # (num_blocks: the repeated blocks after the ``lead`` leading ones that differ, traced
+        # one per run of identical ones: ``lead_runs``)
+        self.model, self.prefix, self.num_blocks, self.lead_runs = two_block_copy(model)
+        self.lead = sum(self.lead_runs)
         block = repr([block_fingerprint(b) for b in
                       list(model.get_submodule(self.prefix))[:self.lead + 1]]).encode()
         self.fingerprint = (f"{type(model).__name__}:{self.lead}+{self.num_blocks}x"
@@ -129,38 +134,64 @@ class LayerSolver:
                                             base_space=self.spaces[(b, tp, cp)])
             self.solved[key] = layer_costs(traced, fwd, space, costs, res.choice, self.num_blocks,
                                            self.config.optimizer, (tp if sp else 1) * cp,
-                                           self.lead, self.config.expert_load_skew)
+                                           self.lead_runs, self.config.expert_load_skew)
             self.solve_s += time.perf_counter() - t0
         return self.solved[key]
 
-    def bound(self, setup: Setup, budget_bytes: float) -> StepCost:
-        """A lower bound of ``setup``'s price when ``setup.cp > 1``, from the layer costs
-        without cp (solved once per (tp, b, sp), cheaply): a rank on the cp axis computes and
-        holds at least 1/cp of each layer's work and values, communicates nothing there at
-        least, and holds the parameters whole (as cp does). The closed form only adds and
-        takes maxima of these, so the bound is below the setup's price, and a setup whose
-        bound is no better than the best found so far need not have its (cp, tp) layer ILP
-        solved."""
-        lc = self.costs(setup.tp, setup.microbatch_size, setup.sequence_parallel, 1)
-        cp = setup.cp
+    def shards_sequence(self, b: int) -> bool:
+        """Whether sequence parallelism changes anything in this model: its trace has a layer
+        norm op for it to split (:data:`~autopar.planning.records.NORMS`; a norm written out
+        in pointwise ops, as DeepSeek-V3's RMSNorm, has none), so that a setup with it is not
+        the same program as one without, priced as if its block inputs were split."""
+        traced, _ = self._trace(b)
+        return any(is_op(n, NORMS) for n in traced.gm.graph.nodes)
 
+    def bound(self, setup: Setup, budget_bytes: float) -> StepCost:
+        """A lower bound of ``setup``'s price, for a setup with ``cp > 1`` or ``tp > 1``, from
+        layer costs solved more cheaply: without cp (once per (tp, b, sp)) or, without cp, on
+        one device (tp = 1). A rank on the cp or tp axis computes and holds at least 1/cp (1/tp)
+        of each layer's work and values, and communicates nothing there at least; it holds the
+        parameters whole on cp, at least 1/tp of them on tp. The closed form only adds and
+        takes maxima of these, so the bound is below the setup's price, and a setup whose
+        bound is no better than the best found so far need not have its layer ILP solved."""
+        if setup.cp > 1:
+            lc = self.costs(setup.tp, setup.microbatch_size, setup.sequence_parallel, 1)
+            k, held = setup.cp, 1
+        else:
+            lc = self.costs(1, setup.microbatch_size, False, 1)
+            k = held = setup.tp
         topo, none = self.mesh.topology, ExpertsWork(0.0, 0.0, 0.0)
 
+        def flops_only(w: ExpertsWork) -> float:
+            return ExpertsWork(w.flops / k, 0.0, 0.0, itemsize=w.itemsize).seconds(topo)
+
         def share(u: UnitCosts) -> UnitCosts:
-            # (MoE experts, whose ep price may fall below 1/cp of theirs: left out altogether)
+            # (MoE experts, whose weights' traffic shrinks with ep: their FLOPs only, without
+            # load skew; their all-to-alls left out)
             xf, xb = u.expert_forward_work.seconds(topo), u.expert_backward_work.seconds(topo)
             return dataclasses.replace(
-                u, forward_s=max(0.0, u.forward_s - u.forward_comm_s - xf) / cp,
-                backward_s=max(0.0, u.backward_s - u.backward_comm_s - xb) / cp,
+                u, forward_s=max(0.0, u.forward_s - u.forward_comm_s - xf) / k
+                + flops_only(u.expert_forward_work),
+                backward_s=max(0.0, u.backward_s - u.backward_comm_s - xb) / k
+                + flops_only(u.expert_backward_work),
                 expert_forward_bytes=(), expert_backward_bytes=(), expert_forward_work=none,
-                expert_backward_work=none, forward_comm_s=0.0,
-                backward_comm_s=0.0, activation_bytes=u.activation_bytes / cp,
-                attention_forward_s=u.attention_forward_s / cp,
-                attention_bytes=u.attention_bytes / cp, random_bytes=u.random_bytes / cp,
-                recompute_peak_bytes=tuple((k, v / cp) for k, v in u.recompute_peak_bytes))
+                expert_backward_work=none, expert_forward_s=0.0, expert_forward_comm_s=0.0,
+                forward_comm_s=0.0, backward_comm_s=0.0, activation_bytes=u.activation_bytes / k,
+                attention_forward_s=u.attention_forward_s / k,
+                attention_bytes=u.attention_bytes / k, random_bytes=u.random_bytes / k,
+                recompute_peak_bytes=tuple((p, v / k) for p, v in u.recompute_peak_bytes),
+                state_bytes=u.state_bytes / held, param_elements=u.param_elements / held,
+                expert_elements=u.expert_elements / held,
+                expert_state_bytes=u.expert_state_bytes / held)
 
-        low = dataclasses.replace(lc, pre=share(lc.pre), block=share(lc.block), post=share(lc.post),
-                                  input_bytes=lc.input_bytes / cp)
+        pre = share(lc.pre)
+        # (the leading blocks' recomputation: none re-run, all their values dropped, at least)
+        low = dataclasses.replace(lc, pre=pre, block=share(lc.block), post=share(lc.post),
+                                  input_bytes=lc.input_bytes / k,
+                                  boundary_bytes=lc.boundary_bytes / k,
+                                  tied_state_bytes=lc.tied_state_bytes / held,
+                                  tied_elements=lc.tied_elements / held, lead_forward_s=0.0,
+                                  lead_activation_bytes=pre.activation_bytes)
         return price_setup(low, setup, self.mesh.topology, budget_bytes)
 
     def price(self, setup: Setup, budget_bytes: float | None = None) -> StepCost:
@@ -186,11 +217,12 @@ class LayerSolver:
         return self.traces[b]
 
 
-def two_block_copy(model: nn.Module) -> tuple[nn.Module, str, int, int]:
-    """A shallow copy of ``model`` whose block list holds its leading blocks that differ from
-    the rest (:func:`~autopar.capture.layers.leading_blocks`, none for most models) and two of
-    the repeated ones (the weights are shared, not copied), the list's path, the model's number
-    of repeated blocks and of leading ones."""
+def two_block_copy(model: nn.Module) -> tuple[nn.Module, str, int, tuple[int, ...]]:
+    """A shallow copy of ``model`` whose block list holds one block of each run of identical
+    leading blocks that differ from the rest (:func:`~autopar.capture.layers.leading_blocks`,
+    none for most models; DeepSeek-V3's three dense first layers are one run) and two of the
+    repeated ones (the weights are shared, not copied); the list's path, the model's number of
+    repeated blocks and the lengths of the leading runs."""
     prefix = block_prefix([n for n, _ in model.named_parameters(remove_duplicate=False)])
     if prefix is None:
         raise PlanError(f"the cluster search prices a model by its repeated blocks (an "
@@ -209,8 +241,16 @@ def two_block_copy(model: nn.Module) -> tuple[nn.Module, str, int, int]:
         child = _shallow(parent._modules[name])
         parent._modules[name] = child
         parent = child
-    parent._modules[parts[-1]] = nn.ModuleList(list(blocks)[:lead + 2])
-    return root, prefix, len(blocks) - lead, lead
+    firsts, runs = [], []
+    for j, b in enumerate(list(blocks)[:lead]):
+        if runs and block_fingerprint(b) == block_fingerprint(blocks[firsts[-1]]):
+            runs[-1] += 1
+        else:
+            firsts.append(j)
+            runs.append(1)
+    parent._modules[parts[-1]] = nn.ModuleList([blocks[j] for j in firsts]
+                                               + list(blocks)[lead:lead + 2])
+    return root, prefix, len(blocks) - lead, tuple(runs)
 
 
 def _shallow(module: nn.Module) -> nn.Module:
@@ -365,7 +405,7 @@ def _schedule_options(pp: int, m: int, num_blocks: int, config: Config) -> list[
             and config.virtual_stages in (None, v)]
 
 
-def _only_when_needed(ranked: list[StepCost]) -> list[StepCost]:
+def only_when_needed(ranked: list[StepCost]) -> list[StepCost]:
     """Drop a setup that recomputes or shards the optimizer when a twin doing less of either
     (same degrees, microbatches and schedule) fits too: the techniques are for memory, and
     turned on only when memory requires them (as ``make_plan`` does). A twin that fits is always
@@ -452,26 +492,30 @@ def search(model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config | N
                                    seq=rep.seq, experts=rep.num_experts))
     later = [] if pipelines_always(config, mesh) else [s for s in setups if s.pp > 1]
     # without context parallelism first: the best of those bounds the setups with it
-    # (LayerSolver.bound), whose (cp, tp) layer ILPs are the search's dearest
-    queue = sorted((s for s in setups if s not in later), key=lambda s: s.cp > 1)
-    later.sort(key=lambda s: s.cp > 1)
+    # (LayerSolver.bound), whose (cp, tp) layer ILPs are the search's dearest; the smallest
+    # microbatches first (the likeliest to fit: a setup that fits bounds those with tp > 1)
+    order = lambda s: (s.cp > 1, s.microbatch_size)  # noqa: E731
+    queue = sorted((s for s in setups if s not in later), key=order)
+    later.sort(key=order)
     n = bounded = 0
     best_s = float("inf")
     while queue:
         setup = queue.pop(0)
         n += 1
-        if setup.cp > 1 and best_s < float("inf") and \
+        solved = (setup.tp, setup.microbatch_size, setup.sequence_parallel, setup.cp) in rep.solved
+        if (setup.cp > 1 or (setup.tp > 1 and not solved)) and best_s < float("inf") and \
                 rep.bound(setup, budget).step_time_s >= best_s:
             bounded += 1
             if not queue and not ranked and later:
                 queue, later = later, []
             continue
+        if setup.sequence_parallel and config.sequence_parallel is None and \
+                not rep.shards_sequence(setup.microbatch_size):
+            continue  # (the same program as its twin without it, which is priced; when forced,
+            # the plan is refused later, saying why: entry._check_forced)
         rep.costs(setup.tp, setup.microbatch_size, setup.sequence_parallel, setup.cp)
         t1 = time.perf_counter()
-        cost = rep.price(setup, budget)
-        if setup.pp > 1:  # the same blocks per stage (as Megatron-LM) can beat balanced times
-            even = rep.price(dataclasses.replace(setup, even_split=True), budget)
-            cost = min(cost, even, key=lambda c: (not c.fits, c.step_time_s))
+        cost = _price_either_split(rep, setup, budget)
         price_s += time.perf_counter() - t1
         (ranked if cost.fits else pruned).append(cost)
         if cost.fits:
@@ -482,11 +526,33 @@ def search(model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config | N
                      + (f"{best.setup.describe()} {best.step_time_s:.3f} s" if best else "none fits"))
         if not queue and not ranked and later:  # nothing fits without a pipeline
             queue, later = later, []
+    ranked = _ranked_or_raise(ranked, pruned, mesh, rep.batch, config, budget)
+    timings = {"trace_s": rep.trace_s, "layer_ilp_s": rep.solve_s, "price_s": price_s,
+               "total_s": time.perf_counter() - t0}
+    return SearchResult(tuple(ranked), tuple(pruned), len(ranked) + len(pruned), len(rep.solved),
+                        timings, mesh.size, bounded)
+
+
+def _price_either_split(rep: LayerSolver, setup: Setup, budget: float) -> StepCost:
+    """``setup``'s price with its stages balanced by time, or with a pipeline the same blocks
+    per stage (as Megatron-LM) when that is better (or fits where the other does not)."""
+    cost = rep.price(setup, budget)
+    if setup.pp > 1:
+        even = rep.price(dataclasses.replace(setup, even_split=True), budget)
+        cost = min(cost, even, key=lambda c: (not c.fits, c.step_time_s))
+    return cost
+
+
+def _ranked_or_raise(ranked: list[StepCost], pruned: list[StepCost], mesh: Mesh, batch: int,
+                     config: Config, budget: float) -> list[StepCost]:
+    """The setups that fit, best first, recomputation and ZeRO only where needed
+    (:func:`only_when_needed`); raises :class:`PlanError` when no setup matches the batch and
+    the config, ``InfeasibleMemoryError`` (naming the smallest need) when none fits."""
     if not ranked and not pruned:
-        raise PlanError(f"no setup of {mesh.size} devices matches the batch of {rep.batch} and "
+        raise PlanError(f"no setup of {mesh.size} devices matches the batch of {batch} and "
                         f"the config {config}; choose a batch divisible by the data-parallel "
                         f"degree or relax the config.")
-    ranked = _only_when_needed(ranked)
+    ranked = only_when_needed(ranked)
     ranked.sort(key=lambda c: (c.step_time_s, max(c.rank_memory_bytes)))
     if not ranked:
         need = min(max(c.rank_memory_bytes) for c in pruned)
@@ -496,10 +562,7 @@ def search(model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config | N
             f"no setup fits {budget / 2**30:.1f} GiB per device on {mesh.size} devices; the "
             f"smallest needs {need / 2**30:.1f} GiB. Use more devices or a smaller batch.",
             required_bytes=need, budget_bytes=budget)
-    timings = {"trace_s": rep.trace_s, "layer_ilp_s": rep.solve_s, "price_s": price_s,
-               "total_s": time.perf_counter() - t0}
-    return SearchResult(tuple(ranked), tuple(pruned), len(ranked) + len(pruned), len(rep.solved),
-                        timings, mesh.size, bounded)
+    return ranked
 
 
 def model_flops(layers: LayerSolver, b: int) -> float:
@@ -507,11 +570,14 @@ def model_flops(layers: LayerSolver, b: int) -> float:
     recomputation), from the two-block trace: everything outside the repeated blocks (the
     leading ones included) plus the number of repeated blocks times the second one's count."""
     traced, _ = layers._trace(b)
-    second, first = (f"{layers.prefix}.{layers.lead + i}" for i in (1, 0))
-    block = {n for n, layer in traced.node_layer.items() if layer == second}
-    first = {n for n, layer in traced.node_layer.items() if layer == first}
+    kept = len(layers.lead_runs)
+    of = lambda j: {n for n, layer in traced.node_layer.items()  # noqa: E731
+                    if layer == f"{layers.prefix}.{j}"}
+    block, first = of(kept + 1), of(kept)
     per_block = graph_flops(traced.gm, block)
     rest = graph_flops(traced.gm) - graph_flops(traced.gm, block | first)
+    # (each leading block traced stands for its run)
+    rest += sum((c - 1) * graph_flops(traced.gm, of(j)) for j, c in enumerate(layers.lead_runs))
     return rest + layers.num_blocks * per_block
 
 

@@ -27,12 +27,15 @@ __all__ = ["layer_costs"]
 
 
 def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str, int],
-                num_blocks: int, optimizer: str, seq_shards: int, lead: int = 0,
-                expert_skew: float = 1.0) -> LayerCosts:
+                num_blocks: int, optimizer: str, seq_shards: int,
+                lead_runs: Sequence[int] = (), expert_skew: float = 1.0) -> LayerCosts:
     """Per-unit costs of a two-block trace's ILP solution (the second repeated block stands for
-    every block; ``lead`` leading blocks that differ count in ``pre``); ``seq_shards``: the tp
-    degree when the block input is sequence-sharded."""
+    every block; the leading blocks that differ from them count in ``pre``: the trace holds
+    one block of each run of identical leading ones, ``lead_runs`` their run lengths, each
+    counted that many times); ``seq_shards``: the tp degree when the block input is
+    sequence-sharded."""
 
+    lead = len(lead_runs)
     nodes = list(traced.gm.graph.nodes)
     units, unit_of = layer_units(nodes, fwd.units[1].rsplit(".", 1)[0], lead + 2)
     backward = {n.name for n in nodes if is_backward(n)}
@@ -40,48 +43,12 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
                 attn_b=0.0, rand=0.0, xelems=0.0, xstate=0.0, xf=(), xb=(),
                 xwf=ExpertsWork(0.0, 0.0, 0.0), xwb=ExpertsWork(0.0, 0.0, 0.0), xfs=0.0)
            for _ in units]
-    experts = expert_weight_params(nodes)
-    seq = _seq_len(traced)
-    params = {p.node: p for p in traced.params}
-    by_name = {p.name: p for p in traced.params}
-    tied_state = tied_elems = 0.0
+    tied_state, tied_elems = _add_state(traced, costs, choice, unit_of, backward, optimizer, acc)
+    params, seq = {p.node for p in traced.params}, _seq_len(traced)
     for n in nodes:
-        if n.name not in choice:
-            continue
-        i = choice[n.name]
-        if n.name in params:
-            p = params[n.name]
-            # a tied alias holds no state of its own in the ILP; its holder's state is counted
-            # again in the units that read the alias (a pipeline stage there holds a copy)
-            src = by_name[p.tied_to] if p.tied_to is not None else p
-            state = costs.memory[src.node][choice[src.node]]
-            elems = state / state_bytes_per_element(optimizer, p.dtype.itemsize)
-            users = {unit_of[u.name] for u in n.users if u.name in unit_of and u.name not in backward}
-            for u in users or {0}:
-                acc[u]["state"] += state
-                acc[u]["elems"] += elems
-                if n.name in experts:  # (split over ep in closed form: training_step)
-                    acc[u]["xstate"] += state
-                    acc[u]["xelems"] += elems
-            if p.tied_to is not None or len(users) > 1:  # held by two units
-                tied_state, tied_elems = tied_state + state, tied_elems + elems
-            continue
-        a = acc[unit_of.get(n.name, len(units) - 1)]
-        a["b" if n.name in backward else "f"] += costs.compute[n.name][i]
-        if n.target in EXPERT_OPS:
-            key = "xb" if n.name in backward else "xf"
-            strategy = space.nodes[n.name].strategies[i]
-            a[key] = a[key] + _exchange_bytes(n, strategy, space.mesh_shape)
-            a["xw" + key[1]] = a["xw" + key[1]] + experts_node_work(n, strategy, space.mesh_shape,
-                                                                    expert_skew)[0]
-            if key == "xf":
-                a["xfs"] += costs.compute[n.name][i]
-        a["act"] += costs.memory[n.name][i]
-        if n.name not in backward and is_random(n):
-            a["rand"] += costs.memory[n.name][i]
-        if n.name not in backward and _is_attention_core(n, seq):
-            a["attn_f"] += costs.compute[n.name][i]
-            a["attn_b"] += costs.memory[n.name][i]
+        if n.name in choice and n.name not in params:
+            _add_op(n, choice[n.name], space, costs, n.name in backward, seq, expert_skew,
+                    acc[unit_of.get(n.name, len(units) - 1)])
     for name, in_backward, t in chosen_comm(space, costs, choice, backward):
         acc[unit_of.get(name, len(units) - 1)]["bc" if in_backward else "fc"] += t
     peaks = _recompute_peaks(traced, space, choice, unit_of)
@@ -91,14 +58,75 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
         a["xelems"], a["xstate"], a["xf"], a["xb"], a["xwf"], a["xwb"], a["xfs"])
     boundary = _boundary_bytes(fwd)
     itemsize = traced.params[0].dtype.itemsize if traced.params else 4
+    leading = [{k: _times(v, c) for k, v in a.items()} for a, c in zip(acc[1:lead + 1], lead_runs)]
     pre = acc[0]
-    for a in acc[1:lead + 1]:  # (the leading blocks run where pre does: the first stage)
+    for a in leading:  # (the leading blocks run where pre does: the first stage)
         pre = {k: pre[k] + a[k] for k in pre}
     pre_peaks = {p: {0: max(v.get(u, 0.0) for u in range(lead + 1))} for p, v in peaks.items()}
     return LayerCosts(unit(pre, 0) if not lead else _unit_with(unit(pre, 0), pre_peaks),
                       unit(acc[lead + 2], lead + 2), unit(acc[-1], len(units) - 1), num_blocks,
                       tied_state, tied_elems,
-                      boundary, boundary / seq_shards, itemsize, optimizer, expert_skew)
+                      boundary, boundary / seq_shards, itemsize, optimizer, expert_skew,
+                      sum(lead_runs), sum(a["f"] + a["fc"] - a["xfs"] for a in leading),
+                      sum(a["act"] - a["rand"] for a in leading))
+
+
+def _add_state(traced: Any, costs: Any, choice: dict[str, int], unit_of: dict[str, int],
+               backward: set[str], optimizer: str, acc: list[dict]) -> tuple[float, float]:
+    """Add each parameter's training state and elements to the units whose forward reads it
+    (the experts' apart too); returns the state and elements held by two units (tied)."""
+    experts = expert_weight_params(list(traced.gm.graph.nodes))
+    by_name = {p.name: p for p in traced.params}
+    tied_state = tied_elems = 0.0
+    for p in traced.params:
+        if p.node not in choice:
+            continue
+        n = traced.node(p.node)
+        # a tied alias holds no state of its own in the ILP; its holder's state is counted
+        # again in the units that read the alias (a pipeline stage there holds a copy)
+        src = by_name[p.tied_to] if p.tied_to is not None else p
+        state = costs.memory[src.node][choice[src.node]]
+        elems = state / state_bytes_per_element(optimizer, p.dtype.itemsize)
+        users = {unit_of[u.name] for u in n.users if u.name in unit_of and u.name not in backward}
+        for u in users or {0}:
+            acc[u]["state"] += state
+            acc[u]["elems"] += elems
+            if n.name in experts:  # (split over ep in closed form: training_step)
+                acc[u]["xstate"] += state
+                acc[u]["xelems"] += elems
+        if p.tied_to is not None or len(users) > 1:  # held by two units
+            tied_state, tied_elems = tied_state + state, tied_elems + elems
+    return tied_state, tied_elems
+
+
+def _add_op(n: Any, i: int, space: Any, costs: Any, in_backward: bool, seq: int | None,
+            expert_skew: float, a: dict) -> None:
+    """Add node ``n``'s chosen strategy ``i`` (compute seconds, saved bytes; an experts op's
+    all-to-all bytes and work; random and attention-core values) to its unit's sums ``a``."""
+    a["b" if in_backward else "f"] += costs.compute[n.name][i]
+    if n.target in EXPERT_OPS:
+        key = "xb" if in_backward else "xf"
+        strategy = space.nodes[n.name].strategies[i]
+        a[key] = a[key] + _exchange_bytes(n, strategy, space.mesh_shape)
+        a["xw" + key[1]] = a["xw" + key[1]] + experts_node_work(n, strategy, space.mesh_shape,
+                                                                expert_skew)[0]
+        if key == "xf":
+            a["xfs"] += costs.compute[n.name][i]
+    a["act"] += costs.memory[n.name][i]
+    if not in_backward and is_random(n):
+        a["rand"] += costs.memory[n.name][i]
+    if not in_backward and _is_attention_core(n, seq):
+        a["attn_f"] += costs.compute[n.name][i]
+        a["attn_b"] += costs.memory[n.name][i]
+
+
+def _times(value: Any, count: int) -> Any:
+    """``value`` (seconds, bytes, a tuple of all-to-all bytes or ``ExpertsWork``) for
+    ``count`` identical blocks: summed that many times."""
+    out = value
+    for _ in range(count - 1):
+        out = out + value
+    return out
 
 
 def _unit_with(u: UnitCosts, peaks: dict[str, dict[int, float]]) -> UnitCosts:

@@ -150,6 +150,22 @@ def _sdpa_cpu_backward_rule(
     return rules
 
 
+# The functional copy (``aten.copy(self, src)``, which functionalization makes of an in-place
+# ``copy_``, e.g. DeepSeek-V3's attention writing its rotary part into a preallocated key):
+# the output is ``src`` broadcast to ``self``'s shape, so it splits as a pointwise op (DTensor
+# registers the in-place ``copy_`` as one, not the functional op). Per dim of ``self``: split
+# ``self``, the output and ``src`` where ``src`` has that dim whole, else ``src`` whole.
+@register_op_rule(torch.ops.aten.copy.default, 1, 2)
+def _copy_rule(args_meta: tuple[Any, ...], kwargs_meta: dict[str, Any]) -> list[list[Any]]:
+    dst, src = args_meta[0].shape, args_meta[1].shape
+    off = len(dst) - len(src)
+    rules = [[Replicate()] * 3]
+    for d in range(len(dst)):
+        whole = d >= off and src[d - off] == dst[d]
+        rules.append([Shard(d), Shard(d), Shard(d - off) if whole else Replicate()])
+    return rules
+
+
 # The experts of an MoE layer (``autopar.capture.moe``): inputs hidden [tokens, hidden], the
 # top-k ids and weights [tokens, k], the two expert weights [experts, ...]. Per mesh axis: all
 # whole; tokens split, experts whole (data parallel: the weights' gradients partial); tokens

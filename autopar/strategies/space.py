@@ -257,6 +257,8 @@ class _Builder:
     def _enumerate(self, n: fx.Node, inputs: list[fx.Node]) -> tuple[list[Strategy], str]:
         if not inputs:
             return [_replicate_strategy(n, len(self.mesh_shape))], "factory"
+        if all(d == 1 for d in self.mesh_shape):  # one device: every placement is the whole
+            return [_replicate_strategy(n, len(self.mesh_shape))], "one device"
         op = n.target
         if op in fused.FUSED_OPS:
             try:

@@ -32,6 +32,7 @@ import autopar  # noqa: E402
 from autopar.runtime.profile import CommMeter  # noqa: E402
 from autopar.capture import extract_loss  # noqa: E402
 from checkpoint_check import run_checkpoint  # noqa: E402
+from collective_bytes import routing_independent  # noqa: E402
 from examples_check import run_example  # noqa: E402
 from grads import compare_on_every_rank  # noqa: E402
 from models import build  # noqa: E402
@@ -174,10 +175,8 @@ def _pipeline_record(pm, model, ref, inputs, ref_loss, setup_s: float) -> dict:
     plan = pm.plan
     expected = dict(plan.collective_counts(pp_rank=pm.pp_rank))
     expected_bytes = dict(plan.collective_bytes(pp_rank=pm.pp_rank))
-    # (an all-to-all of MoE tokens moves what the routing sends: compared summed over the ranks)
-    exact = lambda b: {k: v for k, v in b.items() if k != "all_to_all"}  # noqa: E731
-    mismatch = torch.tensor([float(meter.counts != expected
-                                   or exact(meter.bytes) != exact(expected_bytes))])
+    mismatch = torch.tensor([float(meter.counts != expected or routing_independent(meter.bytes)
+                                   != routing_independent(expected_bytes))])
     dist.all_reduce(mismatch)
     names = {n for n, _ in pm.named_parameters()}
     gathered: list = [None] * dist.get_world_size()

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from autopar import Config
+from autopar import Config, Mesh
 from autopar.capture import capture
 from autopar.capture.moe import ACTIVATIONS, experts, experts_block_form, experts_forward
 from autopar.cost_models.experts import experts_exchanges, experts_flops
@@ -159,7 +159,10 @@ def test_the_setup_search_prices_ep_in_closed_form():
     plain = Setup(8, 1, 1, 1, 1, "none", 1, "none", 0, False)
     a = price_setup(lc, plain, topo, 80e9)
     b = price_setup(lc, dataclasses.replace(plain, ep=4), topo, 80e9)
-    assert a.rank_memory_bytes[0] - b.rank_memory_bytes[0] == pytest.approx(4 * 1.28e9 * 3 / 4)
+    # a quarter of the experts' state, and of their gradients, which the backward has made at
+    # its end (4 bytes each, more then than the saved values it has freed: 4e8 bytes)
+    assert a.rank_memory_bytes[0] - b.rank_memory_bytes[0] == pytest.approx(
+        4 * 1.28e9 * 3 / 4 + 4 * 8e7 * 3 / 4 * 4)
     a2a = sum(axis_collective_time("all_to_all", x, 4, 1, topo) for x in fwd + bwd)
     weights = work.seconds(topo, 1 / 4) - work.seconds(topo)  # (a quarter of them read)
     assert weights < 0
@@ -222,10 +225,45 @@ def test_leading_dense_blocks_are_searched_with_pre():
 
     model, _ = build("deepseekv3", layers=4)
     assert leading_blocks(model) == 1
-    copy, prefix, repeated, lead = two_block_copy(model)
-    assert (repeated, lead) == (3, 1) and len(copy.get_submodule(prefix)) == 3
+    copy, prefix, repeated, runs = two_block_copy(model)
+    assert (repeated, runs) == (3, (1,)) and len(copy.get_submodule(prefix)) == 3
     assert leading_blocks(build("mixtral")[0]) == 0
     assert leading_blocks(build("deepseekv3", layers=2)[0]) == -1  # (one MoE block: no pair)
+
+
+def test_a_run_of_identical_leading_blocks_is_traced_once():
+    """DeepSeek-V3 with three dense first layers: the search's copy holds one of them (and two
+    MoE blocks) and counts it three times; its per-unit costs and FLOPs equal those of the
+    model traced with all three (5 layers: the whole model). Within 1% for the costs, not
+    exactly: the blocks after the first read their input from a block, not from the embedding,
+    which the ILP may place differently; FLOPs do not depend on placements. (Before, the
+    backward of the keys' preallocated writes had no module and was counted in ``pre`` once,
+    not in each block: capture.layers.layer_units.)"""
+    from autopar.capture.stages import capture_with_forward
+    from autopar.cost_models.compute import graph_flops
+    from autopar.planning.candidates import Candidate
+    from autopar.planning.search import LayerSolver, model_flops
+    from autopar.planning.solve import solve_space
+    from autopar.planning.unit_costs import layer_costs
+
+    model, inputs = build("deepseekv3", layers=5, dense=3)
+    mesh = Mesh.virtual("h100-dgx", gpus_per_node=2)
+    layers = LayerSolver(model, inputs, mesh, Config(), ())
+    assert (layers.lead_runs, layers.lead, layers.num_blocks) == ((3,), 3, 2)
+    assert len(layers.model.get_submodule(layers.prefix)) == 3
+    got = layers.costs(2, 4, False)
+    traced, fwd = capture_with_forward(model, inputs)  # (all 5 blocks: 3 leading, 2 repeated)
+    cand = Candidate((2,), ("tp",), ())
+    space, costs, res = solve_space(traced, mesh, layers.config, cand, (), None,
+                                    sequence_parallel=False)
+    want = layer_costs(traced, fwd, space, costs, res.choice, 2, "adam", 1, (1, 1, 1))
+    assert (got.lead_blocks, want.lead_blocks) == (3, 3)
+    for name in ("forward_s", "backward_s", "state_bytes", "activation_bytes", "param_elements",
+                 "attention_forward_s"):
+        assert getattr(got.pre, name) == pytest.approx(getattr(want.pre, name), rel=0.01), name
+    assert got.lead_forward_s == pytest.approx(want.lead_forward_s, rel=0.01)
+    assert got.lead_activation_bytes == pytest.approx(want.lead_activation_bytes, rel=0.01)
+    assert model_flops(layers, 4) == pytest.approx(graph_flops(traced.gm), rel=1e-9)
 
 
 def test_the_load_skew_prices_the_busiest_rank_where_experts_are_split():

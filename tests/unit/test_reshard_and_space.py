@@ -286,3 +286,36 @@ def test_fused_qkv_is_strided_over_tp_while_the_batch_is_sharded_over_dp():
     pairs = {tuple(map(to_str, pl)) for s in space.nodes[linear.name].strategies
              for pl in [s.inputs[1]] if any("SS" in to_str(p) for p in s.inputs[2])}
     assert ("S(0)", "R") in pairs, pairs
+
+
+class _WritesIntoABuffer(torch.nn.Module):
+    """DeepSeek-V3's attention in small: a key preallocated with ``new_empty`` and written in
+    two parts (functionalization makes ``aten.copy`` and ``slice_scatter`` of the writes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 6)
+        self.b = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.a(x), self.b(x)
+        key = a.new_empty(*a.shape[:-1], 8)
+        key[..., :6] = a
+        key[..., 6:] = b
+        return key.sum()
+
+
+def test_functional_copy_splits_as_a_pointwise_op():
+    # aten.copy (self, src) had no rule (DTensor registers only the in-place copy_): every copy
+    # was replicated on every axis, and with it the values around it (DeepSeek-V3's keys on a
+    # (dp, tp) mesh: computed whole on each dp rank)
+    traced = capture(_WritesIntoABuffer(), (torch.randn(4, 4, 8),))
+    copies = [n for n in traced.gm.graph.nodes if n.target == torch.ops.aten.copy.default]
+    assert copies
+    space = _space(traced, (2, 2), ("dp", "tp"), dp_axes=(0,))
+    for n in copies:
+        ns = space.nodes[n.name]
+        assert ns.source == "dtensor", ns.source  # (not the replicating fallback)
+        options = {(s.outputs[0], s.inputs[0], s.inputs[1]) for s in ns.strategies}
+        both = (Shard(0), Shard(1))
+        assert (both, both, both) in options

@@ -1,0 +1,117 @@
+"""Planning mixture-of-experts models at cluster scale, on this machine, without devices.
+
+    python benchmarks/moe_plan_scale.py                          # both rows, the search only
+    python benchmarks/moe_plan_scale.py --rows mixtral-8x7b --plan   # the whole autopar.plan
+
+Rows: Mixtral-8x7B (32 layers, 8 experts, top-2; batch 64 x 4,096) on 64 virtual H100s (8 DGX
+nodes), and DeepSeek-V3 (61 layers: 3 dense, then 58 of 256 routed experts, top-8, and a shared
+one; low-rank attention; batch 4,096 x 4,096) on 2,048 virtual H100s (256 nodes), both
+transformers models built from their published shapes under ``FakeTensorMode`` in bf16. Each row
+runs in a fresh process: the setup search (``autopar.planning.search``) and, with ``--plan``,
+``autopar.plan`` (the search, then the per-operator placements of the chosen setup). It prints
+the search's seconds (traces, layer ILPs, pricing), the best setup and the best one of each ep
+degree, and the published setup's price where the row has one (DeepSeek-V3's report: pp=16,
+ep=64, no tensor parallelism, ZeRO-1 data parallelism over the rest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import textwrap
+
+ROWS = {
+    "mixtral-8x7b": dict(nodes=8, batch=64, published=None),
+    "deepseek-v3": dict(nodes=256, batch=4096, published=dict(dp=128, tp=1, pp=16, ep=64)),
+}
+
+_CHILD = textwrap.dedent("""
+    import json, sys, time
+    import torch, transformers as tf
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    import autopar
+    from autopar.cost_models.training_step import RECOMPUTE, Setup
+    from autopar.planning.search import LayerSolver, search
+    name, row, whole = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "1"
+    if name == "mixtral-8x7b":
+        cfg = tf.MixtralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                               num_local_experts=8, num_experts_per_tok=2,
+                               max_position_embeddings=4096)
+        build = tf.MixtralForCausalLM
+    else:
+        cfg = tf.DeepseekV3Config(
+            vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+            num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+            n_shared_experts=1, n_routed_experts=256, num_experts_per_tok=8, n_group=8,
+            topk_group=4, first_k_dense_replace=3, q_lora_rank=1536, kv_lora_rank=512,
+            qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+            max_position_embeddings=4096)
+        build = tf.DeepseekV3ForCausalLM
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        torch.set_default_dtype(torch.bfloat16)
+        model = build(cfg)
+        torch.set_default_dtype(torch.float32)
+        ids = torch.zeros(row["batch"], 4096, dtype=torch.long)
+    inputs = {"input_ids": ids, "labels": ids}
+    mesh = autopar.Mesh.virtual("h100-dgx", nodes=row["nodes"], gpus_per_node=8)
+    out = {}
+    t0 = time.perf_counter()
+    layers = LayerSolver(model, inputs, mesh, autopar.Config(), ())
+    res = search(model, inputs, mesh, autopar.Config(), layers=layers)
+    out["search_s"] = time.perf_counter() - t0
+    out["timings"] = res.timings
+    out["layer_ilps"], out["evaluated"], out["bounded"] = res.layer_solves, res.evaluated, res.bounded
+    gib = lambda c: max(c.rank_memory_bytes) / 2**30
+    out["best"] = [res.best.setup.describe(), res.best.step_time_s, gib(res.best)]
+    out["per_ep"] = {c.setup.ep: [c.setup.describe(), c.step_time_s, gib(c)]
+                     for c in reversed(res.ranked)}
+    pub = row["published"]
+    if pub:
+        dp = pub["dp"]
+        setups = [Setup(dp, pub["tp"], pub["pp"], 1, row["batch"] // dp, "1f1b", 1, rc, 1, False,
+                        grad_sync="gathered", ep=pub["ep"]) for rc in RECOMPUTE]
+        out["published"] = [[c.setup.describe(), c.step_time_s, gib(c), c.fits]
+                            for c in (layers.price(s) for s in setups)]
+    if whole:
+        t1 = time.perf_counter()
+        try:
+            plan = autopar.plan(model, mesh, inputs)
+            out["plan"] = [plan.solver["setup"], plan.predicted["step_time_s"],
+                           plan.predicted["peak_memory_bytes"] / 2**30]
+        except autopar.PlanError as e:
+            out["plan"] = ["no plan: " + str(e).splitlines()[0][:300]]
+        out["plan_s"] = time.perf_counter() - t1
+    print(json.dumps(out))
+""")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
+    ap.add_argument("--plan", action="store_true", help="also run the whole autopar.plan")
+    args = ap.parse_args()
+    for name in args.rows:
+        proc = subprocess.run([sys.executable, "-c", _CHILD, name, json.dumps(ROWS[name]),
+                               "1" if args.plan else "0"], capture_output=True, text=True)
+        if proc.returncode:
+            raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        t = out["timings"]
+        print(f"{name}: search {out['search_s']:.1f} s (traces {t['trace_s']:.1f}, "
+              f"{out['layer_ilps']} layer ILPs {t['layer_ilp_s']:.1f}, pricing {t['price_s']:.1f}; "
+              f"{out['evaluated']} setups priced, {out['bounded']} skipped by their bound)")
+        print(f"  best: {out['best'][0]}  {out['best'][1]:.2f} s  {out['best'][2]:.1f} GiB")
+        for ep, (setup, s, gib) in sorted(out["per_ep"].items(), key=lambda kv: int(kv[0])):
+            print(f"  best with ep={ep}: {setup}  {s:.2f} s  {gib:.1f} GiB")
+        for setup, s, gib, fits in out.get("published", []):
+            print(f"  published degrees: {setup}  {s:.2f} s  {gib:.1f} GiB"
+                  f"{'' if fits else ' (does not fit)'}")
+        if "plan" in out:
+            print(f"  autopar.plan: {out['plan']} in {out['plan_s']:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
