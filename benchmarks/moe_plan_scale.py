@@ -2,6 +2,7 @@
 
     python benchmarks/moe_plan_scale.py                          # both rows, the search only
     python benchmarks/moe_plan_scale.py --rows mixtral-8x7b --plan   # the whole autopar.plan
+    python benchmarks/moe_plan_scale.py --rows deepseek-v3-7 --agreement
 
 Rows: Mixtral-8x7B (32 layers, 8 experts, top-2; batch 64 x 4,096) on 64 virtual H100s (8 DGX
 nodes), and DeepSeek-V3 (61 layers: 3 dense, then 58 of 256 routed experts, top-8, and a shared
@@ -11,7 +12,10 @@ runs in a fresh process: the setup search (``autopar.planning.search``) and, wit
 ``autopar.plan`` (the search, then the per-operator placements of the chosen setup). It prints
 the search's seconds (traces, layer ILPs, pricing), the best setup and the best one of each ep
 degree, and the published setup's price where the row has one (DeepSeek-V3's report: pp=16,
-ep=64, no tensor parallelism, ZeRO-1 data parallelism over the rest).
+ep=64, no tensor parallelism, ZeRO-1 data parallelism over the rest). ``--agreement`` prices one
+setup (dp=2 tp=8 pp=2, selective recomputation, ZeRO-1) of a 7-layer DeepSeek-V3 on 32 GPUs in
+closed form and solves its per-operator placements (``autopar.plan`` with the setup forced), and
+prints both predictions, step and memory per stage.
 """
 
 from __future__ import annotations
@@ -23,8 +27,11 @@ import sys
 import textwrap
 
 ROWS = {
-    "mixtral-8x7b": dict(nodes=8, batch=64, published=None),
-    "deepseek-v3": dict(nodes=256, batch=4096, published=dict(dp=128, tp=1, pp=16, ep=64)),
+    "mixtral-8x7b": dict(nodes=8, batch=64, layers=32, published=None),
+    "deepseek-v3": dict(nodes=256, batch=4096, layers=61,
+                        published=dict(dp=128, tp=1, pp=16, ep=64)),
+    # (for --agreement: 3 dense and 4 MoE layers, one setup priced both ways)
+    "deepseek-v3-7": dict(nodes=4, batch=256, layers=7, published=None),
 }
 
 _CHILD = textwrap.dedent("""
@@ -34,17 +41,17 @@ _CHILD = textwrap.dedent("""
     import autopar
     from autopar.cost_models.training_step import RECOMPUTE, Setup
     from autopar.planning.search import LayerSolver, search
-    name, row, whole = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == "1"
+    name, row, mode = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     if name == "mixtral-8x7b":
         cfg = tf.MixtralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
-                               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                               num_hidden_layers=row["layers"], num_attention_heads=32, num_key_value_heads=8,
                                num_local_experts=8, num_experts_per_tok=2,
                                max_position_embeddings=4096)
         build = tf.MixtralForCausalLM
     else:
         cfg = tf.DeepseekV3Config(
             vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-            num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+            num_hidden_layers=row["layers"], num_attention_heads=128, num_key_value_heads=128,
             n_shared_experts=1, n_routed_experts=256, num_experts_per_tok=8, n_group=8,
             topk_group=4, first_k_dense_replace=3, q_lora_rank=1536, kv_lora_rank=512,
             qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
@@ -58,13 +65,26 @@ _CHILD = textwrap.dedent("""
     inputs = {"input_ids": ids, "labels": ids}
     mesh = autopar.Mesh.virtual("h100-dgx", nodes=row["nodes"], gpus_per_node=8)
     out = {}
+    gib = lambda c: max(c.rank_memory_bytes) / 2**30
+    if mode == "agreement":
+        cfg = autopar.Config(dp=2, tp=8, pp=2, ep=1, recompute="selective", zero=1,
+                             sequence_parallel=False, schedule="1f1b", microbatch_size=2)
+        layers = LayerSolver(model, inputs, mesh, cfg, ())
+        res = search(model, inputs, mesh, cfg, layers=layers)
+        plan = autopar.plan(model, mesh, inputs, config=cfg)
+        out["agreement"] = dict(
+            setup=res.best.setup.describe(), search_s=res.best.step_time_s,
+            search_gib=[x / 2**30 for x in res.best.stage_memory_bytes],
+            plan_s=plan.predicted["step_time_s"],
+            plan_gib=[x / 2**30 for x in plan.pipeline.predicted["stage_memory_bytes"]])
+        print(json.dumps(out))
+        sys.exit(0)
     t0 = time.perf_counter()
     layers = LayerSolver(model, inputs, mesh, autopar.Config(), ())
     res = search(model, inputs, mesh, autopar.Config(), layers=layers)
     out["search_s"] = time.perf_counter() - t0
     out["timings"] = res.timings
     out["layer_ilps"], out["evaluated"], out["bounded"] = res.layer_solves, res.evaluated, res.bounded
-    gib = lambda c: max(c.rank_memory_bytes) / 2**30
     out["best"] = [res.best.setup.describe(), res.best.step_time_s, gib(res.best)]
     out["per_ep"] = {c.setup.ep: [c.setup.describe(), c.step_time_s, gib(c)]
                      for c in reversed(res.ranked)}
@@ -73,9 +93,9 @@ _CHILD = textwrap.dedent("""
         dp = pub["dp"]
         setups = [Setup(dp, pub["tp"], pub["pp"], 1, row["batch"] // dp, "1f1b", 1, rc, 1, False,
                         grad_sync="gathered", ep=pub["ep"]) for rc in RECOMPUTE]
-        out["published"] = [[c.setup.describe(), c.step_time_s, gib(c), c.fits]
+        out["published"] = [[c.setup.describe(), c.step_time_s, gib(c), bool(c.fits)]
                             for c in (layers.price(s) for s in setups)]
-    if whole:
+    if mode == "plan":
         t1 = time.perf_counter()
         try:
             plan = autopar.plan(model, mesh, inputs)
@@ -92,13 +112,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
     ap.add_argument("--plan", action="store_true", help="also run the whole autopar.plan")
+    ap.add_argument("--agreement", action="store_true",
+                    help="one setup's closed-form price against its per-operator plan")
     args = ap.parse_args()
+    mode = "agreement" if args.agreement else "plan" if args.plan else "search"
     for name in args.rows:
-        proc = subprocess.run([sys.executable, "-c", _CHILD, name, json.dumps(ROWS[name]),
-                               "1" if args.plan else "0"], capture_output=True, text=True)
+        proc = subprocess.run([sys.executable, "-c", _CHILD, name, json.dumps(ROWS[name]), mode],
+                              capture_output=True, text=True)
         if proc.returncode:
             raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
         out = json.loads(proc.stdout.strip().splitlines()[-1])
+        if "agreement" in out:
+            a = out["agreement"]
+            print(f"{name}: {a['setup']}\n  search: step {a['search_s']:.2f} s, stages "
+                  f"{', '.join(f'{g:.1f}' for g in a['search_gib'])} GiB\n  per operator: step "
+                  f"{a['plan_s']:.2f} s, stages {', '.join(f'{g:.1f}' for g in a['plan_gib'])} GiB")
+            continue
         t = out["timings"]
         print(f"{name}: search {out['search_s']:.1f} s (traces {t['trace_s']:.1f}, "
               f"{out['layer_ilps']} layer ILPs {t['layer_ilp_s']:.1f}, pricing {t['price_s']:.1f}; "
