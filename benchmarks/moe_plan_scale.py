@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 ROWS = {
     "mixtral-8x7b": dict(nodes=8, batch=64, layers=32, published=None),
@@ -36,34 +38,13 @@ ROWS = {
 
 _CHILD = textwrap.dedent("""
     import json, sys, time
-    import torch, transformers as tf
-    from torch._subclasses.fake_tensor import FakeTensorMode
     import autopar
     from autopar.cost_models.training_step import RECOMPUTE, Setup
     from autopar.planning.search import LayerSolver, search
+    sys.path.insert(0, sys.argv[4])
+    from moe_plan_scale import build
     name, row, mode = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
-    if name == "mixtral-8x7b":
-        cfg = tf.MixtralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
-                               num_hidden_layers=row["layers"], num_attention_heads=32, num_key_value_heads=8,
-                               num_local_experts=8, num_experts_per_tok=2,
-                               max_position_embeddings=4096)
-        build = tf.MixtralForCausalLM
-    else:
-        cfg = tf.DeepseekV3Config(
-            vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
-            num_hidden_layers=row["layers"], num_attention_heads=128, num_key_value_heads=128,
-            n_shared_experts=1, n_routed_experts=256, num_experts_per_tok=8, n_group=8,
-            topk_group=4, first_k_dense_replace=3, q_lora_rank=1536, kv_lora_rank=512,
-            qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
-            max_position_embeddings=4096)
-        build = tf.DeepseekV3ForCausalLM
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        torch.set_default_dtype(torch.bfloat16)
-        model = build(cfg)
-        torch.set_default_dtype(torch.float32)
-        ids = torch.zeros(row["batch"], 4096, dtype=torch.long)
-    inputs = {"input_ids": ids, "labels": ids}
-    mesh = autopar.Mesh.virtual("h100-dgx", nodes=row["nodes"], gpus_per_node=8)
+    model, inputs, mesh = build(name)
     out = {}
     gib = lambda c: max(c.rank_memory_bytes) / 2**30
     if mode == "agreement":
@@ -108,6 +89,42 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+def build(name: str) -> tuple[Any, dict[str, Any], Any]:
+    """Row ``name``'s model (transformers, from its published shapes, bf16, under
+    ``FakeTensorMode``), one global batch of 4,096-token sequences and its virtual H100 mesh."""
+    import torch
+    import transformers as tf
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import autopar
+
+    row = ROWS[name]
+    if name == "mixtral-8x7b":
+        cfg = tf.MixtralConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                               num_hidden_layers=row["layers"], num_attention_heads=32,
+                               num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                               max_position_embeddings=4096)
+        cls = tf.MixtralForCausalLM
+    else:
+        cfg = tf.DeepseekV3Config(
+            vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+            num_hidden_layers=row["layers"], num_attention_heads=128, num_key_value_heads=128,
+            n_shared_experts=1, n_routed_experts=256, num_experts_per_tok=8, n_group=8,
+            topk_group=4, first_k_dense_replace=3, q_lora_rank=1536, kv_lora_rank=512,
+            qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+            max_position_embeddings=4096)
+        cls = tf.DeepseekV3ForCausalLM
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = cls(cfg)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        ids = torch.zeros(row["batch"], 4096, dtype=torch.long)
+    mesh = autopar.Mesh.virtual("h100-dgx", nodes=row["nodes"], gpus_per_node=8)
+    return model, {"input_ids": ids, "labels": ids}, mesh
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
@@ -117,7 +134,8 @@ def main() -> None:
     args = ap.parse_args()
     mode = "agreement" if args.agreement else "plan" if args.plan else "search"
     for name in args.rows:
-        proc = subprocess.run([sys.executable, "-c", _CHILD, name, json.dumps(ROWS[name]), mode],
+        proc = subprocess.run([sys.executable, "-c", _CHILD, name, json.dumps(ROWS[name]), mode,
+                               os.path.dirname(os.path.abspath(__file__))],
                               capture_output=True, text=True)
         if proc.returncode:
             raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")

@@ -354,3 +354,35 @@ def test_full_recomputation_does_not_run_the_experts_again():
     again = price_setup(lc, Setup(1, 1, 1, 1, 1, "none", 1, "full", 0, False), topo, 80e9)
     assert again.step_time_s - price_setup(lc, plain, topo, 80e9).step_time_s == \
         pytest.approx(4 * 2e-3)  # (4 blocks, each 3 ms forward less the experts' 1 ms)
+
+
+def _published_shapes(name: str):
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    from moe_plan_scale import build as build_row
+
+    return build_row(name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "deepseek-v3"])
+def test_published_moe_shapes_take_expert_parallelism_where_it_is_faster(name):
+    """Without devices: Mixtral-8x7B on 64 virtual H100s and DeepSeek-V3 (3 dense layers, then
+    58 MoE layers of 256 routed experts and a shared one) on 2,048 (benchmarks/moe_plan_scale.py,
+    about 30 s and 90 s of search): the search's best setup splits the experts (ep > 1) and is
+    predicted faster than the best without; DeepSeek-V3's dense layers are traced once, counted
+    three times."""
+    from autopar.planning.search import LayerSolver, search
+
+    model, inputs, mesh = _published_shapes(name)
+    layers = LayerSolver(model, inputs, mesh, Config(), ())
+    result = search(model, inputs, mesh, Config(), layers=layers)
+    best = result.best
+    without = min((c for c in result.ranked if c.setup.ep == 1), key=lambda c: c.step_time_s)
+    assert best.setup.ep > 1 and best.step_time_s < without.step_time_s, (
+        best.setup.describe(), without.setup.describe())
+    assert best.fits and max(best.rank_memory_bytes) <= mesh.topology.memory_bytes
+    if name == "deepseek-v3":
+        assert (layers.lead_runs, layers.num_blocks) == ((3,), 58)
