@@ -361,13 +361,14 @@ def _memory(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], act: list[flo
     holding blocks), and ZeRO-3's gathered parameters."""
     p, stages = setup.pp, len(counts)
     flight = _flight(setup.schedule, p, setup.virtual_stages, setup.microbatches)
-    peak = lc.block.peak(setup.recompute)
+    peak = [lc.block.peak(setup.recompute) * (counts[j] > 0) for j in range(stages)]
+    if lc.lead_blocks:  # (the first stage's leading blocks recompute too)
+        peak[0] = max(peak[0], lc.pre.peak(setup.recompute))
     experts = _expert_setup(setup)
     stage_memory = [_state_memory(lc, setup, state[j] - xstate[j], elems[j] - xelems[j])
                     + _state_memory(lc, experts, xstate[j], xelems[j])
-                    + _step_buffers(lc, setup, j, act[j], flight[j], elems[j])
-                    + (counts[j] > 0 or (j == 0 and lc.lead_blocks > 0)) * peak
-                    for j in range(stages)]
+                    + _step_buffers(lc, setup, j, act[j], flight[j], elems[j], xelems[j])
+                    + peak[j] for j in range(stages)]
     if setup.zero == 3 and setup.dp > 1 and p == 1:  # the gathered layers, one unreduced grad
         stage_memory = [m + _regathered_bytes(lc) for m in stage_memory]
     memory = [0.0] * p
@@ -382,7 +383,7 @@ def _memory(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], act: list[flo
 
 
 def _step_buffers(lc: LayerCosts, setup: Setup, j: int, act: float, flight: int,
-                  elements: float) -> float:
+                  elements: float, expert_elements: float = 0.0) -> float:
     """The buffers stage ``j`` holds beside its training state, as the per-operator memory
     model counts them (``cost_models.liveness``): its saved values for ``flight`` microbatches
     in flight, or, at the end of a microbatch's backward, those of the others and the
@@ -391,12 +392,15 @@ def _step_buffers(lc: LayerCosts, setup: Setup, j: int, act: float, flight: int,
     (``runtime.autograd.GradSink``) and the receive buffers torch's pipelining keeps per
     microbatch for the stage's incoming activation (all but the first stage) and incoming
     gradient (all but the last), one block input each. Without a pipeline a ZeRO step's
-    gradients are reduce-scattered as they are made: the rank keeps its shard."""
+    gradients are reduce-scattered as they are made: the rank keeps its shard (of the
+    ``expert_elements``' gradients, its shard among the ranks holding the same experts)."""
     grads = elements * lc.param_itemsize
-    saved = max(act * flight, act * (flight - 1) + grads / (
-        setup.shard if setup.pp == 1 and setup.zero and setup.dp > 1 else 1))
     if setup.pp == 1:
-        return saved
+        if setup.zero and setup.dp > 1:
+            grads = ((elements - expert_elements) / setup.shard
+                     + expert_elements / _expert_setup(setup).shard) * lc.param_itemsize
+        return max(act * flight, act * (flight - 1) + grads)
+    saved = max(act * flight, act * (flight - 1) + grads)
     stages = setup.pp * setup.virtual_stages
     sink = grads if setup.microbatches > 1 else 0.0
     receive = setup.microbatches * lc.input_bytes * ((j > 0) + (j < stages - 1))

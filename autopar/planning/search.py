@@ -38,7 +38,6 @@ from autopar.capture.moe import expert_count
 from autopar.capture.layers import (
     block_fingerprint, block_prefix, identical_blocks, is_op, leading_blocks,
 )
-
 from autopar.planning.pipeline import batch_size, unflatten_inputs
 from autopar.planning.records import NORMS
 from autopar.planning.candidates import Candidate, ep_degrees
@@ -152,8 +151,11 @@ class LayerSolver:
         one device (tp = 1). A rank on the cp or tp axis computes and holds at least 1/cp (1/tp)
         of each layer's work and values, and communicates nothing there at least; it holds the
         parameters whole on cp, at least 1/tp of them on tp. The closed form only adds and
-        takes maxima of these, so the bound is below the setup's price, and a setup whose
-        bound is no better than the best found so far need not have its layer ILP solved."""
+        takes maxima of these, so, with the same blocks per stage, the bound is below the
+        setup's price; the balanced split is a greedy choice made on the lower costs, which may
+        differ from the setup's (not proven below then; checked on the candidates of a small
+        GPT pipeline in ``tests/unit/test_search.py``). A setup whose bound is no better than
+        the best found so far need not have its layer ILP solved."""
         if setup.cp > 1:
             lc = self.costs(setup.tp, setup.microbatch_size, setup.sequence_parallel, 1)
             k, held = setup.cp, 1
@@ -175,7 +177,10 @@ class LayerSolver:
                 backward_s=max(0.0, u.backward_s - u.backward_comm_s - xb) / k
                 + flops_only(u.expert_backward_work),
                 expert_forward_bytes=(), expert_backward_bytes=(), expert_forward_work=none,
-                expert_backward_work=none, expert_forward_s=0.0, expert_forward_comm_s=0.0,
+                expert_backward_work=none, expert_forward_comm_s=0.0,
+                # (full recomputation does not run the experts again: what the bound puts in
+                # forward_s for them is taken out again there)
+                expert_forward_s=flops_only(u.expert_forward_work),
                 forward_comm_s=0.0, backward_comm_s=0.0, activation_bytes=u.activation_bytes / k,
                 attention_forward_s=u.attention_forward_s / k,
                 attention_bytes=u.attention_bytes / k, random_bytes=u.random_bytes / k,
@@ -192,7 +197,10 @@ class LayerSolver:
                                   tied_state_bytes=lc.tied_state_bytes / held,
                                   tied_elements=lc.tied_elements / held, lead_forward_s=0.0,
                                   lead_activation_bytes=pre.activation_bytes)
-        return price_setup(low, setup, self.mesh.topology, budget_bytes)
+        # (as the search prices a pipeline: the better of balanced and even stages)
+        return min((price_setup(low, dataclasses.replace(setup, even_split=e), topo, budget_bytes)
+                    for e in ((False, True) if setup.pp > 1 else (False,))),
+                   key=lambda c: c.step_time_s)
 
     def price(self, setup: Setup, budget_bytes: float | None = None) -> StepCost:
         """Price one ``setup`` (e.g. a hand-tuned configuration) with this model's layer costs."""
@@ -484,9 +492,6 @@ def search(model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config | N
     rep = layers or LayerSolver(model, example_inputs, mesh, config, cost_passes)
     topo = mesh.topology
     budget = config.memory_bytes if config.memory_bytes is not None else topo.memory_bytes
-    ranked: list[StepCost] = []
-    pruned: list[StepCost] = []
-    price_s = 0.0
     setups = list(candidate_setups(mesh.size, topo.gpus_per_node, rep.batch, rep.num_blocks,
                                    config, replica_microbatches=replica_microbatches,
                                    seq=rep.seq, experts=rep.num_experts))
@@ -497,23 +502,41 @@ def search(model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config | N
     order = lambda s: (s.cp > 1, s.microbatch_size)  # noqa: E731
     queue = sorted((s for s in setups if s not in later), key=order)
     later.sort(key=order)
-    n = bounded = 0
-    best_s = float("inf")
-    while queue:
+    ranked, pruned, bounded, price_s = _price_all(rep, queue, later, config, budget, progress)
+    ranked = _ranked_or_raise(ranked, pruned, mesh, rep.batch, config, budget)
+    timings = {"trace_s": rep.trace_s, "layer_ilp_s": rep.solve_s, "price_s": price_s,
+               "total_s": time.perf_counter() - t0}
+    return SearchResult(tuple(ranked), tuple(pruned), len(ranked) + len(pruned), len(rep.solved),
+                        timings, mesh.size, bounded)
+
+
+def _price_all(rep: LayerSolver, queue: list[Setup], later: list[Setup], config: Config,
+               budget: float, progress: Callable[[str], None] | None
+               ) -> tuple[list[StepCost], list[StepCost], int, float]:
+    """Price the setups of ``queue`` in order, then those of ``later`` (pipelines on one node)
+    if none of ``queue`` fits: the setups that fit, those that do not, how many were skipped by
+    their bound (:meth:`LayerSolver.bound`) and the seconds spent pricing. A setup skipped by its
+    bound whose layer ILP another setup solved after all is priced at the end (cheaply), so that
+    :func:`only_when_needed` sees every twin that fits."""
+    ranked: list[StepCost] = []
+    pruned: list[StepCost] = []
+    skipped: list[Setup] = []
+    price_s, best_s, n = 0.0, float("inf"), 0
+    key = lambda s: (s.tp, s.microbatch_size, s.sequence_parallel, s.cp)  # noqa: E731
+    while queue or (later and not ranked):
+        if not queue:  # nothing fits without a pipeline
+            queue, later = later, []
         setup = queue.pop(0)
         n += 1
-        solved = (setup.tp, setup.microbatch_size, setup.sequence_parallel, setup.cp) in rep.solved
-        if (setup.cp > 1 or (setup.tp > 1 and not solved)) and best_s < float("inf") and \
-                rep.bound(setup, budget).step_time_s >= best_s:
-            bounded += 1
-            if not queue and not ranked and later:
-                queue, later = later, []
-            continue
         if setup.sequence_parallel and config.sequence_parallel is None and \
                 not rep.shards_sequence(setup.microbatch_size):
             continue  # (the same program as its twin without it, which is priced; when forced,
             # the plan is refused later, saying why: entry._check_forced)
-        rep.costs(setup.tp, setup.microbatch_size, setup.sequence_parallel, setup.cp)
+        if (setup.cp > 1 or (setup.tp > 1 and key(setup) not in rep.solved)) and \
+                best_s < float("inf") and rep.bound(setup, budget).step_time_s >= best_s:
+            skipped.append(setup)
+            continue
+        rep.costs(*key(setup))
         t1 = time.perf_counter()
         cost = _price_either_split(rep, setup, budget)
         price_s += time.perf_counter() - t1
@@ -524,13 +547,10 @@ def search(model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config | N
             best = min(ranked, key=lambda c: c.step_time_s) if ranked else None
             progress(f"{n} setups priced, {len(rep.solved)} layer ILPs solved; best so far: "
                      + (f"{best.setup.describe()} {best.step_time_s:.3f} s" if best else "none fits"))
-        if not queue and not ranked and later:  # nothing fits without a pipeline
-            queue, later = later, []
-    ranked = _ranked_or_raise(ranked, pruned, mesh, rep.batch, config, budget)
-    timings = {"trace_s": rep.trace_s, "layer_ilp_s": rep.solve_s, "price_s": price_s,
-               "total_s": time.perf_counter() - t0}
-    return SearchResult(tuple(ranked), tuple(pruned), len(ranked) + len(pruned), len(rep.solved),
-                        timings, mesh.size, bounded)
+    late = [_price_either_split(rep, st, budget) for st in skipped if key(st) in rep.solved]
+    ranked += [c for c in late if c.fits]
+    pruned += [c for c in late if not c.fits]
+    return ranked, pruned, len(skipped) - len(late), price_s
 
 
 def _price_either_split(rep: LayerSolver, setup: Setup, budget: float) -> StepCost:

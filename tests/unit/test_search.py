@@ -204,3 +204,57 @@ def test_setups_skipped_by_their_bound_could_not_have_won():
                   key=lambda x: (not x.fits, x.step_time_s)) for c in every]
     best = min(only_when_needed([c for c in priced if c.fits]), key=lambda c: c.step_time_s)
     assert result.best.step_time_s == pytest.approx(best.step_time_s, rel=1e-12)
+
+
+def test_a_pipeline_is_searched_when_only_it_fits_on_one_node():
+    # On one node pipelines are searched only when nothing without one fits; a skipped setup
+    # (here sequence parallelism on a model whose RMSNorm is written out: nothing to split)
+    # must not end the search before them
+    model, inputs = build("llama", layers=4)
+    mesh = autopar.Mesh.virtual("h100-dgx", gpus_per_node=2)
+    need = {}
+    for pp in (1, 2):
+        with pytest.raises(autopar.InfeasibleMemoryError) as e:
+            search(model, inputs, mesh, autopar.Config(pp=pp, memory_bytes=1.0))
+        need[pp] = e.value.required_bytes
+    assert need[2] < need[1]
+    budget = (need[1] + need[2]) / 2
+    result = search(model, inputs, mesh, autopar.Config(memory_bytes=budget))
+    assert result.best.setup.pp == 2 and result.best.fits
+
+
+def test_the_bound_is_below_the_price_for_experts_full_recomputation_and_interleaving():
+    # LayerSolver.bound from one-device costs against the price of costs that split them ideally
+    # over tp = 2 (and add collectives): MoE experts' work, full recomputation (which does not
+    # run the experts again), an interleaved schedule (priced as the better of balanced and
+    # even stages)
+    from autopar.cost_models.experts import ExpertsWork
+
+    topo = autopar.Mesh.virtual("h100-dgx").topology
+
+    def costs(k: float, comm: float) -> LayerCosts:
+        work = ExpertsWork(4e11 / k, 1e8 / k, 1e9 / k, itemsize=2)
+        block = UnitCosts(1e-3 / k + comm + work.seconds(topo), 2e-3 / k + comm, comm, comm,
+                          1e9 / k, 1e8 / k, 1e8 / k, attention_forward_s=2e-4 / k,
+                          attention_bytes=2e7 / k, expert_elements=5e7 / k,
+                          expert_state_bytes=5e8 / k, expert_forward_bytes=(1e6, 1e7, 1e7),
+                          expert_backward_bytes=(1e6, 2e7, 1e7), expert_forward_work=work,
+                          expert_backward_work=work,
+                          expert_forward_s=work.seconds(topo))
+        pre = UnitCosts(3e-3 / k, 6e-3 / k, 0, 0, 2e8 / k, 1e7 / k, 2e7 / k)
+        return LayerCosts(pre, block, pre, 16, 0, 0, 1e7, 1e7 / k, 2, "adam")
+
+    solver = LayerSolver.__new__(LayerSolver)
+    solver.mesh = autopar.Mesh.virtual("h100-dgx", nodes=4, gpus_per_node=8)
+    solver.costs = lambda tp, b, sp, cp=1: costs(1, 0.0) if tp == 1 else costs(tp, 5e-5)
+    checked = 0
+    for rc in ("none", "selective", "full"):
+        for schedule, v in (("1f1b", 1), ("interleaved-1f1b", 2)):
+            for ep in (1, 4):
+                setup = Setup(8, 2, 2, 1, 16, schedule, v, rc, 1, False, grad_sync="gathered",
+                              ep=ep)
+                price = min(price_setup(costs(2, 5e-5), dataclasses.replace(setup, even_split=e),
+                                        topo, 80e9).step_time_s for e in (False, True))
+                assert solver.bound(setup, 80e9).step_time_s <= price, setup.describe()
+                checked += 1
+    assert checked == 12
