@@ -303,9 +303,13 @@ def test_pipeline_settings_without_a_pipeline_are_refused_not_dropped():
     the whole batch at once under a schedule that was never applied."""
     model, inputs = build("gpt", batch=8)
     mesh = autopar.Mesh.virtual("cpu-gloo", gpus_per_node=2)
-    for field, value in (("schedule", "1f1b"), ("microbatch_size", 2), ("virtual_stages", 2)):
+    for field, value in (("schedule", "1f1b"), ("virtual_stages", 2)):
         with pytest.raises(autopar.PlanError, match=f"{field}=.*describes a pipeline.*pp > 1"):
             autopar.plan(model, mesh, inputs, config=autopar.Config(**{field: value}))
+    # microbatches of 2 of the 8 samples: no setup without a pipeline has them (it runs the
+    # whole batch), so the search plans a pipeline that holds them
+    plan = autopar.plan(model, mesh, inputs, config=autopar.Config(microbatch_size=2))
+    assert plan.degrees["pp"] > 1 and plan.techniques["microbatch_size"] == 2
     # the same settings with a pipeline hold in the plan
     plan = autopar.plan(model, mesh, inputs, config=autopar.Config(pp=2, schedule="1f1b", microbatch_size=2))
     assert (plan.pipeline.schedule, plan.pipeline.microbatches) == ("1f1b", 4)
