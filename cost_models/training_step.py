@@ -85,10 +85,23 @@ class UnitCosts:
     # takes their inputs, not their output)
     expert_forward_s: float = 0.0
     expert_forward_comm_s: float = 0.0
+    # bytes per parameter element as ZeRO gathers them, on average over the unit (under bf16
+    # autocast a weight read only through a cast to bf16 is gathered in bf16, the others in
+    # their own dtype: ``autopar.capture.remat.gather_dtype``); None: the parameters' own
+    gather_itemsize: float | None = None
+    # of ``activation_bytes``, the parameters' copies the forward saves (autocast's bf16 casts
+    # of the weights; ``autopar.capture.remat.regathered_nodes``), which a plan without a
+    # pipeline does not save per microbatch under ZeRO (:func:`_regathered_saved`)
+    regathered_bytes: float = 0.0
 
     def peak(self, policy: str) -> float:
         """The recomputed values' bytes under ``policy`` (0 for ``"none"``)."""
         return dict(self.recompute_peak_bytes).get(policy, 0.0)
+
+    def gathered_bytes(self, elements: float, param_itemsize: int) -> float:
+        """Bytes ZeRO gathers for ``elements`` of this unit's parameters."""
+        width = param_itemsize if self.gather_itemsize is None else self.gather_itemsize
+        return elements * width
 
 
 @dataclass(frozen=True)
@@ -296,11 +309,12 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
     # the pipeline axis is outermost (stride dp * cp * tp): sends cross nodes on a cluster
     send = axis_collective_time("send_recv", lc.boundary_bytes, p, setup.dp * setup.cp * setup.tp,
                                 topology) if p > 1 else 0.0
-    fw, bw, act, state, elems, xstate, xelems = _stage_sums(lc, setup, counts, send)
+    sums = _stage_sums(lc, setup, counts, send)
+    fw, bw, elems, xelems = sums.fw, sums.bw, sums.elems, sums.xelems
     if setup.grad_sync == "microbatch" and p > 1 and setup.dp > 1:
-        fw, bw = _sync_per_microbatch(lc, setup, elems, fw, bw, topology)
+        fw, bw = _sync_per_microbatch(lc, setup, sums, topology)
     if setup.grad_sync == "regathered" and p > 1 and setup.dp > 1:  # ZeRO-3's gathers
-        fw, bw = _gather_per_microbatch(lc, setup, elems, fw, bw, topology)
+        fw, bw = _gather_per_microbatch(setup, sums, topology)
     rank = lambda xs: [sum(xs[j] for j in range(r, stages, p)) for r in range(p)]  # noqa: E731
     busy = [f + b for f, b in zip(rank(fw), rank(bw))]
     # [MEG] Eq. 1 generalised to unequal stages: m rounds of the busiest rank, plus the fill
@@ -308,13 +322,14 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
     chunk = max(f + b for f, b in zip(fw, bw))
     pipe = m * max(busy) + (p - 1) * chunk
     experts = _expert_setup(setup)  # (the experts' state: sharded over the dp / ep ranks)
-    stage_memory, memory = _memory(lc, setup, counts, act, state, elems, xstate, xelems)
+    stage_memory, memory = _memory(lc, setup, counts, sums)
     comm = m * max(rank(_comm_per_stage(lc, counts, setup.recompute)))
     held = max(range(p), key=lambda r: rank(elems)[r])
-    x = rank(xelems)[held]
-    dp_s, tied_s, opt_s = _step_end(lc, setup, rank(elems)[held] - x, topology)
+    x, xg = rank(xelems)[held], rank(sums.xgathered)[held]
+    dp_s, tied_s, opt_s = _step_end(lc, setup, rank(elems)[held] - x,
+                                    rank(sums.gathered)[held] - xg, topology)
     if x:  # the experts' gradients, over the ranks holding the same experts
-        dp_x, _, opt_x = _step_end(lc, experts, x, topology, outer=setup.ep, tied=False)
+        dp_x, _, opt_x = _step_end(lc, experts, x, xg, topology, outer=setup.ep, tied=False)
         dp_s, opt_s = dp_s + dp_x, opt_s + opt_x
     if setup.grad_sync == "microbatch" and p > 1:
         dp_s = 0.0  # reduced inside every microbatch's backward (in fw, bw above)
@@ -326,20 +341,43 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
                     tuple(stage_memory), tuple(fw))
 
 
-def _stage_sums(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], send: float
-                ) -> tuple[list[float], ...]:
-    """Per stage (``counts`` blocks each; ``pre`` on the first, ``post`` on the last, the
-    boundary's ``send`` on both sides of each cut): forward and backward seconds, saved bytes
-    per microbatch, training-state bytes and parameter elements, and of those the experts'."""
+@dataclass(frozen=True)
+class _StageSums:
+    """Per stage: forward and backward seconds, saved bytes per microbatch, training-state
+    bytes, parameter elements and the bytes ZeRO gathers of them, and of those the experts'."""
+
+    fw: list[float]
+    bw: list[float]
+    act: list[float]
+    state: list[float]
+    elems: list[float]
+    gathered: list[float]
+    xstate: list[float]
+    xelems: list[float]
+    xgathered: list[float]
+
+
+def _stage_sums(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], send: float) -> _StageSums:
+    """The sums of each stage (``counts`` blocks each; ``pre`` on the first, ``post`` on the
+    last, the boundary's ``send`` on both sides of each cut)."""
     bf, bb, bact = _block_parts(lc, setup.recompute)
     pf, pb, pact = _pre_parts(lc, setup.recompute)
     stages = len(counts)
     fw, bw, act, state, elems, xstate, xelems = [], [], [], [], [], [], []
+    gathered, xgathered = [], []
+    units = (lc.block, lc.pre, lc.post)
     for j, n in enumerate(counts):
         first, last = j == 0, j == stages - 1
+        times = (n, first, last)
+        gathered.append(sum(k * u.gathered_bytes(u.param_elements, lc.param_itemsize)
+                            for k, u in zip(times, units))
+                        - (first and last) * lc.tied_elements * lc.param_itemsize)
+        xgathered.append(sum(k * u.gathered_bytes(u.expert_elements, lc.param_itemsize)
+                             for k, u in zip(times, units)))
         fw.append(n * bf + first * pf + last * lc.post.forward_s + (not last) * send)
         bw.append(n * bb + first * pb + last * lc.post.backward_s + (not first) * send)
-        act.append(n * bact + first * pact + last * lc.post.activation_bytes)
+        act.append(n * bact + first * pact + last * lc.post.activation_bytes
+                   - _regathered_saved(lc, setup, n, first, last))
         shared = first and last  # pre and post on one stage hold the tied weight once
         state.append(n * lc.block.state_bytes + first * lc.pre.state_bytes
                      + last * lc.post.state_bytes - shared * lc.tied_state_bytes)
@@ -349,11 +387,27 @@ def _stage_sums(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], send: flo
                       + last * lc.post.expert_state_bytes)
         xelems.append(n * lc.block.expert_elements + first * lc.pre.expert_elements
                       + last * lc.post.expert_elements)
-    return fw, bw, act, state, elems, xstate, xelems
+    return _StageSums(fw, bw, act, state, elems, gathered, xstate, xelems, xgathered)
 
 
-def _memory(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], act: list[float],
-            state: list[float], elems: list[float], xstate: list[float], xelems: list[float]
+def _regathered_saved(lc: LayerCosts, setup: Setup, blocks: int, first: bool, last: bool
+                      ) -> float:
+    """Saved bytes of the parameters' copies (autocast's casts) that a plan without a pipeline
+    does not keep under ZeRO, of ``blocks`` blocks (and ``pre`` when ``first``, ``post`` when
+    ``last``): ZeRO-3 makes them again for the backward; ZeRO-1 and 2 cast the shard and
+    gather the cast, held once as the gathered copy (:func:`_state_memory`). A pipeline stage's
+    program casts the gathered parameters again for each microbatch and saves those copies.
+    None are kept by full recomputation's blocks anyway; the leading blocks' are counted as
+    kept, erring high."""
+    if not setup.zero or setup.shard == 1 or setup.pp > 1:
+        return 0.0
+    full = setup.recompute == "full"
+    return ((not full) * blocks * lc.block.regathered_bytes
+            + (first and not (full and lc.lead_blocks)) * lc.pre.regathered_bytes
+            + last * lc.post.regathered_bytes)
+
+
+def _memory(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], s: _StageSums
             ) -> tuple[list[float], list[float]]:
     """Bytes per stage and per pipeline rank (the sum of its ``v`` stages): training state
     (the experts' sharded over the ranks holding the same experts), the step's buffers
@@ -365,9 +419,10 @@ def _memory(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], act: list[flo
     if lc.lead_blocks:  # (the first stage's leading blocks recompute too)
         peak[0] = max(peak[0], lc.pre.peak(setup.recompute))
     experts = _expert_setup(setup)
-    stage_memory = [_state_memory(lc, setup, state[j] - xstate[j], elems[j] - xelems[j])
-                    + _state_memory(lc, experts, xstate[j], xelems[j])
-                    + _step_buffers(lc, setup, j, act[j], flight[j], elems[j], xelems[j])
+    stage_memory = [_state_memory(lc, setup, s.state[j] - s.xstate[j],
+                                  s.gathered[j] - s.xgathered[j])
+                    + _state_memory(lc, experts, s.xstate[j], s.xgathered[j])
+                    + _step_buffers(lc, setup, j, s.act[j], flight[j], s.elems[j], s.xelems[j])
                     + peak[j] for j in range(stages)]
     if setup.zero == 3 and setup.dp > 1 and p == 1:  # the gathered layers, one unreduced grad
         stage_memory = [m + _regathered_bytes(lc) for m in stage_memory]
@@ -377,7 +432,7 @@ def _memory(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], act: list[flo
     if setup.zero == 3 and setup.dp > 1 and p > 1:
         # the computing stage's gathered parameters and the flat buffer they came from (one
         # stage of a rank computes at a time; the others hold no gathered copy)
-        memory = [mem + 2 * max(elems[j] for j in range(r, stages, p)) * lc.param_itemsize
+        memory = [mem + 2 * max(s.gathered[j] for j in range(r, stages, p))
                   for r, mem in enumerate(memory)]
     return stage_memory, memory
 
@@ -407,8 +462,8 @@ def _step_buffers(lc: LayerCosts, setup: Setup, j: int, act: float, flight: int,
     return saved + sink + receive
 
 
-def _sync_per_microbatch(lc: LayerCosts, setup: Setup, elems: list[float], fw: list[float],
-                         bw: list[float], topology: Topology) -> tuple[list[float], list[float]]:
+def _sync_per_microbatch(lc: LayerCosts, setup: Setup, s: _StageSums, topology: Topology
+                         ) -> tuple[list[float], list[float]]:
     """Stage times when every microbatch reduces the stage's gradients over dp in its backward
     (all-reduce; ZeRO-1: reduce-scatter, with the parameters all-gathered in every forward), as
     the runtime runs them (:mod:`autopar.passes.overlap`, priced per operator by
@@ -418,10 +473,10 @@ def _sync_per_microbatch(lc: LayerCosts, setup: Setup, elems: list[float], fw: l
     parallelism's collectives, needed at once, queue behind them on the rank's one
     communication channel (tp > 1), when they add to the backward too."""
     out_f, out_b = [], []
-    for f, b, n in zip(fw, bw, elems):
-        nbytes = n * lc.param_itemsize
+    for f, b, n, g in zip(s.fw, s.bw, s.elems, s.gathered):
+        nbytes = n * lc.param_itemsize  # (the gradients, in the parameters' dtype)
         if setup.zero:
-            gather = axis_collective_time("all_gather", nbytes, setup.dp, setup.cp * setup.tp, topology)
+            gather = axis_collective_time("all_gather", g, setup.dp, setup.cp * setup.tp, topology)
             reduce = axis_collective_time("reduce_scatter", nbytes, setup.dp, setup.cp * setup.tp, topology)
         else:
             gather = 0.0
@@ -431,15 +486,14 @@ def _sync_per_microbatch(lc: LayerCosts, setup: Setup, elems: list[float], fw: l
     return out_f, out_b
 
 
-def _gather_per_microbatch(lc: LayerCosts, setup: Setup, elements: list[float],
-                           fw: list[float], bw: list[float], topology: Topology
+def _gather_per_microbatch(setup: Setup, s: _StageSums, topology: Topology
                            ) -> tuple[list[float], list[float]]:
     """Stage times when a ZeRO-3 pipeline stage gathers its parameters for every microbatch's
     forward and again for its backward (``runtime.pipeline``: one flat all-gather over the
     shard group each, waited for at once)."""
     out_f, out_b = [], []
-    for f, b, n in zip(fw, bw, elements):
-        gather = axis_collective_time("all_gather", n * lc.param_itemsize, setup.shard,
+    for f, b, g in zip(s.fw, s.bw, s.gathered):
+        gather = axis_collective_time("all_gather", g, setup.shard,
                                       setup.cp * setup.tp, topology)
         out_f.append(f + gather)
         out_b.append(b + gather)
@@ -454,12 +508,13 @@ def _expert_setup(setup: Setup) -> Setup:
     return dataclasses.replace(setup, dp=setup.dp // setup.ep, ep=1, dp_shard=0)
 
 
-def _step_end(lc: LayerCosts, setup: Setup, elements: float, topology: Topology,
-              outer: int = 1, tied: bool = True) -> tuple[float, float, float]:
+def _step_end(lc: LayerCosts, setup: Setup, elements: float, gathered: float,
+              topology: Topology, outer: int = 1, tied: bool = True
+              ) -> tuple[float, float, float]:
     """Seconds of what follows the pipeline once per step: the data-parallel gradient reduction,
     the tied weight's gradient sum (``tied``) and the optimizer, for the rank holding
-    ``elements``; ``outer``: the dp ranks lie that many times further apart (the experts'
-    replicas, across the ep groups)."""
+    ``elements`` (``gathered`` bytes of them as ZeRO gathers them); ``outer``: the dp ranks lie
+    that many times further apart (the experts' replicas, across the ep groups)."""
     grad_bytes = elements * lc.param_itemsize
     stride = setup.cp * setup.tp * outer  # of the dp axis
     # one gradient reduction per step over dp (stride tp); ZeRO-1 does it as reduce-scatter plus
@@ -471,7 +526,7 @@ def _step_end(lc: LayerCosts, setup: Setup, elements: float, topology: Topology,
         gathers = 0 if setup.grad_sync == "regathered" else 2 if setup.zero == 3 else 1
         g = setup.shard
         dp_s = (axis_collective_time("reduce_scatter", grad_bytes, g, stride, topology)
-                + gathers * axis_collective_time("all_gather", grad_bytes, g, stride, topology))
+                + gathers * axis_collective_time("all_gather", gathered, g, stride, topology))
         if g < setup.dp:
             dp_s += axis_collective_time("all_reduce", grad_bytes / g, setup.dp // g,
                                          g * stride, topology)
@@ -509,9 +564,10 @@ def _comm_per_stage(lc: LayerCosts, counts: tuple[int, ...], recompute: str) -> 
     return out
 
 
-def _state_memory(lc: LayerCosts, setup: Setup, state: float, elements: float) -> float:
+def _state_memory(lc: LayerCosts, setup: Setup, state: float, gathered: float) -> float:
     """Bytes of training state a rank keeps for a stage holding ``state`` bytes of parameters,
-    gradients and optimizer states (``elements`` parameter elements) without ZeRO.
+    gradients and optimizer states without ZeRO (``gathered``: the bytes of its parameters as
+    ZeRO gathers them).
 
     ZeRO-1 as Megatron-LM's distributed optimizer runs it (``grad_sync="step"``): the optimizer
     part over dp, 6 + 12/d of 18 bytes in mixed precision ([ZERO] sec. 5.1). As autopar's
@@ -524,7 +580,7 @@ def _state_memory(lc: LayerCosts, setup: Setup, state: float, elements: float) -
     if setup.zero == 3:  # everything sharded; the gathered layers: _regathered_bytes
         return state / setup.shard
     if setup.grad_sync in ("gathered", "microbatch"):
-        return state / setup.shard + elements * lc.param_itemsize
+        return state / setup.shard + gathered
     if lc.param_itemsize >= 4:
         total, opt = (16, 8) if lc.optimizer == "adam" else (8, 0)
     else:
@@ -538,8 +594,10 @@ def _regathered_bytes(lc: LayerCosts) -> float:
     one gathered ahead), the flat buffer a unit's copies are made from (``passes.
     gather_buckets``) and the unreduced gradient of one, at the largest unit's size
     ([ZERO] sec. 5.3; Zhao et al., "PyTorch FSDP", VLDB 2023, sec. 3.3 and 4.1)."""
-    largest = max(lc.pre.param_elements, lc.block.param_elements, lc.post.param_elements)
-    return (REGATHERED_LAYERS + 2) * largest * lc.param_itemsize
+    units = (lc.pre, lc.block, lc.post)
+    largest = max(units, key=lambda u: u.param_elements)
+    return ((REGATHERED_LAYERS + 1) * largest.gathered_bytes(largest.param_elements, lc.param_itemsize)
+            + largest.param_elements * lc.param_itemsize)
 
 
 def model_flops_megatron(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:

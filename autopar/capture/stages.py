@@ -96,11 +96,21 @@ def microbatch_inputs(example_inputs: Any, microbatches: int) -> tuple[list[Any]
     return chunks, spec
 
 
-def capture_with_forward(model: nn.Module, example_inputs: Any) -> tuple[TracedGraph, ForwardGraph]:
+def capture_with_forward(model: nn.Module, example_inputs: Any,
+                         mixed_precision: str | None = None) -> tuple[TracedGraph, ForwardGraph]:
     """The joint graph (:func:`autopar.capture.capture`) and the forward graph with its layer
-    units, from one export of the model."""
-    traced, ep = capture_with_export(model, example_inputs)
-    return traced, export_forward(model, example_inputs, ep)
+    units, from one export of the model. Under bf16 autocast (``mixed_precision="bf16"``) the
+    joint graph is traced from the forward graph, exported in the model's dtype, as one
+    pipeline stage (:func:`capture_stages`), so that its nodes keep their module paths (a
+    whole-model capture exports the autocast region as one higher-order op, whose body loses
+    them); the casts are autocast's either way."""
+    if mixed_precision != "bf16":
+        traced, ep = capture_with_export(model, example_inputs, mixed_precision)
+        return traced, export_forward(model, example_inputs, ep)
+    fwd = export_forward(model, example_inputs)
+    chunks, _ = microbatch_inputs(example_inputs, 1)
+    [(_, traced)] = capture_stages(fwd, (0,) * len(fwd.units), chunks[0], torch.bfloat16)
+    return traced, fwd
 
 
 def export_forward(model: nn.Module, example_inputs: Any, ep: Any = None) -> ForwardGraph:

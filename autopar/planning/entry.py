@@ -14,7 +14,7 @@ of two or more blocks of one structure) it
    solve does not fit the device memory (the per-operator memory model is finer than the
    search's) gives way to the next-ranked one, with a warning.
 
-Other models, a single device, bf16 autocast and the GPipe and zero-bubble schedules take the
+Other models, a single device and the GPipe and zero-bubble schedules take the
 per-unit path (:func:`~autopar.planning.per_unit.make_plan`): the whole model's intra-operator ILP
 for every (dp, tp) mesh and, where pipelines are searched, one whole-model ILP per (pp, stage
 mesh, microbatch count). Its cost grows with the model: seconds for the test models, minutes for
@@ -284,7 +284,8 @@ def _realize(cost: StepCost, model: nn.Module, mesh: Mesh, example_inputs: Any, 
                    if isinstance(x, torch.Tensor))
     lc = layers.costs(st.tp, st.microbatch_size, st.sequence_parallel, st.cp)
     facts = ModelFacts("", shapes, model_flops(layers, st.microbatch_size) * st.microbatches * st.dp,
-                       "fp32" if lc.param_itemsize >= 4 else "bf16", layers.trace_s)
+                       "fp32" if lc.param_itemsize >= 4 and config.mixed_precision != "bf16"
+                       else "bf16", layers.trace_s)
     return build_pipeline_plan(model, example_inputs, facts, mesh, concrete, setup, cost_passes,
                                budget)
 

@@ -55,8 +55,8 @@ __all__ = ["CP_MAX", "CP_MIN_SEQUENCE", "LayerSolver", "SearchResult", "candidat
 _MAX_MICROBATCH = 8
 # Two-block traces of the last models searched in this process, by model fingerprint (structure,
 # shapes and dtypes: a trace is priced, never run, so another instance of the same model reuses
-# it, as a job planning several configurations of one model does)
-_TRACES: dict[str, tuple[Any, Any]] = {}
+# it, as a job planning several configurations of one model does) and whether under autocast
+_TRACES: dict[tuple[str, bool], tuple[Any, Any]] = {}
 _TRACE_CACHE_SIZE = 8
 _MAX_VIRTUAL = 8
 
@@ -89,10 +89,6 @@ class LayerSolver:
 
     def __init__(self, model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config,
                  cost_passes: Sequence[Callable[..., Any]]) -> None:
-        if config.mixed_precision == "bf16":
-            raise PlanError("autopar.search prices the model in its own dtype and does not trace "
-                            "under autocast: build the model in bf16 (the presets are) and leave "
-                            "Config.mixed_precision None.")
         # the layer ILP prices one microbatch's block as it runs; recomputation and ZeRO are
         # priced in closed form on top of it (cost_models/training_step.py), not twice
         self.config = dataclasses.replace(config, recompute="none", zero=0, dp_shard=None)
@@ -182,6 +178,7 @@ class LayerSolver:
                 # forward_s for them is taken out again there)
                 expert_forward_s=flops_only(u.expert_forward_work),
                 forward_comm_s=0.0, backward_comm_s=0.0, activation_bytes=u.activation_bytes / k,
+                regathered_bytes=u.regathered_bytes / k,
                 attention_forward_s=u.attention_forward_s / k,
                 attention_bytes=u.attention_bytes / k, random_bytes=u.random_bytes / k,
                 recompute_peak_bytes=tuple((p, v / k) for p, v in u.recompute_peak_bytes),
@@ -215,11 +212,11 @@ class LayerSolver:
             t0 = time.perf_counter()
             chunks, _ = microbatch_inputs(self.example_inputs, self.batch // b)
             inputs = unflatten_inputs(self.example_inputs, chunks[0])
-            key = model_fingerprint(self.model, inputs)
+            key = (model_fingerprint(self.model, inputs), self.config.mixed_precision == "bf16")
             if key not in _TRACES:
                 while len(_TRACES) >= _TRACE_CACHE_SIZE:
                     _TRACES.pop(next(iter(_TRACES)))
-                _TRACES[key] = capture_with_forward(self.model, inputs)
+                _TRACES[key] = capture_with_forward(self.model, inputs, self.config.mixed_precision)
             self.traces[b] = _TRACES[key]
             self.trace_s += time.perf_counter() - t0
         return self.traces[b]
@@ -442,11 +439,9 @@ def search_unsupported(model: nn.Module, example_inputs: Any, mesh: Mesh,
                        config: Config) -> str | None:
     """Why the setup search cannot price ``model`` on ``mesh`` under ``config`` (``None``: it
     can): it needs two or more identical blocks in an ``nn.ModuleList``, inputs of one batch
-    size, the model's own precision, and a schedule it prices (1F1B, interleaved 1F1B)."""
+    size, and a schedule it prices (1F1B, interleaved 1F1B)."""
     if mesh.size == 1:
         return "one device: there is no setup to search"
-    if config.mixed_precision == "bf16":
-        return "bf16 autocast (the search prices the model in its own dtype)"
     if config.schedule not in (None, "1f1b", "interleaved-1f1b"):
         return f"schedule {config.schedule!r} (the search prices 1f1b and interleaved-1f1b)"
     node = mesh.topology.gpus_per_node

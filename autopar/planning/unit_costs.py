@@ -13,7 +13,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 from autopar.capture.layers import is_backward, layer_units
-from autopar.capture.remat import is_random, recompute_nodes
+from autopar.capture.remat import gather_dtype, is_random, recompute_nodes, regathered_nodes
 from autopar.cost_models.experts import (
     ExpertsWork, expert_weight_params, experts_exchanges, experts_node_work,
 )
@@ -39,23 +39,28 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
     nodes = list(traced.gm.graph.nodes)
     units, unit_of = layer_units(nodes, fwd.units[1].rsplit(".", 1)[0], lead + 2)
     backward = {n.name for n in nodes if is_backward(n)}
-    acc = [dict(f=0.0, b=0.0, fc=0.0, bc=0.0, state=0.0, act=0.0, elems=0.0, attn_f=0.0,
+    acc = [dict(f=0.0, b=0.0, fc=0.0, bc=0.0, state=0.0, act=0.0, elems=0.0, gbytes=0.0, chain=0.0, attn_f=0.0,
                 attn_b=0.0, rand=0.0, xelems=0.0, xstate=0.0, xf=(), xb=(),
                 xwf=ExpertsWork(0.0, 0.0, 0.0), xwb=ExpertsWork(0.0, 0.0, 0.0), xfs=0.0)
            for _ in units]
     tied_state, tied_elems = _add_state(traced, costs, choice, unit_of, backward, optimizer, acc)
     params, seq = {p.node for p in traced.params}, _seq_len(traced)
+    chains = regathered_nodes(traced)
     for n in nodes:
         if n.name in choice and n.name not in params:
-            _add_op(n, choice[n.name], space, costs, n.name in backward, seq, expert_skew,
-                    acc[unit_of.get(n.name, len(units) - 1)])
+            a = acc[unit_of.get(n.name, len(units) - 1)]
+            _add_op(n, choice[n.name], space, costs, n.name in backward, seq, expert_skew, a)
+            if n.name in chains:  # (a parameter's copy: ZeRO-3 makes it again for the backward)
+                a["chain"] += costs.memory[n.name][choice[n.name]]
     for name, in_backward, t in chosen_comm(space, costs, choice, backward):
         acc[unit_of.get(name, len(units) - 1)]["bc" if in_backward else "fc"] += t
     peaks = _recompute_peaks(traced, space, choice, unit_of)
     unit = lambda a, u: UnitCosts(  # noqa: E731
         a["f"] + a["fc"], a["b"] + a["bc"], a["fc"], a["bc"], a["state"], a["act"], a["elems"],
         a["attn_f"], a["attn_b"], a["rand"], tuple((p, v.get(u, 0.0)) for p, v in peaks.items()),
-        a["xelems"], a["xstate"], a["xf"], a["xb"], a["xwf"], a["xwb"], a["xfs"])
+        a["xelems"], a["xstate"], a["xf"], a["xb"], a["xwf"], a["xwb"], a["xfs"],
+        gather_itemsize=a["gbytes"] / a["elems"] if a["elems"] else None,
+        regathered_bytes=a["chain"])
     boundary = _boundary_bytes(fwd)
     itemsize = traced.params[0].dtype.itemsize if traced.params else 4
     leading = [{k: _times(v, c) for k, v in a.items()} for a, c in zip(acc[1:lead + 1], lead_runs)]
@@ -73,10 +78,12 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
 
 def _add_state(traced: Any, costs: Any, choice: dict[str, int], unit_of: dict[str, int],
                backward: set[str], optimizer: str, acc: list[dict]) -> tuple[float, float]:
-    """Add each parameter's training state and elements to the units whose forward reads it
-    (the experts' apart too); returns the state and elements held by two units (tied)."""
+    """Add each parameter's training state, elements and bytes as ZeRO gathers them to the
+    units whose forward reads it (the experts' apart too); returns the state and elements held
+    by two units (tied)."""
     experts = expert_weight_params(list(traced.gm.graph.nodes))
     by_name = {p.name: p for p in traced.params}
+    aliased = {p.tied_to for p in traced.params if p.tied_to is not None}
     tied_state = tied_elems = 0.0
     for p in traced.params:
         if p.node not in choice:
@@ -88,9 +95,13 @@ def _add_state(traced: Any, costs: Any, choice: dict[str, int], unit_of: dict[st
         state = costs.memory[src.node][choice[src.node]]
         elems = state / state_bytes_per_element(optimizer, p.dtype.itemsize)
         users = {unit_of[u.name] for u in n.users if u.name in unit_of and u.name not in backward}
+        if not users and p.name in aliased:  # (read only through its alias, which counts it)
+            continue
+        width = gather_dtype(n).itemsize
         for u in users or {0}:
             acc[u]["state"] += state
             acc[u]["elems"] += elems
+            acc[u]["gbytes"] += elems * width
             if n.name in experts:  # (split over ep in closed form: training_step)
                 acc[u]["xstate"] += state
                 acc[u]["xelems"] += elems
