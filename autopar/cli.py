@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the mean (default 1.0, uniform)")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default=None)
     p.add_argument("--zero", type=int, choices=ZERO_STAGES, default=None)
+    p.add_argument("--mixed-precision", choices=("fp32", "bf16"), default=None,
+                   help="bf16: run the model under torch.autocast (bf16 matmuls, fp32 master "
+                        "weights and gradient reductions); default: the model's own dtype")
     p.add_argument("--memory-gib", type=float, default=None, help="per-device budget (default: the hardware's)")
     p.add_argument("--per-operator", action="store_true",
                    help="accepted for older scripts: every plan has per-operator placements now")
@@ -122,6 +125,7 @@ def _plan(args: argparse.Namespace) -> Any:
                             expert_load_skew=args.expert_load_skew,
                             microbatch_size=args.microbatch_size,
                             recompute=args.recompute, zero=args.zero, dp_shard=args.dp_shard,
+                            mixed_precision=args.mixed_precision,
                             memory_bytes=args.memory_gib * 2**30 if args.memory_gib else None)
     t0 = time.perf_counter()
     plan = autopar.plan(model, mesh, inputs, config=config, progress=say)

@@ -55,6 +55,10 @@ def test_plan_a_module_function_per_operator(tmp_path, capsys, monkeypatch):
     assert main(["plan", "mymodel:make", "--mesh", "1x2", "--hardware", "cpu-gloo", "--batch", "8",
                  "--seq", "16", "--cp", "2", "--json", str(saved)]) == 0
     assert autopar.Plan.load(saved).degrees["cp"] == 2
+    # and bf16 autocast
+    assert main(["plan", "mymodel:make", "--mesh", "1x2", "--hardware", "cpu-gloo", "--batch", "8",
+                 "--seq", "16", "--mixed-precision", "bf16", "--json", str(saved)]) == 0
+    assert autopar.Plan.load(saved).techniques["mixed_precision"] == "bf16-autocast"
     with pytest.raises(SystemExit, match="cannot load"):
         main(["plan", "mymodel:nope", "--batch", "8"])
     with pytest.raises(SystemExit, match="unknown model preset"):
