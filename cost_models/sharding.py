@@ -34,7 +34,8 @@ from autopar.strategies.space import (
     Placements, Strategy, StrategySpace, tensor_inputs, boundary_placements,
 )
 
-__all__ = ["REGATHERED_LAYERS", "SpaceCosts", "StepEndBucket", "deferred_gradient_matrix", "deferred_placement", "price_space",
+__all__ = ["REGATHERED_LAYERS", "SpaceCosts", "StepEndBucket", "alias_root", "deferred_gradient_matrix",
+           "deferred_placement", "price_space",
            "recomputed_bytes", "reshard_time", "state_bytes_per_element", "step_end_buckets",
            "stored_dim", "stored_placement", "zero_placement"]
 
@@ -272,7 +273,7 @@ def _fused_edges(traced: TracedGraph) -> dict[str, frozenset]:
         if not _fusible(n):
             continue
         for a in tensor_inputs(n):
-            src, _ = _alias_root(a)
+            src, _ = alias_root(a)
             if _fusible(src) and len(_leaf_readers(src)) == 1:
                 out.setdefault(n.name, set()).add(a.name)
                 out.setdefault(src.name, set()).add("")
@@ -503,7 +504,7 @@ def _saved_for_backward(traced: TracedGraph, recompute: frozenset[str] = frozens
     seen: set[str] = set()
 
     def read(a: fx.Node) -> None:
-        src, idx = _alias_root(a)
+        src, idx = alias_root(a)
         if src.op != "call_function" or src.meta.get("partitioner_tag") == "is_backward":
             return
         if src.name not in recompute:
@@ -525,11 +526,11 @@ def recomputed_bytes(n: fx.Node, strategies: Sequence[Strategy],
     """Per strategy, the bytes a recomputed node's outputs occupy on one rank while its block's
     backward runs (nothing for a view or ``getitem``: its base holds the memory)."""
     outs = tuple(i for i, v in enumerate(_val_list(n.meta.get("val")))
-                 if isinstance(v, torch.Tensor)) if _alias_root(n)[0] is n else ()
+                 if isinstance(v, torch.Tensor)) if alias_root(n)[0] is n else ()
     return _memory(n, strategies, mesh_shape, False, False, outs, "sgd")
 
 
-def _alias_root(a: fx.Node) -> tuple[fx.Node, int]:
+def alias_root(a: fx.Node) -> tuple[fx.Node, int]:
     """The node (and output index) that owns the memory ``a`` reads: ``a`` itself, or the base
     of the views, detaches and getitems that lead to it."""
     idx = 0

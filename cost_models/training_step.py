@@ -93,6 +93,10 @@ class UnitCosts:
     # of the weights; ``autopar.capture.remat.regathered_nodes``), which a plan without a
     # pipeline does not save per microbatch under ZeRO (:func:`_regathered_saved`)
     regathered_bytes: float = 0.0
+    # the most a backward op of the unit holds at once beyond the saved values (its outputs
+    # and the gradients it reads: the loss's, the logits' gradient), a transient the
+    # per-operator liveness counts (:func:`_step_buffers`)
+    backward_transient_bytes: float = 0.0
 
     def peak(self, policy: str) -> float:
         """The recomputed values' bytes under ``policy`` (0 for ``"none"``)."""
@@ -412,23 +416,25 @@ def _memory(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], s: _StageSums
     """Bytes per stage and per pipeline rank (the sum of its ``v`` stages): training state
     (the experts' sharded over the ranks holding the same experts), the step's buffers
     (:func:`_step_buffers`), one block's recomputed values while its backward runs (a stage
-    holding blocks), and ZeRO-3's gathered parameters."""
+    holding blocks), and ZeRO-3's gathered parameters; a backward transient (``_transient``)
+    once per rank, of the stage where it is largest (one stage of a rank computes at a time)."""
     p, stages = setup.pp, len(counts)
+    bact = _block_parts(lc, setup.recompute)[2]
     flight = _flight(setup.schedule, p, setup.virtual_stages, setup.microbatches)
     peak = [lc.block.peak(setup.recompute) * (counts[j] > 0) for j in range(stages)]
     if lc.lead_blocks:  # (the first stage's leading blocks recompute too)
         peak[0] = max(peak[0], lc.pre.peak(setup.recompute))
     experts = _expert_setup(setup)
-    stage_memory = [_state_memory(lc, setup, s.state[j] - s.xstate[j],
-                                  s.gathered[j] - s.xgathered[j])
-                    + _state_memory(lc, experts, s.xstate[j], s.xgathered[j])
-                    + _step_buffers(lc, setup, j, s.act[j], flight[j], s.elems[j], s.xelems[j])
-                    + peak[j] for j in range(stages)]
+    buffers = [[_step_buffers(lc, setup, j, s.act[j], flight[j], s.elems[j], s.xelems[j], t)
+                for t in (0.0, _transient(lc, counts, j, bact))] for j in range(stages)]
+    base = [_state_memory(lc, setup, s.state[j] - s.xstate[j], s.gathered[j] - s.xgathered[j])
+            + _state_memory(lc, experts, s.xstate[j], s.xgathered[j])
+            + buffers[j][0] + peak[j] for j in range(stages)]
     if setup.zero == 3 and setup.dp > 1 and p == 1:  # the gathered layers, one unreduced grad
-        stage_memory = [m + _regathered_bytes(lc) for m in stage_memory]
-    memory = [0.0] * p
-    for j in range(stages):
-        memory[j % p] += stage_memory[j]
+        base = [m + _regathered_bytes(lc) for m in base]
+    extra = [with_t - without for without, with_t in buffers]
+    stage_memory = [b + e for b, e in zip(base, extra)]
+    memory = [sum(base[r::p]) + max(extra[r::p]) for r in range(p)]
     if setup.zero == 3 and setup.dp > 1 and p > 1:
         # the computing stage's gathered parameters and the flat buffer they came from (one
         # stage of a rank computes at a time; the others hold no gathered copy)
@@ -437,13 +443,26 @@ def _memory(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], s: _StageSums
     return stage_memory, memory
 
 
+def _transient(lc: LayerCosts, counts: tuple[int, ...], j: int, block_act: float) -> float:
+    """What stage ``j``'s backward holds at its highest beyond one microbatch's saved values
+    (``UnitCosts.backward_transient_bytes``): the backward runs ``post`` first, with every
+    value saved, then the blocks, with ``post``'s freed, then ``pre``, with the blocks'
+    freed too (``block_act``: one block's saved bytes)."""
+    last = j == len(counts) - 1
+    post = lc.post.activation_bytes if last else 0.0
+    return max(0.0, last * lc.post.backward_transient_bytes,
+               (counts[j] > 0) * lc.block.backward_transient_bytes - post,
+               (j == 0) * lc.pre.backward_transient_bytes - post - counts[j] * block_act)
+
+
 def _step_buffers(lc: LayerCosts, setup: Setup, j: int, act: float, flight: int,
-                  elements: float, expert_elements: float = 0.0) -> float:
+                  elements: float, expert_elements: float = 0.0, transient: float = 0.0) -> float:
     """The buffers stage ``j`` holds beside its training state, as the per-operator memory
     model counts them (``cost_models.liveness``): its saved values for ``flight`` microbatches
-    in flight, or, at the end of a microbatch's backward, those of the others and the
-    gradients the backward made (whichever is more: the backward frees one as it makes the
-    other); in a pipeline also the sum of the earlier microbatches' gradients
+    in flight with a ``transient`` of the backward (the loss's gradient, at the start of the
+    last stage's backward, when nothing saved is freed yet; elsewhere, erring high), or, at
+    the end of a microbatch's backward, those of the others and the gradients the backward
+    made (whichever is more: the backward frees one as it makes the other); in a pipeline also the sum of the earlier microbatches' gradients
     (``runtime.autograd.GradSink``) and the receive buffers torch's pipelining keeps per
     microbatch for the stage's incoming activation (all but the first stage) and incoming
     gradient (all but the last), one block input each. Without a pipeline a ZeRO step's
@@ -454,8 +473,8 @@ def _step_buffers(lc: LayerCosts, setup: Setup, j: int, act: float, flight: int,
         if setup.zero and setup.dp > 1:
             grads = ((elements - expert_elements) / setup.shard
                      + expert_elements / _expert_setup(setup).shard) * lc.param_itemsize
-        return max(act * flight, act * (flight - 1) + grads)
-    saved = max(act * flight, act * (flight - 1) + grads)
+        return max(act * flight + transient, act * (flight - 1) + grads)
+    saved = max(act * flight + transient, act * (flight - 1) + grads)
     stages = setup.pp * setup.virtual_stages
     sink = grads if setup.microbatches > 1 else 0.0
     receive = setup.microbatches * lc.input_bytes * ((j > 0) + (j < stages - 1))

@@ -179,6 +179,7 @@ class LayerSolver:
                 expert_forward_s=flops_only(u.expert_forward_work),
                 forward_comm_s=0.0, backward_comm_s=0.0, activation_bytes=u.activation_bytes / k,
                 regathered_bytes=u.regathered_bytes / k,
+                backward_transient_bytes=u.backward_transient_bytes / k,
                 attention_forward_s=u.attention_forward_s / k,
                 attention_bytes=u.attention_bytes / k, random_bytes=u.random_bytes / k,
                 recompute_peak_bytes=tuple((p, v / k) for p, v in u.recompute_peak_bytes),

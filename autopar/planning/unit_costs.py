@@ -7,6 +7,7 @@ bytes, their work), for the closed form to split them over ep."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Sequence
 
 import torch
@@ -17,10 +18,11 @@ from autopar.capture.remat import gather_dtype, is_random, recompute_nodes, rega
 from autopar.cost_models.experts import (
     ExpertsWork, expert_weight_params, experts_exchanges, experts_node_work,
 )
-from autopar.cost_models.sharding import recomputed_bytes, state_bytes_per_element
+from autopar.cost_models.sharding import alias_root, recomputed_bytes, state_bytes_per_element
 from autopar.cost_models.training_step import RECOMPUTE, LayerCosts, UnitCosts
 from autopar.planning.pipeline import chosen_comm
 from autopar.strategies.rules import EXPERT_OPS
+from autopar.strategies.reshard import local_shape
 from autopar.strategies.space import tensor_inputs
 
 __all__ = ["layer_costs"]
@@ -39,7 +41,7 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
     nodes = list(traced.gm.graph.nodes)
     units, unit_of = layer_units(nodes, fwd.units[1].rsplit(".", 1)[0], lead + 2)
     backward = {n.name for n in nodes if is_backward(n)}
-    acc = [dict(f=0.0, b=0.0, fc=0.0, bc=0.0, state=0.0, act=0.0, elems=0.0, gbytes=0.0, chain=0.0, attn_f=0.0,
+    acc = [dict(f=0.0, b=0.0, fc=0.0, bc=0.0, state=0.0, act=0.0, elems=0.0, gbytes=0.0, chain=0.0, trans=0.0, attn_f=0.0,
                 attn_b=0.0, rand=0.0, xelems=0.0, xstate=0.0, xf=(), xb=(),
                 xwf=ExpertsWork(0.0, 0.0, 0.0), xwb=ExpertsWork(0.0, 0.0, 0.0), xfs=0.0)
            for _ in units]
@@ -52,6 +54,9 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
             _add_op(n, choice[n.name], space, costs, n.name in backward, seq, expert_skew, a)
             if n.name in chains:  # (a parameter's copy: ZeRO-3 makes it again for the backward)
                 a["chain"] += costs.memory[n.name][choice[n.name]]
+            if n.name in backward:
+                strategy = space.nodes[n.name].strategies[choice[n.name]]
+                a["trans"] = max(a["trans"], _transient_bytes(n, strategy, space.mesh_shape, backward))
     for name, in_backward, t in chosen_comm(space, costs, choice, backward):
         acc[unit_of.get(name, len(units) - 1)]["bc" if in_backward else "fc"] += t
     peaks = _recompute_peaks(traced, space, choice, unit_of)
@@ -60,7 +65,7 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
         a["attn_f"], a["attn_b"], a["rand"], tuple((p, v.get(u, 0.0)) for p, v in peaks.items()),
         a["xelems"], a["xstate"], a["xf"], a["xb"], a["xwf"], a["xwb"], a["xfs"],
         gather_itemsize=a["gbytes"] / a["elems"] if a["elems"] else None,
-        regathered_bytes=a["chain"])
+        regathered_bytes=a["chain"], backward_transient_bytes=a["trans"])
     boundary = _boundary_bytes(fwd)
     itemsize = traced.params[0].dtype.itemsize if traced.params else 4
     leading = [{k: _times(v, c) for k, v in a.items()} for a, c in zip(acc[1:lead + 1], lead_runs)]
@@ -129,6 +134,30 @@ def _add_op(n: Any, i: int, space: Any, costs: Any, in_backward: bool, seq: int 
     if not in_backward and _is_attention_core(n, seq):
         a["attn_f"] += costs.compute[n.name][i]
         a["attn_b"] += costs.memory[n.name][i]
+
+
+def _transient_bytes(n: Any, strategy: Any, mesh_shape: Sequence[int], backward: set[str]
+                     ) -> float:
+    """Bytes a backward op ``n`` holds at once beyond the saved values: its outputs and the
+    tensors the backward made that it reads (the gradient flowing in), at their local sizes
+    under ``strategy`` (the loss's: the logits' gradient, read and written); an op that only
+    aliases (a view, a detach) holds nothing of its own, and reads of what the forward made
+    are saved values."""
+    def size(v: Any, p: Any) -> float:
+        if not isinstance(v, torch.Tensor) or p is None:
+            return 0.0
+        return math.prod(local_shape(tuple(v.shape), p, mesh_shape)) * v.element_size()
+
+    if alias_root(n)[0] is not n:
+        return 0.0
+    vals = n.meta.get("val")
+    vals = vals if isinstance(vals, (tuple, list)) else (vals,)
+    out = sum(size(v, p) for v, p in zip(vals, strategy.outputs))
+    reads = tensor_inputs(n)
+    if len(reads) == len(strategy.inputs):
+        out += sum(size(a.meta.get("val"), p) for a, p in zip(reads, strategy.inputs)
+                   if alias_root(a)[0].name in backward)
+    return out
 
 
 def _times(value: Any, count: int) -> Any:
