@@ -90,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", type=int, choices=ZERO_STAGES, default=None)
     p.add_argument("--mixed-precision", choices=("fp32", "bf16"), default=None,
                    help="bf16: run the model under torch.autocast (bf16 matmuls, fp32 master "
-                        "weights and gradient reductions); default: the model's own dtype")
+                        "weights and gradient reductions) for a model built in fp32 (a "
+                        "module:function; the presets are built in bf16, where it changes "
+                        "nothing); default and fp32: the model's own dtype")
     p.add_argument("--memory-gib", type=float, default=None, help="per-device budget (default: the hardware's)")
     p.add_argument("--per-operator", action="store_true",
                    help="accepted for older scripts: every plan has per-operator placements now")

@@ -85,10 +85,12 @@ class UnitCosts:
     # takes their inputs, not their output)
     expert_forward_s: float = 0.0
     expert_forward_comm_s: float = 0.0
-    # bytes per parameter element as ZeRO gathers them, on average over the unit (under bf16
-    # autocast a weight read only through a cast to bf16 is gathered in bf16, the others in
-    # their own dtype: ``autopar.capture.remat.gather_dtype``); None: the parameters' own
+    # bytes per parameter element as ZeRO gathers them, on average over the unit's parameters
+    # other than the experts' and over the experts' (under bf16 autocast a weight read only
+    # through a cast to bf16 is gathered in bf16, the others in their own dtype:
+    # ``autopar.capture.remat.gather_dtype``); None: the parameters' own
     gather_itemsize: float | None = None
+    expert_gather_itemsize: float | None = None
     # of ``activation_bytes``, the parameters' copies the forward saves (autocast's bf16 casts
     # of the weights; ``autopar.capture.remat.regathered_nodes``), which a plan without a
     # pipeline does not save per microbatch under ZeRO (:func:`_regathered_saved`)
@@ -102,10 +104,11 @@ class UnitCosts:
         """The recomputed values' bytes under ``policy`` (0 for ``"none"``)."""
         return dict(self.recompute_peak_bytes).get(policy, 0.0)
 
-    def gathered_bytes(self, elements: float, param_itemsize: int) -> float:
-        """Bytes ZeRO gathers for ``elements`` of this unit's parameters."""
-        width = param_itemsize if self.gather_itemsize is None else self.gather_itemsize
-        return elements * width
+    def gathered_bytes(self, param_itemsize: int) -> tuple[float, float]:
+        """Bytes ZeRO gathers of this unit's parameters: the others', the experts'."""
+        width = lambda w: param_itemsize if w is None else w  # noqa: E731
+        return ((self.param_elements - self.expert_elements) * width(self.gather_itemsize),
+                self.expert_elements * width(self.expert_gather_itemsize))
 
 
 @dataclass(frozen=True)
@@ -372,12 +375,11 @@ def _stage_sums(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], send: flo
     units = (lc.block, lc.pre, lc.post)
     for j, n in enumerate(counts):
         first, last = j == 0, j == stages - 1
-        times = (n, first, last)
-        gathered.append(sum(k * u.gathered_bytes(u.param_elements, lc.param_itemsize)
-                            for k, u in zip(times, units))
+        parts = [(k * g, k * x) for k, u in zip((n, first, last), units)
+                 for g, x in [u.gathered_bytes(lc.param_itemsize)]]
+        gathered.append(sum(g + x for g, x in parts)
                         - (first and last) * lc.tied_elements * lc.param_itemsize)
-        xgathered.append(sum(k * u.gathered_bytes(u.expert_elements, lc.param_itemsize)
-                             for k, u in zip(times, units)))
+        xgathered.append(sum(x for _, x in parts))
         fw.append(n * bf + first * pf + last * lc.post.forward_s + (not last) * send)
         bw.append(n * bb + first * pb + last * lc.post.backward_s + (not first) * send)
         act.append(n * bact + first * pact + last * lc.post.activation_bytes
@@ -426,7 +428,7 @@ def _memory(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], s: _StageSums
         peak[0] = max(peak[0], lc.pre.peak(setup.recompute))
     experts = _expert_setup(setup)
     buffers = [[_step_buffers(lc, setup, j, s.act[j], flight[j], s.elems[j], s.xelems[j], t)
-                for t in (0.0, _transient(lc, counts, j, bact))] for j in range(stages)]
+                for t in (0.0, _transient(lc, setup, counts, j, bact))] for j in range(stages)]
     base = [_state_memory(lc, setup, s.state[j] - s.xstate[j], s.gathered[j] - s.xgathered[j])
             + _state_memory(lc, experts, s.xstate[j], s.xgathered[j])
             + buffers[j][0] + peak[j] for j in range(stages)]
@@ -443,27 +445,28 @@ def _memory(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], s: _StageSums
     return stage_memory, memory
 
 
-def _transient(lc: LayerCosts, counts: tuple[int, ...], j: int, block_act: float) -> float:
+def _transient(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], j: int,
+               block_act: float) -> float:
     """What stage ``j``'s backward holds at its highest beyond one microbatch's saved values
     (``UnitCosts.backward_transient_bytes``): the backward runs ``post`` first, with every
     value saved, then the blocks, with ``post``'s freed, then ``pre``, with the blocks'
-    freed too (``block_act``: one block's saved bytes)."""
+    freed too (``block_act``: one block's saved bytes; both as the stage's sum counts them)."""
     last = j == len(counts) - 1
-    post = lc.post.activation_bytes if last else 0.0
+    post = last * lc.post.activation_bytes - _regathered_saved(lc, setup, 0, False, last)
+    blocks = counts[j] * block_act - _regathered_saved(lc, setup, counts[j], False, False)
     return max(0.0, last * lc.post.backward_transient_bytes,
                (counts[j] > 0) * lc.block.backward_transient_bytes - post,
-               (j == 0) * lc.pre.backward_transient_bytes - post - counts[j] * block_act)
+               (j == 0) * lc.pre.backward_transient_bytes - post - blocks)
 
 
 def _step_buffers(lc: LayerCosts, setup: Setup, j: int, act: float, flight: int,
                   elements: float, expert_elements: float = 0.0, transient: float = 0.0) -> float:
     """The buffers stage ``j`` holds beside its training state, as the per-operator memory
     model counts them (``cost_models.liveness``): its saved values for ``flight`` microbatches
-    in flight with a ``transient`` of the backward (the loss's gradient, at the start of the
-    last stage's backward, when nothing saved is freed yet; elsewhere, erring high), or, at
-    the end of a microbatch's backward, those of the others and the gradients the backward
-    made (whichever is more: the backward frees one as it makes the other); in a pipeline also the sum of the earlier microbatches' gradients
-    (``runtime.autograd.GradSink``) and the receive buffers torch's pipelining keeps per
+    in flight with a ``transient`` of the backward (:func:`_transient`), or, at the end of a
+    microbatch's backward, those of the others and the gradients the backward made (whichever
+    is more: the backward frees one as it makes the other); in a pipeline also the sum of the
+    earlier microbatches' gradients (``runtime.autograd.GradSink``) and the receive buffers torch's pipelining keeps per
     microbatch for the stage's incoming activation (all but the first stage) and incoming
     gradient (all but the last), one block input each. Without a pipeline a ZeRO step's
     gradients are reduce-scattered as they are made: the rank keeps its shard (of the
@@ -614,9 +617,9 @@ def _regathered_bytes(lc: LayerCosts) -> float:
     gather_buckets``) and the unreduced gradient of one, at the largest unit's size
     ([ZERO] sec. 5.3; Zhao et al., "PyTorch FSDP", VLDB 2023, sec. 3.3 and 4.1)."""
     units = (lc.pre, lc.block, lc.post)
-    largest = max(units, key=lambda u: u.param_elements)
-    return ((REGATHERED_LAYERS + 1) * largest.gathered_bytes(largest.param_elements, lc.param_itemsize)
-            + largest.param_elements * lc.param_itemsize)
+    gathered = max(sum(u.gathered_bytes(lc.param_itemsize)) for u in units)
+    return ((REGATHERED_LAYERS + 1) * gathered
+            + max(u.param_elements for u in units) * lc.param_itemsize)
 
 
 def model_flops_megatron(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:

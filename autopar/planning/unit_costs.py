@@ -41,8 +41,9 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
     nodes = list(traced.gm.graph.nodes)
     units, unit_of = layer_units(nodes, fwd.units[1].rsplit(".", 1)[0], lead + 2)
     backward = {n.name for n in nodes if is_backward(n)}
-    acc = [dict(f=0.0, b=0.0, fc=0.0, bc=0.0, state=0.0, act=0.0, elems=0.0, gbytes=0.0, chain=0.0, trans=0.0, attn_f=0.0,
-                attn_b=0.0, rand=0.0, xelems=0.0, xstate=0.0, xf=(), xb=(),
+    acc = [dict(f=0.0, b=0.0, fc=0.0, bc=0.0, state=0.0, act=0.0, elems=0.0, gbytes=0.0,
+                xgbytes=0.0, chain=0.0, trans=0.0, attn_f=0.0, attn_b=0.0, rand=0.0,
+                xelems=0.0, xstate=0.0, xf=(), xb=(),
                 xwf=ExpertsWork(0.0, 0.0, 0.0), xwb=ExpertsWork(0.0, 0.0, 0.0), xfs=0.0)
            for _ in units]
     tied_state, tied_elems = _add_state(traced, costs, choice, unit_of, backward, optimizer, acc)
@@ -64,14 +65,17 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
         a["f"] + a["fc"], a["b"] + a["bc"], a["fc"], a["bc"], a["state"], a["act"], a["elems"],
         a["attn_f"], a["attn_b"], a["rand"], tuple((p, v.get(u, 0.0)) for p, v in peaks.items()),
         a["xelems"], a["xstate"], a["xf"], a["xb"], a["xwf"], a["xwb"], a["xfs"],
-        gather_itemsize=a["gbytes"] / a["elems"] if a["elems"] else None,
+        gather_itemsize=_width(a["gbytes"] - a["xgbytes"], a["elems"] - a["xelems"]),
+        expert_gather_itemsize=_width(a["xgbytes"], a["xelems"]),
         regathered_bytes=a["chain"], backward_transient_bytes=a["trans"])
     boundary = _boundary_bytes(fwd)
     itemsize = traced.params[0].dtype.itemsize if traced.params else 4
-    leading = [{k: _times(v, c) for k, v in a.items()} for a, c in zip(acc[1:lead + 1], lead_runs)]
+    # (a largest transient is a maximum: neither repeated nor added)
+    leading = [{k: v if k == "trans" else _times(v, c) for k, v in a.items()}
+               for a, c in zip(acc[1:lead + 1], lead_runs)]
     pre = acc[0]
     for a in leading:  # (the leading blocks run where pre does: the first stage)
-        pre = {k: pre[k] + a[k] for k in pre}
+        pre = {k: max(pre[k], a[k]) if k == "trans" else pre[k] + a[k] for k in pre}
     pre_peaks = {p: {0: max(v.get(u, 0.0) for u in range(lead + 1))} for p, v in peaks.items()}
     return LayerCosts(unit(pre, 0) if not lead else _unit_with(unit(pre, 0), pre_peaks),
                       unit(acc[lead + 2], lead + 2), unit(acc[-1], len(units) - 1), num_blocks,
@@ -89,6 +93,8 @@ def _add_state(traced: Any, costs: Any, choice: dict[str, int], unit_of: dict[st
     experts = expert_weight_params(list(traced.gm.graph.nodes))
     by_name = {p.name: p for p in traced.params}
     aliased = {p.tied_to for p in traced.params if p.tied_to is not None}
+    readers = {p.name: {unit_of[u.name] for u in traced.node(p.node).users
+                        if u.name in unit_of and u.name not in backward} for p in traced.params}
     tied_state = tied_elems = 0.0
     for p in traced.params:
         if p.node not in choice:
@@ -99,7 +105,7 @@ def _add_state(traced: Any, costs: Any, choice: dict[str, int], unit_of: dict[st
         src = by_name[p.tied_to] if p.tied_to is not None else p
         state = costs.memory[src.node][choice[src.node]]
         elems = state / state_bytes_per_element(optimizer, p.dtype.itemsize)
-        users = {unit_of[u.name] for u in n.users if u.name in unit_of and u.name not in backward}
+        users = readers[p.name]
         if not users and p.name in aliased:  # (read only through its alias, which counts it)
             continue
         width = gather_dtype(n).itemsize
@@ -110,7 +116,9 @@ def _add_state(traced: Any, costs: Any, choice: dict[str, int], unit_of: dict[st
             if n.name in experts:  # (split over ep in closed form: training_step)
                 acc[u]["xstate"] += state
                 acc[u]["xelems"] += elems
-        if p.tied_to is not None or len(users) > 1:  # held by two units
+                acc[u]["xgbytes"] += elems * width
+        # held by two units: read by both, or its holder read too (and counted there)
+        if len(users) > 1 or (p.tied_to is not None and readers[p.tied_to]):
             tied_state, tied_elems = tied_state + state, tied_elems + elems
     return tied_state, tied_elems
 
@@ -154,10 +162,16 @@ def _transient_bytes(n: Any, strategy: Any, mesh_shape: Sequence[int], backward:
     vals = vals if isinstance(vals, (tuple, list)) else (vals,)
     out = sum(size(v, p) for v, p in zip(vals, strategy.outputs))
     reads = tensor_inputs(n)
-    if len(reads) == len(strategy.inputs):
-        out += sum(size(a.meta.get("val"), p) for a, p in zip(reads, strategy.inputs)
-                   if alias_root(a)[0].name in backward)
-    return out
+    if len(reads) != len(strategy.inputs):
+        raise ValueError(f"internal: {n.name} ({n.target}) reads {len(reads)} tensors and its "
+                         f"strategy places {len(strategy.inputs)}; please report this model")
+    return out + sum(size(a.meta.get("val"), p) for a, p in zip(reads, strategy.inputs)
+                     if alias_root(a)[0].name in backward)
+
+
+def _width(nbytes: float, elements: float) -> float | None:
+    """Bytes per element on average (``None`` for no elements)."""
+    return nbytes / elements if elements else None
 
 
 def _times(value: Any, count: int) -> Any:

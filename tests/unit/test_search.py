@@ -109,6 +109,35 @@ def _uniform(f: float, b: float, blocks: int) -> LayerCosts:
     return LayerCosts(zero, block, zero, blocks, 0, 0, 0, 1e7, 2, "adam")
 
 
+def test_closed_form_memory_counts_a_transient_once_a_rank_and_the_weight_copies_as_saved():
+    """The closed form's two autocast-era memory terms, on synthetic layer costs (16 blocks,
+    1 GB saved each, few parameters): a backward op's transient is held once per rank (one of
+    its stages computes at a time), the loss's on the last stage with every value saved,
+    ``pre``'s after the blocks' values are freed; the bf16 weight copies are saved values
+    that a plan without a pipeline does not keep under ZeRO-3, and a pipeline stage does."""
+    topo = autopar.Mesh.virtual("a100-dgx").topology
+    zero = UnitCosts(0, 0, 0, 0, 0, 0, 0)
+    block = UnitCosts(1.0, 2.0, 0, 0, 1e9, 1e9, 1e6)
+    lc = LayerCosts(zero, block, zero, 16, 0, 0, 0, 1e7, 2, "adam")
+
+    def added(setup: Setup, **units: UnitCosts) -> list[float]:
+        base, more = (price_setup(x, setup, topo, 1e15).rank_memory_bytes
+                      for x in (lc, dataclasses.replace(lc, **units)))
+        return [b - a for a, b in zip(base, more)]
+
+    transient = lambda u, t: dataclasses.replace(u, backward_transient_bytes=t)  # noqa: E731
+    inter = Setup(1, 1, 2, 1, 8, "interleaved-1f1b", 2, "none", 0, False)
+    assert added(inter, block=transient(block, 5e8)) == pytest.approx([5e8, 5e8])  # not 1e9
+    assert added(inter, block=transient(block, 5e8), post=transient(zero, 7e8)) == \
+        pytest.approx([5e8, 7e8])
+    assert added(inter, pre=transient(zero, 1e8)) == pytest.approx([0.0, 0.0])  # blocks freed
+    copies = dataclasses.replace(block, regathered_bytes=3e8)
+    flat = Setup(2, 1, 1, 1, 1, "none", 1, "none", 3, False, grad_sync="gathered")
+    piped = Setup(2, 1, 2, 1, 8, "1f1b", 1, "none", 3, False, grad_sync="regathered")
+    assert added(flat, block=copies) == pytest.approx([-16 * 3e8])
+    assert added(piped, block=copies) == pytest.approx([0.0, 0.0])
+
+
 def test_step_model_reduces_to_megatron_closed_forms():
     topo = autopar.Mesh.virtual("a100-dgx").topology
     lc = _uniform(1.0, 2.0, 16)
