@@ -316,7 +316,7 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
     # the pipeline axis is outermost (stride dp * cp * tp): sends cross nodes on a cluster
     send = axis_collective_time("send_recv", lc.boundary_bytes, p, setup.dp * setup.cp * setup.tp,
                                 topology) if p > 1 else 0.0
-    sums = _stage_sums(lc, setup, counts, send)
+    sums = _stage_sums(lc, counts, send, (bf, bb, bact), (pf, pb, pact), setup)
     fw, bw, elems, xelems = sums.fw, sums.bw, sums.elems, sums.xelems
     if setup.grad_sync == "microbatch" and p > 1 and setup.dp > 1:
         fw, bw = _sync_per_microbatch(lc, setup, sums, topology)
@@ -329,7 +329,7 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
     chunk = max(f + b for f, b in zip(fw, bw))
     pipe = m * max(busy) + (p - 1) * chunk
     experts = _expert_setup(setup)  # (the experts' state: sharded over the dp / ep ranks)
-    stage_memory, memory = _memory(lc, setup, counts, sums)
+    stage_memory, memory = _memory(lc, setup, counts, sums, bact)
     comm = m * max(rank(_comm_per_stage(lc, counts, setup.recompute)))
     held = max(range(p), key=lambda r: rank(elems)[r])
     x, xg = rank(xelems)[held], rank(sums.xgathered)[held]
@@ -364,11 +364,14 @@ class _StageSums:
     xgathered: list[float]
 
 
-def _stage_sums(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], send: float) -> _StageSums:
+def _stage_sums(lc: LayerCosts, counts: tuple[int, ...], send: float,
+                block: tuple[float, float, float], pre: tuple[float, float, float],
+                setup: Setup) -> _StageSums:
     """The sums of each stage (``counts`` blocks each; ``pre`` on the first, ``post`` on the
-    last, the boundary's ``send`` on both sides of each cut)."""
-    bf, bb, bact = _block_parts(lc, setup.recompute)
-    pf, pb, pact = _pre_parts(lc, setup.recompute)
+    last, the boundary's ``send`` on both sides of each cut); ``block`` and ``pre``: their
+    (forward s, backward s, saved bytes) under the setup's recomputation
+    (:func:`_block_parts`, :func:`_pre_parts`)."""
+    (bf, bb, bact), (pf, pb, pact) = block, pre
     stages = len(counts)
     fw, bw, act, state, elems, xstate, xelems = [], [], [], [], [], [], []
     gathered, xgathered = [], []
@@ -413,15 +416,15 @@ def _regathered_saved(lc: LayerCosts, setup: Setup, blocks: int, first: bool, la
             + last * lc.post.regathered_bytes)
 
 
-def _memory(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], s: _StageSums
-            ) -> tuple[list[float], list[float]]:
+def _memory(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], s: _StageSums,
+            bact: float) -> tuple[list[float], list[float]]:
     """Bytes per stage and per pipeline rank (the sum of its ``v`` stages): training state
     (the experts' sharded over the ranks holding the same experts), the step's buffers
     (:func:`_step_buffers`), one block's recomputed values while its backward runs (a stage
     holding blocks), and ZeRO-3's gathered parameters; a backward transient (``_transient``)
-    once per rank, of the stage where it is largest (one stage of a rank computes at a time)."""
+    once per rank, of the stage where it is largest (one stage of a rank computes at a time);
+    ``bact``: one block's saved bytes (:func:`_block_parts`)."""
     p, stages = setup.pp, len(counts)
-    bact = _block_parts(lc, setup.recompute)[2]
     flight = _flight(setup.schedule, p, setup.virtual_stages, setup.microbatches)
     peak = [lc.block.peak(setup.recompute) * (counts[j] > 0) for j in range(stages)]
     if lc.lead_blocks:  # (the first stage's leading blocks recompute too)
@@ -466,9 +469,9 @@ def _step_buffers(lc: LayerCosts, setup: Setup, j: int, act: float, flight: int,
     in flight with a ``transient`` of the backward (:func:`_transient`), or, at the end of a
     microbatch's backward, those of the others and the gradients the backward made (whichever
     is more: the backward frees one as it makes the other); in a pipeline also the sum of the
-    earlier microbatches' gradients (``runtime.autograd.GradSink``) and the receive buffers torch's pipelining keeps per
-    microbatch for the stage's incoming activation (all but the first stage) and incoming
-    gradient (all but the last), one block input each. Without a pipeline a ZeRO step's
+    earlier microbatches' gradients (``runtime.autograd.GradSink``) and the receive buffers
+    torch's pipelining keeps per microbatch for the stage's incoming activation (all but the
+    first stage) and incoming gradient (all but the last), one block input each. Without a pipeline a ZeRO step's
     gradients are reduce-scattered as they are made: the rank keeps its shard (of the
     ``expert_elements``' gradients, its shard among the ranks holding the same experts)."""
     grads = elements * lc.param_itemsize
