@@ -47,12 +47,12 @@ CHECKS = {
 }
 DP_M4, DP_M8, ZERO_M4, ZERO_M8 = CHECKS[4][3:7]
 ZB_M4, ZB_M8 = CHECKS[4][8:10]
-# ZeRO-3 in pipeline stages (1F1B, with the peak memory of a step measured against the plan's;
-# interleaved, where a rank's other stage holds no gathered copy: its measured peak varied
-# between the two ranks of a stage, once 4.8% over the prediction, docs/validation.md)
+# ZeRO-3 in pipeline stages, 1F1B and interleaved (where a rank's other stage holds no gathered
+# copy), each with the peak memory of a step measured against the plan's. (The interleaved one
+# once measured 4.8% over its prediction on one rank, at an earlier commit; on 2026-11-26 it was
+# +0.95% / +1.94% per pipeline rank in 8 runs, 3 of them beside two busy processes.)
 ZERO3 = [f"gpt:layers=2,dim=128,seq=32,batch=16,microbatch_size=4,pp=2,dp=2,zero=3,schedule={s},"
-         f"virtual_stages={v},topo=a100-dgx{m}" for s, v, m in (("1f1b", 1, ",memory=1"),
-                                                               ("interleaved-1f1b", 2, ""))]
+         f"virtual_stages={v},topo=a100-dgx,memory=1" for s, v in (("1f1b", 1), ("interleaved-1f1b", 2))]
 # and interleaved in bf16 autocast: the matmul weights cast on the shard, gathered in bf16
 ZERO3_BF16 = ZERO3[1] + ",mixed_precision=bf16"
 CHECKS[4] += [*ZERO3, ZERO3_BF16]
@@ -215,7 +215,7 @@ def test_zero3_pipeline_gathers_every_microbatch_and_fits_its_prediction(world):
             (check, r["plan_step_end"])
         sharded = [n for n, pl in r["params"].items() if pl[0].startswith("S")]
         assert len(sharded) >= len(r["params"]) - 2, r["params"]
-    check_memory(results, ZERO3[:1])
+    check_memory(results, [*ZERO3, ZERO3_BF16])
     # bf16: the same collectives a step as fp32's, with a second gather bucket where a stage
     # holds weights read in fp32 too (layer norms, embeddings); fewer bytes gathered (the
     # runtime's bytes equal these: test_runtime_collectives_and_transfers_equal_plan)
