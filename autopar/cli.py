@@ -1,25 +1,28 @@
-"""``python -m autopar plan|simulate``: plan a model for a (virtual) cluster from the shell.
+"""``python -m autopar plan|simulate|calibrate``: plan a model for a (virtual) cluster from the shell.
 
     python -m autopar plan gpt3-175b --mesh 128x8 --hardware a100-dgx --batch 1536 --seq 2048 \\
         --json plan.json --trace step.json --svg step.svg
     python -m autopar simulate plan.json --svg step.svg
+    python -m autopar calibrate --out my.json --model mymodel:make --batch 8 --seq 128
+    python -m autopar plan mymodel:make --hardware my.json --mesh 1x2 --batch 8 --seq 128
 
 ``MODEL`` is a built-in preset (:func:`autopar.model_presets.preset`: ``gpt3-175b``, ``gpt2-small``,
 ``llama-7b``, ...) or ``module:function``, a function called with ``batch=`` and ``seq=`` that
 returns ``(model, example_inputs)``. ``plan`` runs :func:`autopar.plan` (the setup search, then
-the chosen setup's per-operator placements) and prints the plan. Progress goes to stderr.
+the chosen setup's per-operator placements) and prints the plan. ``calibrate`` times the
+model's operators and the collectives on this machine's devices (:mod:`autopar.calibrate`) and
+writes a topology that ``--hardware`` takes. Progress goes to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "build_parser", "parse_mesh", "load_model"]
+__all__ = ["main", "build_parser", "parse_mesh"]
 
 
 def parse_mesh(text: str, gpus_per_node: int) -> tuple[int, int]:
@@ -41,29 +44,6 @@ def parse_mesh(text: str, gpus_per_node: int) -> tuple[int, int]:
     return nodes, gpus
 
 
-def load_model(spec: str, batch: int, seq: int) -> tuple[Any, Any]:
-    """The model and example inputs of ``spec``: a preset name or ``module:function``."""
-    if ":" not in spec:
-        from autopar.model_presets import preset
-
-        try:
-            return preset(spec, batch, seq)
-        except ValueError as e:
-            raise SystemExit(str(e)) from e
-    module, _, fn = spec.partition(":")
-    sys.path.insert(0, str(Path.cwd()))
-    try:
-        target = getattr(importlib.import_module(module), fn)
-    except (ImportError, AttributeError) as e:
-        raise SystemExit(f"MODEL {spec!r}: cannot load {fn!r} from module {module!r} ({e}); give "
-                         f"'module:function' importable from the current directory.") from e
-    out = target(batch=batch, seq=seq)
-    if not (isinstance(out, tuple) and len(out) == 2):
-        raise SystemExit(f"MODEL {spec!r}: {fn}(batch=, seq=) must return (model, example_inputs), "
-                         f"got {type(out).__name__}")
-    return out
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``plan`` and ``simulate``. ``--hardware`` offers the presets
     registered when it is built (:func:`autopar.cost_models.register_topology` adds more)."""
@@ -76,9 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan a model for a cluster and print the plan")
     p.add_argument("model", help="preset name (gpt3-175b, gpt2-small, llama-7b, ...) or module:function")
     p.add_argument("--mesh", default="1x8", help="NODESxGPUS (128x8) or a device count (default 1x8)")
-    p.add_argument("--hardware", default="a100-dgx", choices=preset_names(), metavar="NAME",
-                   help="topology preset: %(choices)s (default %(default)s; more with "
-                        "autopar.cost_models.register_topology)")
+    p.add_argument("--hardware", default="a100-dgx", metavar="NAME", type=_hardware,
+                   help=f"topology preset: {', '.join(preset_names())} (default %(default)s; "
+                        f"more with autopar.cost_models.register_topology), or a topology JSON "
+                        f"file written by `calibrate`")
     p.add_argument("--batch", type=int, required=True, help="global batch (sequences)")
     p.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
     for name in ("dp", "tp", "pp", "cp", "ep", "microbatch-size", "dp-shard"):
@@ -103,7 +84,35 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("simulate", help="replay a saved plan's step; print it, draw it")
     s.add_argument("plan", help="a plan saved with plan.save / --json")
     _outputs(s, json=False)
+    c = sub.add_parser("calibrate", help="time this machine's kernels and collectives; write a "
+                                         "topology for --hardware")
+    c.add_argument("--out", type=Path, required=True, help="the topology JSON to write")
+    c.add_argument("--model", default=None, help="time this model's operators (preset name or "
+                                                 "module:function; default: reference kernels only)")
+    c.add_argument("--batch", type=int, default=8, help="the model's batch (default 8)")
+    c.add_argument("--seq", type=int, default=128, help="the model's sequence length (default 128)")
+    c.add_argument("--nproc", type=int, default=None,
+                   help="processes (default: the GPUs present, or 2 on CPU)")
+    c.add_argument("--base", default=None, help="the preset to start from (default: cpu-gloo on "
+                                                "CPU, the GPU's own preset by its name)")
+    c.add_argument("--name", default=None, help="the topology's name (default calibrated-BASE)")
+    c.add_argument("--mixed-precision", choices=("fp32", "bf16"), default=None,
+                   help="capture the model under bf16 autocast, as it will train")
+    c.add_argument("--quick", action="store_true", help="fewer repetitions and sizes (noisier)")
+    c.add_argument("--timings", type=Path, default=None,
+                   help="also write every timing (kernels, collectives) to this JSON file")
     return parser
+
+
+def _hardware(text: str) -> str:
+    """``--hardware``: a registered preset or a topology JSON file (checked when parsed)."""
+    from autopar.cost_models.topology import load_topology
+
+    try:
+        load_topology(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+    return text
 
 
 def _outputs(p: argparse.ArgumentParser, json: bool = True) -> None:
@@ -115,14 +124,18 @@ def _outputs(p: argparse.ArgumentParser, json: bool = True) -> None:
 
 def _plan(args: argparse.Namespace) -> Any:
     import autopar
-    from autopar.cost_models.topology import get_preset
+    from autopar.cost_models.topology import load_topology
+    from autopar.model_presets import load_model
 
-    topo = get_preset(args.hardware)
+    topo = load_topology(args.hardware)  # (checked by the parser)
     nodes, gpus = parse_mesh(args.mesh, topo.gpus_per_node)
     mesh = autopar.Mesh.virtual(topo, nodes=nodes, gpus_per_node=gpus)
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     say(f"building {args.model} (batch {args.batch}, seq {args.seq}) for {nodes}x{gpus} {topo.name}")
-    model, inputs = load_model(args.model, args.batch, args.seq)
+    try:
+        model, inputs = load_model(args.model, args.batch, args.seq)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
     config = autopar.Config(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
                             expert_load_skew=args.expert_load_skew,
                             microbatch_size=args.microbatch_size,
@@ -159,9 +172,38 @@ def _simulate(args: argparse.Namespace) -> Any:
     return plan
 
 
+def _calibrate(args: argparse.Namespace) -> None:
+    import json
+
+    from autopar.calibrate import calibrate, report
+
+    say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    result = calibrate(args.model, args.batch, args.seq, nproc=args.nproc, base=args.base,
+                       name=args.name, mixed_precision=args.mixed_precision, quick=args.quick,
+                       progress=say)
+    args.out.write_text(json.dumps(result.topology.to_dict(), indent=1) + "\n")
+    if args.timings:
+        args.timings.write_text(json.dumps(result.timings(), indent=1) + "\n")
+    print(report(result))
+    for name, error in result.failed:
+        print(f"not timed (synthetic inputs): {name}: {error}")
+    t = result.topology
+    print(f"\n{t.name}: matmul efficiency {t.matmul_efficiency:.3f} of "
+          f"{t.peak_flops['fp32'] / 1e9:.1f} GFLOP/s fp32 ({t.peak_flops['bf16'] / 1e9:.1f} bf16), "
+          f"pointwise {t.pointwise_efficiency:.3f} of {t.mem_bandwidth_Bps / 1e9:.1f} GB/s; link "
+          f"{t.intra_node.bandwidth_Bps / 1e9:.2f} GB/s"
+          + "".join(f", {k} {b / 1e9:.2f}" for k, b in t.intra_node.bandwidth_by_kind)
+          + f", latency {t.intra_node.latency_s * 1e6:.1f} us, launch {t.intra_node.launch_s * 1e6:.1f} us")
+    print(f"topology written to {args.out}: plan with --hardware {args.out}")
+
+
 def main(argv: list[str]) -> int:
-    """Run ``plan`` or ``simulate`` with ``argv`` (the words after ``python -m autopar``)."""
+    """Run ``plan``, ``simulate`` or ``calibrate`` with ``argv`` (the words after
+    ``python -m autopar``)."""
     args = build_parser().parse_args(argv)
+    if args.command == "calibrate":
+        _calibrate(args)
+        return 0
     if args.command == "plan":
         plan = _plan(args)
         print(plan)

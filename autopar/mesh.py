@@ -12,7 +12,7 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from autopar.cost_models.topology import Topology, get_preset
+from autopar.cost_models.topology import Topology, load_topology
 from autopar.errors import MeshError
 
 __all__ = ["Mesh", "planning_device_mesh"]
@@ -59,32 +59,31 @@ class Mesh:
 
     @classmethod
     def virtual(
-        cls, preset: str | Topology, nodes: int = 1, gpus_per_node: int = 8
+        cls, preset: str | os.PathLike | Topology, nodes: int = 1, gpus_per_node: int = 8
     ) -> "Mesh":
         """A cluster to plan for without devices, e.g. ``Mesh.virtual("h100-dgx", nodes=128)``.
 
         ``preset`` is a registered preset name (see
-        :func:`autopar.cost_models.register_topology`) or a :class:`Topology`; the mesh's device
+        :func:`autopar.cost_models.register_topology`), a topology JSON file (``python -m
+        autopar calibrate --out my.json`` writes one) or a :class:`Topology`; the mesh's device
         type is the topology's ``device_type``.
         """
-        if isinstance(preset, str):
-            topo = get_preset(preset)
-        elif isinstance(preset, Topology):
-            topo = preset
-        else:
+        if not isinstance(preset, (str, os.PathLike, Topology)):
             raise MeshError(
-                f"Mesh.virtual(preset={preset!r}): give a preset name or a Topology, got "
-                f"{type(preset).__name__}."
+                f"Mesh.virtual(preset={preset!r}): give a preset name, a topology JSON file or "
+                f"a Topology, got {type(preset).__name__}."
             )
+        topo = load_topology(preset)
         return cls(nodes, gpus_per_node, topo, device_type=topo.device_type, is_virtual=True)
 
     @classmethod
-    def from_torchrun(cls, topology: str | Topology | None = None,
+    def from_torchrun(cls, topology: str | os.PathLike | Topology | None = None,
                       timeout_s: float | None = None) -> "Mesh":
         """The world of the running job (``torchrun`` sets ``WORLD_SIZE``/``RANK``).
 
         Initialises the default process group if needed: NCCL when CUDA is available, gloo
-        otherwise. CPU ranks get the ``cpu-gloo`` topology; GPUs default to ``h100-dgx``.
+        otherwise. CPU ranks get the ``cpu-gloo`` topology; GPUs default to ``h100-dgx``;
+        ``topology`` may name another preset, a topology JSON file or be a :class:`Topology`.
         ``timeout_s``: how long a collective waits for a dead or hung rank before every other
         rank raises :class:`~autopar.RankFailureError` (the default process group gets it too
         when this call creates it); ``None`` keeps torch's default.
@@ -108,7 +107,7 @@ class Mesh:
             raise MeshError(f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}.")
         if topology is None:
             topology = "h100-dgx" if use_cuda else "cpu-gloo"
-        topo = get_preset(topology) if isinstance(topology, str) else topology
+        topo = load_topology(topology)
         return cls(world // local, local, topo, "cuda" if use_cuda else "cpu", is_virtual=False,
                    timeout_s=timeout_s)
 

@@ -15,7 +15,10 @@ learned position embeddings, and the LM head tied to the word embedding. Build i
 
 from __future__ import annotations
 
+import importlib
 import math
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = ["MegatronBlock", "MegatronGPT", "GPT_CONFIGS", "LlamaBlock", "Llama", "LLAMA_CONFIGS",
-           "megatron_gpt", "llama", "preset"]
+           "megatron_gpt", "llama", "preset", "load_model"]
 
 
 class MegatronBlock(nn.Module):
@@ -228,3 +231,24 @@ def preset(name: str, batch: int, seq: int = 2048) -> tuple[nn.Module, tuple[tor
     known = ", ".join([*GPT_CONFIGS, *LLAMA_CONFIGS])
     raise ValueError(f"unknown model preset {name!r}; built-in presets: {known}; or give "
                      f"'module:function' returning (model, example_inputs).")
+
+
+def load_model(spec: str, batch: int, seq: int) -> tuple[Any, Any]:
+    """The model and example inputs of ``spec``: a preset name (:func:`preset`) or
+    ``module:function``, a function importable from the working directory that is called with
+    ``batch=`` and ``seq=`` and returns ``(model, example_inputs)`` (the command line's MODEL).
+    Raises ``ValueError`` saying what was given and what is needed."""
+    if ":" not in spec:
+        return preset(spec, batch, seq)
+    module, _, fn = spec.partition(":")
+    sys.path.insert(0, str(Path.cwd()))
+    try:
+        target = getattr(importlib.import_module(module), fn)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"MODEL {spec!r}: cannot load {fn!r} from module {module!r} ({e}); give "
+                         f"'module:function' importable from the current directory.") from e
+    out = target(batch=batch, seq=seq)
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise ValueError(f"MODEL {spec!r}: {fn}(batch=, seq=) must return (model, example_inputs), "
+                         f"got {type(out).__name__}")
+    return out

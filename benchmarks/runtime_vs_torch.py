@@ -1,6 +1,7 @@
 """autopar's step against the same model parallelised by hand with PyTorch's own APIs.
 
-    python benchmarks/runtime_vs_torch.py [--repeats 25] [--no-compile] [--json out.json]
+    python benchmarks/runtime_vs_torch.py [--repeats 25] [--no-compile] [--json out.json] \\
+        [--topology my.json]
 
 starts ``torchrun`` with 2 CPU processes (gloo) and, on one GPT-2-style model (:class:`BenchGPT`)
 and one batch, compares
@@ -108,6 +109,13 @@ def make_model(size: dict) -> BenchGPT:
     return BenchGPT(**size)
 
 
+def calibration_model(batch: int, seq: int) -> tuple[BenchGPT, tuple[torch.Tensor, torch.Tensor]]:
+    """The default model at ``batch`` x ``seq`` with its batch, for ``python -m autopar
+    calibrate --model benchmarks.runtime_vs_torch:calibration_model``."""
+    size = dict(SIZES["default"], batch=batch, seq=seq)
+    return make_model(size), make_batch(size)
+
+
 def make_batch(size: dict) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, size["vocab"], (size["batch"], size["seq"] + 1), generator=g)
@@ -203,11 +211,15 @@ def backward_loss(loss: torch.Tensor) -> torch.Tensor:
 
 # ---- autopar ---------------------------------------------------------------------------------
 
+# the topology the plans are priced on (``--topology``: a preset or a calibrated JSON file)
+TOPOLOGY = {"name": "cpu-gloo"}
+
+
 def autopar_variant(size: dict, config: autopar.Config, compile: bool
                     ) -> tuple[Step, list[nn.Parameter], Any]:
     """autopar's plan for ``config`` on this job; its step, parameters and the module."""
     model = make_model(size)
-    mesh = autopar.Mesh.from_torchrun(topology="cpu-gloo")
+    mesh = autopar.Mesh.from_torchrun(topology=TOPOLOGY["name"])
     pm = autopar.parallelize(model, mesh, make_batch(size), config=config, compile=compile)
     return pm.step, list(pm.parameters()), pm
 
@@ -352,6 +364,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--only", nargs="*", choices=("tp=2", "dp=2", "pp=2"), default=None,
                    help="run these comparisons only")
     p.add_argument("--json", default=None, help="write every figure to this file")
+    p.add_argument("--topology", default="cpu-gloo",
+                   help="price the plans on this preset or topology JSON file (`python -m "
+                        "autopar calibrate --out F` writes one); default cpu-gloo")
     return p
 
 
@@ -407,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:])]
         return subprocess.call(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    TOPOLOGY["name"] = args.topology
     return as_rank(worker, args)
 
 

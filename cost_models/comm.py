@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from autopar.cost_models.topology import AxisLink, Topology
+from autopar.cost_models.topology import COLLECTIVE_KINDS, AxisLink, Topology
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -40,13 +40,6 @@ __all__ = [
     "axis_strides",
 ]
 
-COLLECTIVE_KINDS: tuple[str, ...] = (
-    "all_reduce",
-    "all_gather",
-    "reduce_scatter",
-    "all_to_all",
-    "send_recv",
-)
 
 
 def _check(nbytes: float, n: int) -> None:
@@ -67,7 +60,7 @@ def all_reduce_time(nbytes: float, n: int, link: AxisLink) -> float:
     # [THAKUR] ring all-reduce = reduce-scatter + all-gather: 2(p-1) steps of n/p bytes each;
     # [NCCLT] busbw factor 2(n-1)/n.
     alpha = link.launch_s + 2 * (n - 1) * link.latency_s
-    return alpha + 2 * (n - 1) / n * nbytes / link.bandwidth_Bps
+    return alpha + 2 * (n - 1) / n * nbytes / link.bandwidth_for("all_reduce")
 
 
 def all_gather_time(nbytes_out: float, n: int, link: AxisLink) -> float:
@@ -79,7 +72,7 @@ def all_gather_time(nbytes_out: float, n: int, link: AxisLink) -> float:
     if n == 1 or nbytes_out == 0:
         return 0.0
     # [THAKUR] ring all-gather: p-1 steps, each forwarding one n/p shard; [NCCLT] factor (n-1)/n.
-    return link.launch_s + (n - 1) * link.latency_s + (n - 1) / n * nbytes_out / link.bandwidth_Bps
+    return link.launch_s + (n - 1) * link.latency_s + (n - 1) / n * nbytes_out / link.bandwidth_for("all_gather")
 
 
 def reduce_scatter_time(nbytes_in: float, n: int, link: AxisLink) -> float:
@@ -92,7 +85,7 @@ def reduce_scatter_time(nbytes_in: float, n: int, link: AxisLink) -> float:
     if n == 1 or nbytes_in == 0:
         return 0.0
     # [THAKUR] ring reduce-scatter: p-1 steps of n/p bytes; [NCCLT] factor (n-1)/n.
-    return link.launch_s + (n - 1) * link.latency_s + (n - 1) / n * nbytes_in / link.bandwidth_Bps
+    return link.launch_s + (n - 1) * link.latency_s + (n - 1) / n * nbytes_in / link.bandwidth_for("reduce_scatter")
 
 
 def all_to_all_time(nbytes: float, n: int, link: AxisLink) -> float:
@@ -104,7 +97,7 @@ def all_to_all_time(nbytes: float, n: int, link: AxisLink) -> float:
     if n == 1 or nbytes == 0:
         return 0.0
     # [THAKUR] pairwise exchange: p-1 rounds, each sending one n/p chunk; [NCCLT] factor (n-1)/n.
-    return link.launch_s + (n - 1) * link.latency_s + (n - 1) / n * nbytes / link.bandwidth_Bps
+    return link.launch_s + (n - 1) * link.latency_s + (n - 1) / n * nbytes / link.bandwidth_for("all_to_all")
 
 
 def send_recv_time(nbytes: float, link: AxisLink) -> float:
@@ -113,7 +106,7 @@ def send_recv_time(nbytes: float, link: AxisLink) -> float:
     if nbytes == 0:
         return 0.0
     # [HOCKNEY] alpha + n * beta, alpha = launch + one hop.
-    return link.launch_s + link.latency_s + nbytes / link.bandwidth_Bps
+    return link.launch_s + link.latency_s + nbytes / link.bandwidth_for("send_recv")
 
 
 _FLAT: dict[str, Callable[[float, int, AxisLink], float]] = {
@@ -203,6 +196,6 @@ def axis_collective_time(
     return (
         inter.launch_s
         + (n - 1) * inter.latency_s
-        + (n - g) / n * nbytes / inter.bandwidth_Bps
-        + (g - 1) / n * nbytes / intra.bandwidth_Bps
+        + (n - g) / n * nbytes / inter.bandwidth_for("all_to_all")
+        + (g - 1) / n * nbytes / intra.bandwidth_for("all_to_all")
     )

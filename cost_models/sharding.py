@@ -35,7 +35,8 @@ from autopar.strategies.space import (
 )
 
 __all__ = ["REGATHERED_LAYERS", "SpaceCosts", "StepEndBucket", "alias_root", "deferred_gradient_matrix",
-           "deferred_placement", "price_space",
+           "deferred_placement", "is_free", "price_space",
+           "roofline_terms",
            "recomputed_bytes", "reshard_time", "state_bytes_per_element", "step_end_buckets",
            "stored_dim", "stored_placement", "zero_placement"]
 
@@ -130,18 +131,35 @@ def _compute_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: To
         return 0.0
     if n.target in EXPERT_OPS:
         return _experts_time(n, s, mesh_shape, topo, skew)
-    inputs = tensor_inputs(n)
+    flops, nbytes, dtype = roofline_terms(n, s.inputs, s.outputs, mesh_shape, fused)
+    return op_time(flops, nbytes, topo, dtype, is_matmul=flops > 0)
+
+
+def roofline_terms(n: fx.Node, inputs: Sequence[Placements | None] | None = None,
+                   outputs: Sequence[Placements | None] | None = None,
+                   mesh_shape: tuple[int, ...] = (1,), fused: frozenset = frozenset()
+                   ) -> tuple[float, float, str]:
+    """The roofline terms the cost model prices node ``n`` with: ``(flops, bytes, dtype)`` on the
+    local shapes the ``inputs`` / ``outputs`` placements give on ``mesh_shape`` (``None``: the
+    whole tensors, one device). Bytes are every tensor input and output once (a ``fused``
+    input's name, or ``""`` for the outputs, costs no traffic); ``dtype`` is the matmul peak's
+    ("bf16" for 16-bit inputs, else "fp32"). View-like ops and expert ops are the caller's:
+    they are priced apart (``_FREE``, :func:`autopar.cost_models.experts.experts_node_work`)."""
+    args_in = tensor_inputs(n)
+    inputs = inputs if inputs is not None else [None] * len(args_in)
     local_in = {}
     nbytes = 0
-    for a, p in zip(inputs, s.inputs):
+    for a, p in zip(args_in, inputs):
         v = a.meta["val"]
-        shp = local_shape(v.shape, p, mesh_shape)
+        shp = tuple(v.shape) if p is None else local_shape(v.shape, p, mesh_shape)
         local_in[a] = _meta_tensor(shp, v.dtype)
         nbytes += 0 if a.name in fused else _numel(shp) * v.element_size()
+    vals = _val_list(n.meta.get("val"))
+    outputs = outputs if outputs is not None else [()] * len(vals)
     outs = []
-    for v, p in zip(_val_list(n.meta.get("val")), s.outputs):
+    for v, p in zip(vals, outputs):
         if isinstance(v, torch.Tensor) and p is not None:
-            shp = local_shape(v.shape, p, mesh_shape)
+            shp = tuple(v.shape) if p == () else local_shape(v.shape, p, mesh_shape)
             outs.append(_meta_tensor(shp, v.dtype))
             nbytes += 0 if "" in fused else _numel(shp) * v.element_size()
     args = fx.node.map_arg(n.args, lambda a: local_in.get(a, a))
@@ -152,8 +170,14 @@ def _compute_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: To
         # a FLOP formula that cannot take these (local, meta) arguments: price by traffic alone
         flops = 0.0
     # matmuls run at the peak of their dtype (16-bit tensor cores or fp32)
-    dtype = "bf16" if inputs and inputs[0].meta["val"].element_size() == 2 else "fp32"
-    return op_time(flops, float(nbytes), topo, dtype, is_matmul=flops > 0)
+    dtype = "bf16" if args_in and args_in[0].meta["val"].element_size() == 2 else "fp32"
+    return flops, float(nbytes), dtype
+
+
+def is_free(n: fx.Node) -> bool:
+    """Whether node ``n`` only aliases or re-describes memory (a view, a split, ``getitem``):
+    no compute and no traffic in the cost model."""
+    return is_op(n, _FREE)
 
 
 def _experts_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: Topology,

@@ -21,17 +21,21 @@ are the records of ``_BUILTIN_PRESETS`` at the end of this module, registered th
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
 __all__ = [
+    "COLLECTIVE_KINDS",
     "AxisLink",
     "Topology",
     "PRESETS",
     "DEVICE_TYPES",
     "get_preset",
+    "load_topology",
     "custom",
     "register_topology",
     "unregister_topology",
@@ -39,6 +43,15 @@ __all__ = [
 ]
 
 _GiB = 1024**3
+
+# The collectives the cost model prices (autopar.cost_models.comm), one bandwidth each at most.
+COLLECTIVE_KINDS: tuple[str, ...] = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "send_recv",
+)
 
 # Device types a topology may run on: the torch device of a virtual mesh built from it.
 DEVICE_TYPES: tuple[str, ...] = ("cuda", "cpu")
@@ -74,33 +87,57 @@ class AxisLink:
         bandwidth_Bps: bus bandwidth per device in bytes/s (nccl-tests "busbw"), already effective.
         latency_s: per ring step latency (alpha), seconds.
         launch_s: fixed per-collective overhead (kernel launch, protocol setup), seconds.
+        bandwidth_by_kind: bus bandwidths of the collective kinds (:data:`COLLECTIVE_KINDS`)
+            that differ from ``bandwidth_Bps`` (gloo's reduce-scatter on a CPU, NCCL's NVLS
+            all-reduce), as ``{kind: bytes/s}`` or pairs; empty: one bandwidth for all.
     """
 
     bandwidth_Bps: float
     latency_s: float
     launch_s: float
+    bandwidth_by_kind: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         _check_positive("AxisLink", "bandwidth_Bps", self.bandwidth_Bps)
         _check_positive("AxisLink", "latency_s", self.latency_s, allow_zero=True)
         _check_positive("AxisLink", "launch_s", self.launch_s, allow_zero=True)
+        pairs = dict(self.bandwidth_by_kind)
+        for kind, value in pairs.items():
+            if kind not in COLLECTIVE_KINDS:
+                raise ValueError(f"AxisLink.bandwidth_by_kind: unknown collective kind {kind!r}; "
+                                 f"valid kinds: {', '.join(COLLECTIVE_KINDS)}")
+            _check_positive("AxisLink", f"bandwidth_by_kind[{kind!r}]", value)
+        object.__setattr__(self, "bandwidth_by_kind",
+                           tuple(sorted((k, float(v)) for k, v in pairs.items())))
 
-    def to_dict(self) -> dict[str, float]:
-        """Plain-JSON form of this link."""
-        return {
+    def bandwidth_for(self, kind: str) -> float:
+        """The bus bandwidth of collective ``kind``: its own, or ``bandwidth_Bps``."""
+        for k, value in self.bandwidth_by_kind:
+            if k == kind:
+                return value
+        return self.bandwidth_Bps
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form of this link (``bandwidth_by_kind`` only when it has entries)."""
+        out: dict[str, Any] = {
             "bandwidth_Bps": float(self.bandwidth_Bps),
             "latency_s": float(self.latency_s),
             "launch_s": float(self.launch_s),
         }
+        if self.bandwidth_by_kind:
+            out["bandwidth_by_kind"] = dict(self.bandwidth_by_kind)
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "AxisLink":
         """Inverse of :meth:`to_dict`; raises ``ValueError`` on missing or unknown keys."""
-        _check_keys("AxisLink", data, {f.name for f in dataclasses.fields(cls)})
+        _check_keys("AxisLink", {"bandwidth_by_kind": {}, **data},
+                    {f.name for f in dataclasses.fields(cls)})
         return cls(
             bandwidth_Bps=float(data["bandwidth_Bps"]),
             latency_s=float(data["latency_s"]),
             launch_s=float(data["launch_s"]),
+            bandwidth_by_kind=tuple(dict(data.get("bandwidth_by_kind", {})).items()),
         )
 
 
@@ -346,6 +383,32 @@ def get_preset(name: str) -> Topology:
         f"unknown topology preset {name!r}; valid presets: {', '.join(preset_names())}; "
         f"add one with register_topology(custom({name!r}, base=<preset>, ...))"
     )
+
+
+def load_topology(spec: "str | Path | Topology") -> Topology:
+    """A topology from a registered preset name, a JSON file written by
+    ``python -m autopar calibrate`` (or ``json.dump(topology.to_dict(), f)``), or a
+    :class:`Topology` (returned as it is).
+
+    Raises ``ValueError`` naming the registered presets when ``spec`` is neither a preset nor
+    an existing file, and ``Topology.from_dict``'s error when the file is not a topology.
+    """
+    if isinstance(spec, Topology):
+        return spec
+    if isinstance(spec, str) and spec in _REGISTRY:
+        return _REGISTRY[spec]
+    path = Path(spec) if isinstance(spec, (str, Path)) else None
+    if path is None or not path.is_file():
+        raise ValueError(
+            f"topology {spec!r} is neither a registered preset ({', '.join(preset_names())}) "
+            f"nor a topology JSON file; write one with `python -m autopar calibrate --out "
+            f"my.json` or json.dump(topology.to_dict(), f)"
+        )
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"topology file {str(path)!r} is not JSON: {e}") from e
+    return Topology.from_dict(data)
 
 
 def custom(name: str, *, base: str | Topology | None = None, **fields: Any) -> Topology:

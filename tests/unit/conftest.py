@@ -34,3 +34,17 @@ def megatron():
     model, inputs = build("gpt", **MEGATRON_KW)
     mesh = autopar.Mesh.virtual("a100-dgx", nodes=1, gpus_per_node=2)
     return model, inputs, mesh, autopar.plan(model, mesh, inputs, config=autopar.Config(tp=2))
+
+
+@pytest.fixture
+def model_module(tmp_path, monkeypatch):
+    """A ``mymodel.py`` in a fresh working directory whose ``make(batch, seq)`` builds the test
+    GPT: the command line's ``mymodel:make`` (its loader adds the working directory to
+    ``sys.path``, restored after the test)."""
+    (tmp_path / "mymodel.py").write_text(
+        "from models import build\n"
+        "def make(batch, seq):\n"
+        "    return build('gpt', batch=batch, seq=seq)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    return "mymodel:make"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
@@ -34,13 +33,7 @@ def test_plan_a_preset_then_simulate_the_saved_plan(tmp_path, capsys):
     assert "simulated step" in out and "pp rank 1" in out
 
 
-def test_plan_a_module_function_per_operator(tmp_path, capsys, monkeypatch):
-    (tmp_path / "mymodel.py").write_text(
-        "from models import build\n"
-        "def make(batch, seq):\n"
-        "    return build('gpt', batch=batch, seq=seq)\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", list(sys.path))  # load_model adds the working directory
+def test_plan_a_module_function_per_operator(tmp_path, capsys, model_module):
     assert main(["plan", "mymodel:make", "--mesh", "1x2", "--hardware", "cpu-gloo", "--batch", "8",
                  "--seq", "16", "--per-operator", "--operators", "--explain", "blocks.0.fc1"]) == 0
     out = capsys.readouterr().out

@@ -1,0 +1,375 @@
+"""Calibrate a hardware topology on this machine: ``python -m autopar calibrate --out my.json``.
+
+Starts one process per device (``nproc``: the GPUs present, or 2 CPU processes on gloo), which
+time, all at once as a training job's ranks would:
+
+1. **kernels**: every distinct operator of the user's model's joint forward+backward graph
+   (``--model``; as captured for planning, whole tensors on one device), each called on inputs of
+   its traced shapes, plus a reference GEMM in fp32 and bf16 and a streaming add;
+2. **collectives** (``nproc > 1``): all-reduce, all-gather, reduce-scatter, all-to-all and
+   send/recv over all the processes, at message sizes from 4 bytes up.
+
+:mod:`autopar.cost_models.calibration` then fits the topology's compute efficiencies (and, on a
+CPU, its peaks and bandwidth: measured) and its link constants, and the result is written as a
+topology JSON that ``Mesh.virtual("my.json")``, ``Mesh.from_torchrun(topology="my.json")`` and
+``python -m autopar plan --hardware my.json`` take. The inter-node link cannot be measured on one
+machine: a GPU topology keeps its base preset's, a CPU one (one "node") uses the measured link.
+
+    result = calibrate("benchmarks.runtime_vs_torch:calibration_model", batch=8, seq=128)
+    result.topology.to_dict()
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from autopar._torch_private import OpOverload
+from autopar.cost_models.calibration import (
+    CollectiveSample, ComputeFit, KernelSample, fit_compute, fit_link,
+)
+from autopar.cost_models.topology import Topology, custom, get_preset
+
+__all__ = ["CalibrationResult", "calibrate", "model_kernels", "base_preset_for", "report"]
+
+_CPU_SIZES = (2**2, 2**8, 2**12, 2**16, 2**18, 2**20, 2**22, 2**24)
+_GPU_SIZES = (2**2, 2**12, 2**16, 2**20, 2**24, 2**27, 2**30)
+_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    """What :func:`calibrate` measured and fitted.
+
+    ``topology``: the calibrated topology; ``base``: the preset it started from; ``kernels`` and
+    ``collectives``: the timings (seconds of one call, the mean over the processes of each one's
+    median); ``fit``: the compute constants; ``failed``: kernels that could not be run on
+    synthetic inputs (name and error), left out of the fit.
+    """
+
+    topology: Topology
+    base: Topology
+    kernels: tuple[KernelSample, ...]
+    collectives: tuple[CollectiveSample, ...]
+    fit: ComputeFit
+    failed: tuple[tuple[str, str], ...]
+
+    def timings(self) -> dict[str, Any]:
+        """Every timing as plain JSON (``--timings``): to inspect the fit or refit it with
+        :func:`autopar.cost_models.calibration.fit_compute` and ``fit_link``."""
+        return {"kernels": [k.__dict__ for k in self.kernels],
+                "collectives": [c.__dict__ for c in self.collectives],
+                "failed": [list(f) for f in self.failed], "topology": self.topology.to_dict()}
+
+
+def base_preset_for(device: str) -> str:
+    """The preset a calibration on ``device`` ("cpu" or "cuda") starts from: ``cpu-gloo``, or
+    the preset of this GPU's kind (A100, H100, H200); ``ValueError`` for another GPU (pass
+    ``base=``)."""
+    if device == "cpu":
+        return "cpu-gloo"
+    name = torch.cuda.get_device_name(0)
+    for key, preset in (("H200", "h200-dgx"), ("H100", "h100-dgx"), ("A100", "a100-dgx")):
+        if key in name:
+            return preset
+    raise ValueError(f"no preset for the GPU {name!r}; pass base= (a preset whose datasheet peaks "
+                     f"are this GPU's; see autopar.cost_models.register_topology)")
+
+
+# ------------------------------------------------------------------------------------------
+# kernels of a model
+
+
+def model_kernels(model: torch.nn.Module, inputs: Any, mixed_precision: str | None = None
+                  ) -> list[tuple[KernelSample, fx.Node]]:
+    """The distinct operators of ``model``'s joint graph (as :func:`autopar.capture.capture`
+    traces it), each as a :class:`KernelSample` without a time (its roofline terms on whole
+    tensors, and how many nodes of the graph run it) and one node to run it from. View-like ops
+    (free in the cost model) and expert ops (priced apart) are left out."""
+    from autopar.capture import capture
+    from autopar.cost_models.sharding import is_free, roofline_terms
+    from autopar.strategies.rules import EXPERT_OPS
+
+    traced = capture(model, inputs, mixed_precision)
+    found: dict[tuple, list] = {}
+    for n in traced.gm.graph.nodes:
+        if n.op != "call_function" or is_free(n) or n.target in EXPERT_OPS \
+                or not isinstance(n.target, OpOverload):
+            continue
+        key = (str(n.target), repr(fx.node.map_arg((n.args, n.kwargs), _signature)))
+        if key in found:
+            found[key][1] += 1
+            continue
+        flops, nbytes, dtype = roofline_terms(n)
+        found[key] = [KernelSample(str(n.target), flops, nbytes, dtype, 0.0), 1, n]
+    return [(replace(k, count=c), n) for k, c, n in found.values()]
+
+
+def _signature(a: fx.Node) -> Any:
+    v = a.meta.get("val")
+    return (tuple(v.shape), tuple(v.stride()), str(v.dtype)) if isinstance(v, torch.Tensor) else a.name
+
+
+def _real(value: Any, device: torch.device) -> Any:
+    """A real tensor of ``value``'s shape, strides and dtype (random floats, zero integers: valid
+    indices), or ``value`` itself when it is no tensor."""
+    if isinstance(value, torch.Tensor):
+        t = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype,
+                                device=device)
+        return t.normal_() if t.is_floating_point() else t.zero_()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_real(v, device) for v in value)
+    return value
+
+
+def _call_of(n: fx.Node, device: torch.device) -> Callable[[], Any]:
+    args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: _real(a.meta.get("val"), device))
+    target = n.target
+    return lambda: target(*args, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------
+# timing (every process runs the same calls at once)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
+    """The median seconds of ``fn()`` over ``reps`` calls after one warm-up, every process
+    starting together; the mean over the processes."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    out = torch.tensor([statistics.median(times)], dtype=torch.float64,
+                       device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(out)
+    return float(out.item()) / dist.get_world_size()
+
+
+def _reference_kernels(device: torch.device, quick: bool) -> list[tuple[KernelSample, Callable]]:
+    """A square GEMM in fp32 and bf16 (the best rates a CPU's peaks are taken from) and a
+    streaming add (its bandwidth)."""
+    out = []
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        # (a CPU without bf16 GEMM units runs bf16 about 50x slower: a smaller one there)
+        size = 8192 if device.type == "cuda" else (512 if quick else 1024) // (4 if name == "bf16" else 1)
+        a, b = (torch.randn(size, size, device=device, dtype=dtype) for _ in range(2))
+        out.append((KernelSample(f"reference mm {size}^3 {name}", 2.0 * size**3,
+                                 3.0 * size * size * a.element_size(), name, 0.0),
+                    lambda a=a, b=b: a @ b))
+    numel = (4 if quick else 16) * 2**20 if device.type == "cpu" else 2**28
+    x, y = (torch.randn(numel, device=device) for _ in range(2))
+    out.append((KernelSample(f"reference add {numel}", 0.0, 12.0 * numel, "fp32", 0.0),
+                lambda: x + y))
+    return out
+
+
+def _collective(kind: str, nbytes: int, device: torch.device) -> Callable[[], Any]:
+    n, rank = dist.get_world_size(), dist.get_rank()
+    numel = max(nbytes // 4, n)
+    full = torch.zeros(numel - numel % n, device=device)
+    part = torch.zeros(full.numel() // n, device=device)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(full)
+    if kind == "all_gather":
+        return lambda: dist.all_gather_into_tensor(full, part)
+    if kind == "reduce_scatter":
+        return lambda: dist.reduce_scatter_tensor(part, full)
+    if kind == "all_to_all":
+        other = torch.zeros_like(full)
+        return lambda: dist.all_to_all_single(other, full)
+    peer = rank ^ 1  # pairs (0, 1), (2, 3), ...: even ranks send, odd ones receive
+    if peer >= n:
+        return lambda: None
+    return (lambda: dist.send(full, peer)) if rank % 2 == 0 else (lambda: dist.recv(full, peer))
+
+
+# ------------------------------------------------------------------------------------------
+# the processes
+
+
+@dataclass(frozen=True)
+class _Job:
+    model: str | None
+    batch: int
+    seq: int
+    mixed_precision: str | None
+    quick: bool
+    out: str
+
+
+def _worker(rank: int, nproc: int, port: int, job: _Job, use_cuda: bool) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nproc))
+    if use_cuda:
+        torch.cuda.set_device(rank)
+    else:  # as torchrun runs them: one thread each unless OMP_NUM_THREADS says otherwise
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1 if nproc > 1 else
+                                                 torch.get_num_threads())))
+    dist.init_process_group("nccl" if use_cuda else "gloo")
+    try:
+        device = torch.device("cuda", rank) if use_cuda else torch.device("cpu")
+        reps = 3 if job.quick else 7
+        record: dict[str, Any] = {"kernels": [], "reference": [], "collectives": [], "failed": []}
+        with torch.no_grad():
+            for k, fn in _reference_kernels(device, job.quick):
+                record["reference"].append(replace(k, seconds=_time(fn, device, reps)).__dict__)
+        if job.model is not None:  # (captured with autograd on: the joint graph)
+            _time_model(job, device, reps, record)
+        if nproc > 1:
+            sizes = _GPU_SIZES if use_cuda else _CPU_SIZES
+            for kind in _KINDS:
+                for nbytes in sizes[::2] if job.quick else sizes:
+                    t = _time(_collective(kind, nbytes, device), device, reps)
+                    ranks = 2 if kind == "send_recv" else nproc
+                    record["collectives"].append(CollectiveSample(kind, nbytes, ranks, t).__dict__)
+        if rank == 0:
+            Path(job.out).write_text(json.dumps(record))
+    finally:
+        dist.destroy_process_group()
+
+
+def _time_model(job: _Job, device: torch.device, reps: int, record: dict) -> None:
+    from autopar.model_presets import load_model
+
+    model, inputs = load_model(job.model, job.batch, job.seq)
+    for k, node in model_kernels(model, inputs, job.mixed_precision):
+        with torch.no_grad():
+            try:
+                fn = _call_of(node, device)
+                fn()  # (every process fails alike: same op, same shapes)
+            except Exception as e:  # an op synthetic inputs cannot run: reported, not fitted
+                error = str(e).splitlines()[0][:120] if str(e) else ""
+                record["failed"].append((k.name, f"{type(e).__name__}: {error}"))
+                continue
+            record["kernels"].append(replace(k, seconds=_time(fn, device, reps)).__dict__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def calibrate(model: str | None = None, batch: int = 8, seq: int = 128, nproc: int | None = None,
+              base: str | None = None, name: str | None = None,
+              mixed_precision: str | None = None, quick: bool = False,
+              progress: Callable[[str], None] | None = None) -> CalibrationResult:
+    """Time kernels and collectives on this machine and fit a topology (see the module's text).
+
+    ``model``: ``module:function`` or a preset name (as ``python -m autopar plan`` takes it),
+    built with ``batch`` and ``seq``, whose operators are timed; ``None`` times the reference
+    kernels alone. ``nproc``: processes (default: the GPUs present, or 2 CPU processes).
+    ``base``: the preset whose datasheet figures a GPU keeps (default: by the GPU's name).
+    ``quick``: fewer repetitions and sizes (a smoke test; noisier).
+    """
+    import torch.multiprocessing as mp
+
+    say = progress or (lambda msg: None)
+    use_cuda = torch.cuda.is_available()
+    nproc = nproc or (torch.cuda.device_count() if use_cuda else 2)
+    if nproc < 1 or (use_cuda and nproc > torch.cuda.device_count()):
+        raise ValueError(f"calibrate: nproc={nproc}; give 1 to the number of GPUs "
+                         f"({torch.cuda.device_count() if use_cuda else 'any, on CPU'})")
+    base_topo = get_preset(base or base_preset_for("cuda" if use_cuda else "cpu"))
+    job = _Job(model, batch, seq, mixed_precision, quick, "")
+    with tempfile.TemporaryDirectory() as tmp:
+        job = replace(job, out=str(Path(tmp) / "timings.json"))
+        say(f"timing on {nproc} {'GPU' if use_cuda else 'CPU'} process(es)"
+            f"{f', the operators of {model}' if model else ''}")
+        mp.spawn(_worker, args=(nproc, _free_port(), job, use_cuda), nprocs=nproc, join=True)
+        record = json.loads(Path(job.out).read_text())
+    return _fit(record, base_topo, nproc, use_cuda, name, model)
+
+
+def _fit(record: dict, base: Topology, nproc: int, use_cuda: bool, name: str | None,
+         model: str | None) -> CalibrationResult:
+    reference = [KernelSample(**k) for k in record["reference"]]
+    kernels = [KernelSample(**k) for k in record["kernels"]]
+    collectives = tuple(CollectiveSample(**c) for c in record["collectives"])
+    peaks = bandwidth = None
+    if not use_cuda:  # no datasheet: the best rates measured are the peaks
+        rates: dict[str, float] = {}
+        for k in reference + kernels:
+            if k.flops > 0:
+                rates[k.dtype] = max(rates.get(k.dtype, 0.0), k.flops / k.seconds)
+        peaks = rates
+        # the streaming add's rate, or the model's own ops' when they beat it (in cache)
+        streams = [k for k in kernels if k.flops <= 0] or reference
+        bandwidth = max([k.bytes / k.seconds for k in reference if k.flops <= 0]
+                        + [sum(k.bytes * k.count for k in streams)
+                           / sum(k.seconds * k.count for k in streams)])
+    fit = fit_compute(kernels or reference, base, peaks, bandwidth)
+    fields: dict[str, Any] = dict(peak_flops=fit.peak_flops, mem_bandwidth_Bps=fit.mem_bandwidth_Bps,
+                                  matmul_efficiency=fit.matmul_efficiency,
+                                  pointwise_efficiency=fit.pointwise_efficiency)
+    if collectives:
+        link = fit_link(collectives)
+        fields["intra_node"] = link
+        if not use_cuda:  # one machine, one "node": every axis uses the measured link
+            fields["inter_node"] = link
+    if not use_cuda:
+        fields["gpus_per_node"] = nproc
+        fields["memory_bytes"] = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / nproc
+    device = torch.cuda.get_device_name(0) if use_cuda else f"CPU ({os.cpu_count()} cores)"
+    notes = (f"calibrated {time.strftime('%Y-%m-%d')} on {device}, {nproc} process(es), torch "
+             f"{torch.__version__}: {len(kernels)} operators of {model or 'no model'} and "
+             f"{len(reference)} reference kernels timed, {len(collectives)} collectives; from "
+             f"{base.name}" + (f"; held at 1: {', '.join(fit.clamped)}" if fit.clamped else ""))
+    topo = custom(name or f"calibrated-{base.name}", base=base, notes=notes, **fields)
+    return CalibrationResult(topo, base, tuple(reference + kernels), collectives, fit,
+                             tuple(tuple(f) for f in record["failed"]))
+
+
+def report(result: CalibrationResult) -> str:
+    """A table of the fit: per kind of kernel and per collective, measured against the
+    calibrated topology's prediction and the base preset's."""
+    from tabulate import tabulate
+
+    from autopar.cost_models.calibration import predicted_kernel_time
+    from autopar.cost_models.comm import collective_time
+
+    rows = []
+    groups = {"matmuls": [k for k in result.kernels if k.flops > 0 and not k.name.startswith("ref")],
+              "other ops": [k for k in result.kernels if k.flops <= 0 and not k.name.startswith("ref")],
+              "reference": [k for k in result.kernels if k.name.startswith("ref")]}
+    for label, ks in groups.items():
+        if ks:
+            rows.append([label, len(ks), *(sum(t(k) * k.count for k in ks) * 1e3 for t in (
+                lambda k: k.seconds, lambda k: predicted_kernel_time(k, result.topology),
+                lambda k: predicted_kernel_time(k, result.base)))])
+    for c in _few(result.collectives):
+        rows.append([f"{c.kind} {c.nbytes:,} B", c.ranks, c.seconds * 1e3,
+                     *(collective_time(c.kind, c.nbytes, c.ranks, t.intra_node) * 1e3
+                       for t in (result.topology, result.base))])
+    return tabulate(rows, headers=["what", "kernels / ranks", "measured ms", "calibrated ms",
+                                   f"{result.base.name} ms"], floatfmt=".3f")
+
+
+def _few(samples: Sequence[CollectiveSample]) -> list[CollectiveSample]:
+    """The smallest and the largest message of each kind."""
+    out = []
+    for kind in dict.fromkeys(s.kind for s in samples):
+        of = sorted((s for s in samples if s.kind == kind), key=lambda s: s.nbytes)
+        out += [of[0], of[-1]] if len(of) > 1 else of
+    return out
