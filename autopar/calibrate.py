@@ -41,7 +41,8 @@ from autopar.cost_models.calibration import (
 )
 from autopar.cost_models.topology import Topology, custom, get_preset
 
-__all__ = ["CalibrationResult", "calibrate", "model_kernels", "base_preset_for", "report"]
+__all__ = ["CalibrationResult", "calibrate", "model_kernels", "time_kernels", "base_preset_for",
+           "report"]
 
 _CPU_SIZES = (2**2, 2**8, 2**12, 2**16, 2**18, 2**20, 2**22, 2**24)
 _GPU_SIZES = (2**2, 2**12, 2**16, 2**20, 2**24, 2**27, 2**30)
@@ -148,9 +149,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
+def _time(fn: Callable[[], Any], device: torch.device, reps: int, active: bool = True) -> float:
     """The median seconds of ``fn()`` over ``reps`` calls after one warm-up, every process
-    starting together; the mean over the processes."""
+    starting together; the mean over the ``active`` processes (one with no part in the call,
+    as an odd rank out of send/recv pairs, still runs ``fn`` and its barriers)."""
     fn()
     _sync(device)
     times = []
@@ -160,10 +162,18 @@ def _time(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
         fn()
         _sync(device)
         times.append(time.perf_counter() - start)
-    out = torch.tensor([statistics.median(times)], dtype=torch.float64,
-                       device=device if device.type == "cuda" else "cpu")
+    out = torch.tensor([statistics.median(times) if active else 0.0, float(active)],
+                       dtype=torch.float64, device=device if device.type == "cuda" else "cpu")
     dist.all_reduce(out)
-    return float(out.item()) / dist.get_world_size()
+    return float(out[0].item() / out[1].item())
+
+
+def _all_ran(ok: bool, device: torch.device) -> bool:
+    """Whether every process could run a call (so all of them time it or none: a process that
+    skipped it alone would pair its next collectives with the wrong calls)."""
+    flag = torch.tensor([1.0 if ok else 0.0], device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item() > 0)
 
 
 def _reference_kernels(device: torch.device, quick: bool) -> list[tuple[KernelSample, Callable]]:
@@ -184,24 +194,31 @@ def _reference_kernels(device: torch.device, quick: bool) -> list[tuple[KernelSa
     return out
 
 
-def _collective(kind: str, nbytes: int, device: torch.device) -> Callable[[], Any]:
+def _collective(kind: str, nbytes: int, device: torch.device
+                ) -> tuple[Callable[[], Any], int, bool]:
+    """Collective ``kind`` of about ``nbytes`` over every process: the call, the bytes it moves
+    as :mod:`autopar.cost_models.comm` counts them (the whole buffer: a multiple of 4 bytes
+    times the processes), and whether this process takes part (send/recv pairs ranks 0-1,
+    2-3, ...; a last odd rank sits out)."""
     n, rank = dist.get_world_size(), dist.get_rank()
     numel = max(nbytes // 4, n)
     full = torch.zeros(numel - numel % n, device=device)
     part = torch.zeros(full.numel() // n, device=device)
+    size = 4 * full.numel()
     if kind == "all_reduce":
-        return lambda: dist.all_reduce(full)
+        return (lambda: dist.all_reduce(full)), size, True
     if kind == "all_gather":
-        return lambda: dist.all_gather_into_tensor(full, part)
+        return (lambda: dist.all_gather_into_tensor(full, part)), size, True
     if kind == "reduce_scatter":
-        return lambda: dist.reduce_scatter_tensor(part, full)
+        return (lambda: dist.reduce_scatter_tensor(part, full)), size, True
     if kind == "all_to_all":
         other = torch.zeros_like(full)
-        return lambda: dist.all_to_all_single(other, full)
-    peer = rank ^ 1  # pairs (0, 1), (2, 3), ...: even ranks send, odd ones receive
+        return (lambda: dist.all_to_all_single(other, full)), size, True
+    peer = rank ^ 1  # even ranks send, odd ones receive
     if peer >= n:
-        return lambda: None
-    return (lambda: dist.send(full, peer)) if rank % 2 == 0 else (lambda: dist.recv(full, peer))
+        return (lambda: None), size, False
+    send = rank % 2 == 0
+    return (lambda: dist.send(full, peer)) if send else (lambda: dist.recv(full, peer)), size, True
 
 
 # ------------------------------------------------------------------------------------------
@@ -240,9 +257,10 @@ def _worker(rank: int, nproc: int, port: int, job: _Job, use_cuda: bool) -> None
             sizes = _GPU_SIZES if use_cuda else _CPU_SIZES
             for kind in _KINDS:
                 for nbytes in sizes[::2] if job.quick else sizes:
-                    t = _time(_collective(kind, nbytes, device), device, reps)
+                    fn, size, active = _collective(kind, nbytes, device)
+                    t = _time(fn, device, reps, active)
                     ranks = 2 if kind == "send_recv" else nproc
-                    record["collectives"].append(CollectiveSample(kind, nbytes, ranks, t).__dict__)
+                    record["collectives"].append(CollectiveSample(kind, size, ranks, t).__dict__)
         if rank == 0:
             Path(job.out).write_text(json.dumps(record))
     finally:
@@ -253,16 +271,33 @@ def _time_model(job: _Job, device: torch.device, reps: int, record: dict) -> Non
     from autopar.model_presets import load_model
 
     model, inputs = load_model(job.model, job.batch, job.seq)
-    for k, node in model_kernels(model, inputs, job.mixed_precision):
+    kernels, failed = time_kernels(model, inputs, device, reps, job.mixed_precision)
+    record["kernels"] += [k.__dict__ for k in kernels]
+    record["failed"] += failed
+
+
+def time_kernels(model: torch.nn.Module, inputs: Any, device: torch.device, reps: int = 7,
+                 mixed_precision: str | None = None
+                 ) -> tuple[list[KernelSample], list[tuple[str, str]]]:
+    """Every distinct operator of ``model``'s joint graph (:func:`model_kernels`) timed on
+    ``device`` (inputs of its traced shapes; every process of the default group at once, the
+    mean of their medians over ``reps`` calls), and the operators synthetic inputs could not run
+    (name, error), which are left out. Needs a process group (one rank is enough)."""
+    timed, failed = [], []
+    for k, node in model_kernels(model, inputs, mixed_precision):
+        error = ""
         with torch.no_grad():
             try:
                 fn = _call_of(node, device)
-                fn()  # (every process fails alike: same op, same shapes)
+                fn()
+                _sync(device)  # (a CUDA error surfaces here)
             except Exception as e:  # an op synthetic inputs cannot run: reported, not fitted
-                error = str(e).splitlines()[0][:120] if str(e) else ""
-                record["failed"].append((k.name, f"{type(e).__name__}: {error}"))
+                error = f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
+            if not _all_ran(not error, device):
+                failed.append((k.name, error or "failed on another process"))
                 continue
-            record["kernels"].append(replace(k, seconds=_time(fn, device, reps)).__dict__)
+            timed.append(replace(k, seconds=_time(fn, device, reps)))
+    return timed, failed
 
 
 def _free_port() -> int:
@@ -308,14 +343,15 @@ def _fit(record: dict, base: Topology, nproc: int, use_cuda: bool, name: str | N
     kernels = [KernelSample(**k) for k in record["kernels"]]
     collectives = tuple(CollectiveSample(**c) for c in record["collectives"])
     peaks = bandwidth = None
-    if not use_cuda:  # no datasheet: the best rates measured are the peaks
+    if not use_cuda:  # no datasheet: the best rates measured (reference GEMMs or the model's)
         rates: dict[str, float] = {}
         for k in reference + kernels:
             if k.flops > 0:
                 rates[k.dtype] = max(rates.get(k.dtype, 0.0), k.flops / k.seconds)
         peaks = rates
         # the streaming add's rate, or the model's own ops' when they beat it (in cache)
-        streams = [k for k in kernels if k.flops <= 0] or reference
+        streams = ([k for k in kernels if k.flops <= 0]
+                   or [k for k in reference if k.flops <= 0])
         bandwidth = max([k.bytes / k.seconds for k in reference if k.flops <= 0]
                         + [sum(k.bytes * k.count for k in streams)
                            / sum(k.seconds * k.count for k in streams)])

@@ -45,7 +45,7 @@ def parse_mesh(text: str, gpus_per_node: int) -> tuple[int, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``plan`` and ``simulate``. ``--hardware`` offers the presets
+    """The argument parser of ``plan``, ``simulate`` and ``calibrate``. ``--hardware`` offers the presets
     registered when it is built (:func:`autopar.cost_models.register_topology` adds more)."""
     from autopar.config import ZERO_STAGES
     from autopar.cost_models.topology import preset_names
@@ -178,9 +178,12 @@ def _calibrate(args: argparse.Namespace) -> None:
     from autopar.calibrate import calibrate, report
 
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    result = calibrate(args.model, args.batch, args.seq, nproc=args.nproc, base=args.base,
-                       name=args.name, mixed_precision=args.mixed_precision, quick=args.quick,
-                       progress=say)
+    try:
+        result = calibrate(args.model, args.batch, args.seq, nproc=args.nproc, base=args.base,
+                           name=args.name, mixed_precision=args.mixed_precision,
+                           quick=args.quick, progress=say)
+    except ValueError as e:  # a bad --base / --nproc, an unknown GPU, timings no fit explains
+        raise SystemExit(f"calibrate: {e}") from e
     args.out.write_text(json.dumps(result.topology.to_dict(), indent=1) + "\n")
     if args.timings:
         args.timings.write_text(json.dumps(result.timings(), indent=1) + "\n")

@@ -15,10 +15,16 @@ Runs in one process (an NCCL process group of one rank, made here when the scrip
 2. **kernels**: the GEMMs, the attention and the pointwise ops of the 1B model's layer, timed
    with CUDA events (median of 20 after 5 warm-ups), next to the cost model's roofline time for
    the topology preset of this GPU (:func:`autopar.cost_models.compute.op_time`).
-3. **1B step**: a GPT of 1.03B parameters (dim 2560, 12 layers, 20 heads, vocab 32768, seq 2048,
+3. **calibration**: the compute calibration of ``python -m autopar calibrate``
+   (:func:`autopar.calibrate.time_kernels`, :func:`autopar.cost_models.calibration.fit_compute`):
+   every distinct operator of the 1B model's bf16 joint graph timed on this GPU, the preset's
+   matmul and pointwise efficiencies fitted to them; measured against the preset's and the
+   calibrated topology's times.
+4. **1B step**: a GPT of 1.03B parameters (dim 2560, 12 layers, 20 heads, vocab 32768, seq 2048,
    batch 4) planned by autopar for this GPU with bf16 autocast and compiled; its measured step
    (forward and backward, median of 10 after 3 warm-ups) and peak memory (with AdamW states)
-   against the plan's prediction, and the same model under ``torch.compile`` as a baseline.
+   against the plan's prediction (and, after part 3, the prediction of the same model planned on
+   the calibrated topology), and the same model under ``torch.compile`` as a baseline.
 
 Every part records its error instead of its figures when it fails, so one broken part does not
 hide the others; the exit status is 1 when any part failed or any check missed its tolerance.
@@ -45,8 +51,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from runtime_vs_torch import make_batch, make_model  # noqa: E402
 
 import autopar  # noqa: E402
+from autopar.calibrate import base_preset_for, time_kernels  # noqa: E402
+from autopar.cost_models.calibration import fit_compute, predicted_kernel_time  # noqa: E402
 from autopar.cost_models.compute import op_time  # noqa: E402
-from autopar.cost_models.topology import get_preset  # noqa: E402
+from autopar.cost_models.topology import Topology, custom, get_preset  # noqa: E402
 from autopar.numerics import gradient_error, gradient_floor  # noqa: E402
 
 SMALL = dict(dim=256, heads=4, layers=2, seq=128, batch=8, vocab=1024)
@@ -57,12 +65,16 @@ DEVICE = "cuda"  # "cpu" with --cpu: the script's own smoke test, at tiny sizes,
 TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}
 
 
-def preset_for(name: str) -> str:
-    """The topology preset of a GPU by its CUDA name (``h100-dgx`` when none matches)."""
-    for key, preset in (("H200", "h200-dgx"), ("H100", "h100-dgx"), ("A100", "a100-dgx")):
-        if key in name:
-            return preset
-    return "h100-dgx"
+def preset_for() -> str:
+    """The topology preset of this GPU by its CUDA name (``h100-dgx`` when none matches)."""
+    try:
+        return base_preset_for("cuda")
+    except ValueError:  # another GPU: the check still runs, priced as an H100 (said in its facts)
+        return "h100-dgx"
+
+
+# the topology part 3 fits (part 4 plans on it too)
+CALIBRATED: dict[str, Topology] = {}
 
 
 def one_rank_group() -> None:
@@ -216,6 +228,29 @@ def kernels(size: dict, topo_name: str) -> list[dict]:
     return rows
 
 
+def calibration(size: dict, topo_name: str) -> list[dict]:
+    """Part 3: the operators of ``size``'s bf16 graph timed on this device, the preset's two
+    efficiencies fitted to them (``python -m autopar calibrate``'s compute fit)."""
+    base = get_preset(topo_name)
+    timed, failed = time_kernels(make_model(size), make_batch(size), torch.device(DEVICE),
+                                 reps=5, mixed_precision="bf16")
+    fit = fit_compute(timed, base)
+    topo = CALIBRATED["topology"] = custom(
+        f"calibrated-{base.name}", base=base, matmul_efficiency=fit.matmul_efficiency,
+        pointwise_efficiency=fit.pointwise_efficiency)
+    rows = []
+    for label, ks in (("matmuls", [k for k in timed if k.flops > 0]),
+                      ("other ops", [k for k in timed if k.flops <= 0])):
+        rows.append({"kernels": label, "distinct": len(ks),
+                     "measured_ms": sum(k.seconds * k.count for k in ks) * 1e3,
+                     f"{base.name}_ms": sum(predicted_kernel_time(k, base) * k.count for k in ks) * 1e3,
+                     "calibrated_ms": sum(predicted_kernel_time(k, topo) * k.count for k in ks) * 1e3})
+    rows.append({"kernels": "fitted", "matmul_efficiency": fit.matmul_efficiency,
+                 "pointwise_efficiency": fit.pointwise_efficiency, "held_at_1": fit.clamped,
+                 "not_timed": [name for name, _ in failed]})
+    return rows
+
+
 def _timed_steps(step: Callable[[], Any], opt: torch.optim.Optimizer, repeats: int) -> tuple[float, float]:
     """Median seconds of ``step`` (the optimizer's update outside the timing) and peak bytes."""
     for _ in range(3):
@@ -250,8 +285,14 @@ def big_step(size: dict, mesh: autopar.Mesh, repeats: int) -> list[dict]:
     measured, peak = _timed_steps(lambda: pm.step(ids, tgt), opt, repeats)
     pred = pm.plan.predicted
     n_params = sum(p.numel() for p in pm.parameters())
+    calibrated = None
+    if "topology" in CALIBRATED:  # the same model planned on part 3's topology (no devices)
+        vmesh = autopar.Mesh.virtual(CALIBRATED["topology"], nodes=1, gpus_per_node=1)
+        calibrated = autopar.plan(make_model(size), vmesh, make_batch(size), config=autopar.Config(
+            mixed_precision="bf16")).predicted["step_time_s"]
     rows.append({"variant": "autopar (compiled)", "params": n_params, "measured_s": measured,
-                 "predicted_s": pred["step_time_s"], "peak_GiB": peak / 2**30,
+                 "predicted_s": pred["step_time_s"], "predicted_s_calibrated": calibrated,
+                 "peak_GiB": peak / 2**30,
                  "predicted_peak_GiB": pred["peak_memory_bytes"] / 2**30, "setup_s": setup_s,
                  "techniques": dict(pm.plan.techniques),
                  "model_tflops": (pred.get("model_flops") or 0) / measured / 1e12})
@@ -288,7 +329,7 @@ def _device_facts() -> dict[str, Any]:
         return {"device": "cpu", "preset": "cpu-gloo", "torch": torch.__version__}
     name = torch.cuda.get_device_name()
     props = torch.cuda.get_device_properties(0)
-    return {"device": name, "preset": preset_for(name), "torch": torch.__version__,
+    return {"device": name, "preset": preset_for(), "torch": torch.__version__,
             "sms": props.multi_processor_count, "memory_GiB": props.total_memory / 2**30}
 
 
@@ -296,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="write every figure to this file")
     p.add_argument("--quick", action="store_true", help="a 0.1B model in part 3 (for a first try)")
-    p.add_argument("--parts", default="equivalence,kernels,step")
+    p.add_argument("--parts", default="equivalence,kernels,calibration,step")
     p.add_argument("--cpu", action="store_true",
                    help="the script's own smoke test: tiny sizes on the CPU (gloo), no figures")
     args = p.parse_args(argv)
@@ -315,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     size = TINY if args.cpu else QUICK_B if args.quick else ONE_B
     parts = {"equivalence": lambda: equivalence(TINY if args.cpu else SMALL, mesh),
              "kernels": lambda: kernels(size, topo),
+             "calibration": lambda: calibration(size, topo),
              "step": lambda: big_step(size, mesh, repeats=10)}
     for part in args.parts.split(","):
         _part(results, part, parts[part])

@@ -1,6 +1,6 @@
 """Measured vs predicted step time of every pipeline schedule on this machine's CPU processes.
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/pipeline_schedules.py [--steps 5]
+    torchrun --standalone --nproc_per_node=2 benchmarks/pipeline_schedules.py [--steps 5] [--topology my.json]
 
 Plans a GPT (tied embedding and LM head) with pp=2 and each schedule on the ``cpu-gloo``
 topology, runs two warm-up steps and times ``--steps`` more; rank 0 prints a table of the
@@ -35,10 +35,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--microbatch", type=int, default=4)
+    parser.add_argument("--topology", default="cpu-gloo",
+                        help="price the plans on this preset or topology JSON file (`python -m "
+                             "autopar calibrate --out F` writes one); default cpu-gloo")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    mesh = autopar.Mesh.from_torchrun()
+    mesh = autopar.Mesh.from_torchrun(topology=args.topology)
     rows = []
     for schedule, v in SCHEDULES:
         model, inputs = build("gpt", dim=args.dim, layers=args.layers, batch=args.batch, seq=64)

@@ -1,6 +1,6 @@
 """Predicted vs measured peak memory and step time of each memory/communication technique.
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/techniques.py [--steps 5]
+    torchrun --standalone --nproc_per_node=2 benchmarks/techniques.py [--steps 5] [--topology my.json]
 
 Plans the GPT-2-style test model on this machine's CPU processes (``cpu-gloo`` topology) once
 per technique: none, selective and full recomputation (tp=2), sequence parallelism (tp=2),
@@ -48,7 +48,7 @@ def run(name: str, cfg: dict, args: argparse.Namespace) -> list:
     model, inputs = build("gpt", dim=args.dim, heads=4, layers=args.layers, batch=args.batch,
                           seq=args.seq)
     base = dict(recompute="none", zero=0)  # the row's technique only, nothing chosen for it
-    pm = autopar.parallelize(model, autopar.Mesh.from_torchrun(topology="cpu-gloo"), inputs,
+    pm = autopar.parallelize(model, autopar.Mesh.from_torchrun(topology=args.topology), inputs,
                              config=autopar.Config(**{**base, **cfg}))
     opt = torch.optim.AdamW(pm.parameters())
 
@@ -88,6 +88,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--topology", default="cpu-gloo",
+                        help="price the plans on this preset or topology JSON file (`python -m "
+                             "autopar calibrate --out F` writes one); default cpu-gloo")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)

@@ -14,8 +14,8 @@ fits, so it is tested on synthetic timings. Two fits, each in the cost model's o
   (``peaks``), so each efficiency stays in (0, 1].
 - **links** (:func:`fit_link`): the alpha-beta forms of :mod:`autopar.cost_models.comm`, ``t =
   launch + h * latency + g * nbytes / bandwidth`` with ``(h, g)`` of each collective kind on
-  ``n`` ranks (ring all-reduce ``2(n-1), 2(n-1)/n``; all-gather and reduce-scatter ``n-1,
-  (n-1)/n``; send/recv ``1, 1``; Thakur et al. 2005, nccl-tests PERFORMANCE.md). Least squares
+  ``n`` ranks (ring all-reduce ``2(n-1), 2(n-1)/n``; all-gather, reduce-scatter and all-to-all
+  ``n-1, (n-1)/n``; send/recv ``1, 1``; Thakur et al. 2005, nccl-tests PERFORMANCE.md). Least squares
   on ``(predicted - measured)^2 / measured`` over every sample (a relative error weighted by the
   time: the large messages that make most of a step's communication time fix the bandwidths),
   with one launch and latency and a bandwidth per collective kind (``AxisLink.bandwidth_by_kind``).
@@ -53,8 +53,9 @@ class KernelSample:
 @dataclass(frozen=True)
 class CollectiveSample:
     """One collective timed over ``ranks`` processes: ``kind`` (``all_reduce``, ``all_gather``,
-    ``reduce_scatter``, ``send_recv``), ``nbytes`` as :mod:`autopar.cost_models.comm` counts it
-    (the whole buffer), and the measured seconds of one call."""
+    ``reduce_scatter``, ``all_to_all``, ``send_recv``), ``nbytes`` as
+    :mod:`autopar.cost_models.comm` counts it (the whole buffer), and the measured seconds of
+    one call."""
 
     kind: str
     nbytes: float
@@ -114,8 +115,15 @@ def fit_compute(kernels: Sequence[KernelSample], base: Topology,
         return sum(predicted_kernel_time(k, t) * k.count for k in matmuls)
 
     lo, hi = 1e-4, 1.0
-    if predicted(hi) > measured:  # faster than the peak allows: held at 1
-        clamped.append("matmul_efficiency")
+    if predicted(lo) < measured:
+        raise ValueError(f"fit_compute: the matmuls took {measured:.3g} s, more than a matmul "
+                         f"efficiency of {lo} explains on {base.name}'s peaks "
+                         f"({predicted(lo):.3g} s); check the base preset (its peaks) and the "
+                         f"timings")
+    if predicted(hi) > measured:  # faster than the peak (or the memory term) allows: held at 1
+        memory = sum(k.bytes * k.count for k in matmuls) / (bandwidth * e_p)
+        clamped.append("matmul_efficiency" + (" (the matmuls' memory term alone is above their "
+                                              "measured time)" if memory > measured else ""))
         e_m = hi
     else:
         for _ in range(60):  # predicted(e) falls as e grows; find predicted(e) = measured
@@ -147,11 +155,16 @@ def fit_link(samples: Sequence[CollectiveSample]) -> AxisLink:
     Raises ``ValueError`` when a kind was timed at a single message size, or its timings do
     not grow with the size (no bandwidth can be fitted).
     """
+    bad = [s for s in samples if not s.seconds > 0]
+    if bad:
+        raise ValueError(f"fit_link: {len(bad)} samples have no positive time (first: {bad[0]}); "
+                         f"time each collective over several calls and pass seconds > 0")
     kinds = list(dict.fromkeys(s.kind for s in samples))
     for kind in kinds:
         if len({s.nbytes for s in samples if s.kind == kind}) < 2:
             raise ValueError(f"fit_link needs each kind at two sizes or more; {kind!r} has "
-                             f"{sorted({s.nbytes for s in samples if s.kind == kind})}")
+                             f"{sorted({s.nbytes for s in samples if s.kind == kind})}: time it "
+                             f"at more message sizes")
     rows = np.zeros((len(samples), 2 + len(kinds)))
     for i, s in enumerate(samples):
         h, g = ring_terms(s.kind, s.ranks)

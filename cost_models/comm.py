@@ -41,7 +41,6 @@ __all__ = [
 ]
 
 
-
 def _check(nbytes: float, n: int) -> None:
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"group size n must be an int >= 1, got {n!r}")

@@ -140,9 +140,10 @@ def roofline_terms(n: fx.Node, inputs: Sequence[Placements | None] | None = None
                    mesh_shape: tuple[int, ...] = (1,), fused: frozenset = frozenset()
                    ) -> tuple[float, float, str]:
     """The roofline terms the cost model prices node ``n`` with: ``(flops, bytes, dtype)`` on the
-    local shapes the ``inputs`` / ``outputs`` placements give on ``mesh_shape`` (``None``: the
-    whole tensors, one device). Bytes are every tensor input and output once (a ``fused``
-    input's name, or ``""`` for the outputs, costs no traffic); ``dtype`` is the matmul peak's
+    local shapes the ``inputs`` / ``outputs`` placements give on ``mesh_shape`` (``inputs`` or
+    ``outputs`` ``None``: the whole tensors, one device; an output placement ``None``: that
+    output not counted). Bytes are every tensor input and output once (a ``fused`` input's
+    name, or ``""`` for the outputs, costs no traffic); ``dtype`` is the matmul peak's
     ("bf16" for 16-bit inputs, else "fp32"). View-like ops and expert ops are the caller's:
     they are priced apart (``_FREE``, :func:`autopar.cost_models.experts.experts_node_work`)."""
     args_in = tensor_inputs(n)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -131,6 +132,8 @@ class AxisLink:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "AxisLink":
         """Inverse of :meth:`to_dict`; raises ``ValueError`` on missing or unknown keys."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"AxisLink.from_dict expects a mapping, got {type(data).__name__}")
         _check_keys("AxisLink", {"bandwidth_by_kind": {}, **data},
                     {f.name for f in dataclasses.fields(cls)})
         return cls(
@@ -385,7 +388,7 @@ def get_preset(name: str) -> Topology:
     )
 
 
-def load_topology(spec: "str | Path | Topology") -> Topology:
+def load_topology(spec: "str | os.PathLike | Topology") -> Topology:
     """A topology from a registered preset name, a JSON file written by
     ``python -m autopar calibrate`` (or ``json.dump(topology.to_dict(), f)``), or a
     :class:`Topology` (returned as it is).
@@ -397,7 +400,7 @@ def load_topology(spec: "str | Path | Topology") -> Topology:
         return spec
     if isinstance(spec, str) and spec in _REGISTRY:
         return _REGISTRY[spec]
-    path = Path(spec) if isinstance(spec, (str, Path)) else None
+    path = Path(os.fspath(spec)) if isinstance(spec, (str, os.PathLike)) else None
     if path is None or not path.is_file():
         raise ValueError(
             f"topology {spec!r} is neither a registered preset ({', '.join(preset_names())}) "

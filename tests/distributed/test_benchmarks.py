@@ -77,7 +77,7 @@ def test_fsdp2_benchmark_runs_at_tiny_size(tmp_path):
         assert sum(rank["torch"]["bytes"].values()) > 0
 
 
-@pytest.mark.slow  # 90 s: two compilations of each model; on a GPU the same script checks it
+@pytest.mark.slow  # 100 s: two compilations of each model; on a GPU the same script checks it
 def test_gpu_check_runs_on_the_cpu_at_tiny_size(tmp_path):
     out = tmp_path / "gpu_check.json"
     _run("gpu_check.py", "--cpu", "--json", str(out))
@@ -87,8 +87,14 @@ def test_gpu_check_runs_on_the_cpu_at_tiny_size(tmp_path):
         (p, c) for p in ("fp32", "bf16") for c in (False, True)]
     assert all(r["ok"] and "error" not in r for r in rows), rows
     assert {r["dtype"] for r in res["kernels"]} == {"bf16", "fp32"}
+    # the compute calibration: every operator of the model timed (none refused), both kinds
+    matmuls, others, fitted = res["calibration"]
+    assert matmuls["kernels"] == "matmuls" and matmuls["measured_ms"] > 0, res["calibration"]
+    assert others["kernels"] == "other ops" and others["measured_ms"] > 0, res["calibration"]
+    assert fitted["not_timed"] == [] and 0 < fitted["matmul_efficiency"] <= 1, fitted
     autopar_row, torch_row = res["step"]
     assert autopar_row["params"] == torch_row["params"] and autopar_row["predicted_s"] > 0
+    assert autopar_row["predicted_s_calibrated"] > 0
 
 
 @pytest.mark.slow  # 40 s
