@@ -20,6 +20,7 @@ __all__ = [
     "TorchDispatchMode", "funcol", "tree_flatten", "tree_map", "tree_map_only",
     "SUPPORTED", "TRIED",
     "check_torch_version",
+    "RELEASE",
     "sharding_propagator",
     "enumerate_op_strategy",
     "redistribute_local",
@@ -34,8 +35,18 @@ __all__ = [
 ]
 
 SUPPORTED = ("2.13",)
-# releases that import and run the one-GPU check but fail parts of the suite (torch 2.11: 21 of
-# 609 unit tests, DTensor's layer-norm rules differ); only with AUTOPAR_UNVERIFIED_TORCH=1
+
+
+def _release(version: str) -> str:
+    """``"2.11.0+cu130"`` -> ``"2.11"``."""
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+# the running torch release, "major.minor" (the rules that differ by release read it)
+RELEASE = _release(torch.__version__)
+# releases that import and run the one-GPU check but fail parts of the suite (torch 2.11: 8 of
+# 676 unit tests, DTensor's pointwise and view rules differ; its layer-norm rules are replaced
+# by autopar's, autopar.strategies.rules); only with AUTOPAR_UNVERIFIED_TORCH=1
 TRIED = ("2.11",)
 
 
@@ -45,13 +56,13 @@ def check_torch_version() -> None:
     import os
     import warnings
 
-    release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    release = _release(torch.__version__)
     if release in SUPPORTED:
         return
     if release in TRIED and os.environ.get("AUTOPAR_UNVERIFIED_TORCH") == "1":
         warnings.warn(f"autopar on torch {torch.__version__}: not verified (the suite passes on "
-                      f"{', '.join(SUPPORTED)}; plans with sequence parallelism fail to place "
-                      f"layer norms on 2.11)", RuntimeWarning, stacklevel=2)
+                      f"{', '.join(SUPPORTED)}; on 2.11 plans with sequence parallelism are refused "
+                      f"and some tensor-parallel layouts differ)", RuntimeWarning, stacklevel=2)
         return
     tried = f" (on {', '.join(TRIED)}, AUTOPAR_UNVERIFIED_TORCH=1 runs it unverified)" if TRIED else ""
     raise RuntimeError(
