@@ -42,7 +42,7 @@ from autopar.cost_models.calibration import (
 from autopar.cost_models.topology import Topology, custom, get_preset
 
 __all__ = ["CalibrationResult", "calibrate", "model_kernels", "time_kernels", "base_preset_for",
-           "report"]
+           "free_port", "report"]
 
 _CPU_SIZES = (2**2, 2**8, 2**12, 2**16, 2**18, 2**20, 2**22, 2**24)
 _GPU_SIZES = (2**2, 2**12, 2**16, 2**20, 2**24, 2**27, 2**30)
@@ -53,7 +53,8 @@ _KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv
 class CalibrationResult:
     """What :func:`calibrate` measured and fitted.
 
-    ``topology``: the calibrated topology; ``base``: the preset it started from; ``kernels`` and
+    ``topology``: the calibrated topology; ``base``: the preset it started from; ``kernels`` (the
+    model's operators), ``reference`` (the reference GEMMs and streaming add) and
     ``collectives``: the timings (seconds of one call, the mean over the processes of each one's
     median); ``fit``: the compute constants; ``failed``: kernels that could not be run on
     synthetic inputs (name and error), left out of the fit.
@@ -62,6 +63,7 @@ class CalibrationResult:
     topology: Topology
     base: Topology
     kernels: tuple[KernelSample, ...]
+    reference: tuple[KernelSample, ...]
     collectives: tuple[CollectiveSample, ...]
     fit: ComputeFit
     failed: tuple[tuple[str, str], ...]
@@ -70,6 +72,7 @@ class CalibrationResult:
         """Every timing as plain JSON (``--timings``): to inspect the fit or refit it with
         :func:`autopar.cost_models.calibration.fit_compute` and ``fit_link``."""
         return {"kernels": [k.__dict__ for k in self.kernels],
+                "reference": [k.__dict__ for k in self.reference],
                 "collectives": [c.__dict__ for c in self.collectives],
                 "failed": [list(f) for f in self.failed], "topology": self.topology.to_dict()}
 
@@ -300,7 +303,8 @@ def time_kernels(model: torch.nn.Module, inputs: Any, device: torch.device, reps
     return timed, failed
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on this machine's loopback (for a process group's rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -332,7 +336,7 @@ def calibrate(model: str | None = None, batch: int = 8, seq: int = 128, nproc: i
         job = replace(job, out=str(Path(tmp) / "timings.json"))
         say(f"timing on {nproc} {'GPU' if use_cuda else 'CPU'} process(es)"
             f"{f', the operators of {model}' if model else ''}")
-        mp.spawn(_worker, args=(nproc, _free_port(), job, use_cuda), nprocs=nproc, join=True)
+        mp.spawn(_worker, args=(nproc, free_port(), job, use_cuda), nprocs=nproc, join=True)
         record = json.loads(Path(job.out).read_text())
     return _fit(record, base_topo, nproc, use_cuda, name, model)
 
@@ -373,7 +377,7 @@ def _fit(record: dict, base: Topology, nproc: int, use_cuda: bool, name: str | N
              f"{len(reference)} reference kernels timed, {len(collectives)} collectives; from "
              f"{base.name}" + (f"; held at 1: {', '.join(fit.clamped)}" if fit.clamped else ""))
     topo = custom(name or f"calibrated-{base.name}", base=base, notes=notes, **fields)
-    return CalibrationResult(topo, base, tuple(reference + kernels), collectives, fit,
+    return CalibrationResult(topo, base, tuple(kernels), tuple(reference), collectives, fit,
                              tuple(tuple(f) for f in record["failed"]))
 
 
@@ -382,18 +386,17 @@ def report(result: CalibrationResult) -> str:
     calibrated topology's prediction and the base preset's."""
     from tabulate import tabulate
 
-    from autopar.cost_models.calibration import predicted_kernel_time
+    from autopar.cost_models.calibration import step_seconds
     from autopar.cost_models.comm import collective_time
 
     rows = []
-    groups = {"matmuls": [k for k in result.kernels if k.flops > 0 and not k.name.startswith("ref")],
-              "other ops": [k for k in result.kernels if k.flops <= 0 and not k.name.startswith("ref")],
-              "reference": [k for k in result.kernels if k.name.startswith("ref")]}
+    groups = {"matmuls": [k for k in result.kernels if k.flops > 0],
+              "other ops": [k for k in result.kernels if k.flops <= 0],
+              "reference": list(result.reference)}
     for label, ks in groups.items():
         if ks:
-            rows.append([label, len(ks), *(sum(t(k) * k.count for k in ks) * 1e3 for t in (
-                lambda k: k.seconds, lambda k: predicted_kernel_time(k, result.topology),
-                lambda k: predicted_kernel_time(k, result.base)))])
+            rows.append([label, len(ks), *(step_seconds(ks, t) * 1e3
+                                           for t in (None, result.topology, result.base))])
     for c in _few(result.collectives):
         rows.append([f"{c.kind} {c.nbytes:,} B", c.ranks, c.seconds * 1e3,
                      *(collective_time(c.kind, c.nbytes, c.ranks, t.intra_node) * 1e3

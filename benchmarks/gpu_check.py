@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -51,8 +50,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from runtime_vs_torch import make_batch, make_model  # noqa: E402
 
 import autopar  # noqa: E402
-from autopar.calibrate import base_preset_for, time_kernels  # noqa: E402
-from autopar.cost_models.calibration import fit_compute, predicted_kernel_time  # noqa: E402
+from autopar.calibrate import base_preset_for, free_port, time_kernels  # noqa: E402
+from autopar.cost_models.calibration import fit_compute, step_seconds  # noqa: E402
 from autopar.cost_models.compute import op_time  # noqa: E402
 from autopar.cost_models.topology import Topology, custom, get_preset  # noqa: E402
 from autopar.numerics import gradient_error, gradient_floor  # noqa: E402
@@ -81,11 +80,8 @@ def one_rank_group() -> None:
     """A process group of one rank (NCCL, or gloo with ``--cpu``), unless ``torchrun`` made the
     environment."""
     if "RANK" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
 def cuda_time(fn: Callable[[], Any], repeats: int = 20, warmup: int = 5) -> float:
@@ -241,10 +237,9 @@ def calibration(size: dict, topo_name: str) -> list[dict]:
     rows = []
     for label, ks in (("matmuls", [k for k in timed if k.flops > 0]),
                       ("other ops", [k for k in timed if k.flops <= 0])):
-        rows.append({"kernels": label, "distinct": len(ks),
-                     "measured_ms": sum(k.seconds * k.count for k in ks) * 1e3,
-                     f"{base.name}_ms": sum(predicted_kernel_time(k, base) * k.count for k in ks) * 1e3,
-                     "calibrated_ms": sum(predicted_kernel_time(k, topo) * k.count for k in ks) * 1e3})
+        rows.append({"kernels": label, "distinct": len(ks), "measured_ms": step_seconds(ks) * 1e3,
+                     f"{base.name}_ms": step_seconds(ks, base) * 1e3,
+                     "calibrated_ms": step_seconds(ks, topo) * 1e3})
     rows.append({"kernels": "fitted", "matmul_efficiency": fit.matmul_efficiency,
                  "pointwise_efficiency": fit.pointwise_efficiency, "held_at_1": fit.clamped,
                  "not_timed": [name for name, _ in failed]})

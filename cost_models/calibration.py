@@ -34,7 +34,7 @@ from autopar.cost_models.compute import op_time
 from autopar.cost_models.topology import AxisLink, Topology, custom
 
 __all__ = ["KernelSample", "CollectiveSample", "ComputeFit", "fit_compute", "fit_link",
-           "ring_terms", "predicted_kernel_time"]
+           "ring_terms", "predicted_kernel_time", "step_seconds"]
 
 
 @dataclass(frozen=True)
@@ -81,8 +81,12 @@ def predicted_kernel_time(k: KernelSample, topology: Topology) -> float:
     return op_time(k.flops, k.bytes, topology, k.dtype, is_matmul=k.flops > 0)
 
 
-def _weighted(samples: Sequence[KernelSample]) -> float:
-    return sum(k.seconds * k.count for k in samples)
+def step_seconds(kernels: Sequence[KernelSample], topology: Topology | None = None) -> float:
+    """The seconds ``kernels`` take in one step, each times its ``count``: as measured, or as
+    ``topology`` prices them."""
+    if topology is None:
+        return sum(k.seconds * k.count for k in kernels)
+    return sum(predicted_kernel_time(k, topology) * k.count for k in kernels)
 
 
 def fit_compute(kernels: Sequence[KernelSample], base: Topology,
@@ -102,17 +106,17 @@ def fit_compute(kernels: Sequence[KernelSample], base: Topology,
     peak = dict(base.peak_flops) | dict(peaks or {})
     bandwidth = float(bandwidth_Bps or base.mem_bandwidth_Bps)
     clamped = []
-    e_p = sum(k.bytes * k.count for k in pointwise) / bandwidth / _weighted(pointwise)
+    e_p = sum(k.bytes * k.count for k in pointwise) / bandwidth / step_seconds(pointwise)
     if e_p > 1.0:
         clamped.append("pointwise_efficiency")
         e_p = 1.0
     topo = custom(base.name, base=base, peak_flops=peak, mem_bandwidth_Bps=bandwidth,
                   pointwise_efficiency=e_p, matmul_efficiency=1.0)
-    measured = _weighted(matmuls)
+    measured = step_seconds(matmuls)
 
     def predicted(e_m: float) -> float:
         t = custom(base.name, base=topo, matmul_efficiency=e_m)
-        return sum(predicted_kernel_time(k, t) * k.count for k in matmuls)
+        return step_seconds(matmuls, t)
 
     lo, hi = 1e-4, 1.0
     if predicted(lo) < measured:
