@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from autopar._torch_private import OpOverload
+from autopar._torch_private import OpOverload, tree_map_only
 from autopar.cost_models.calibration import (
     CollectiveSample, ComputeFit, KernelSample, fit_compute, fit_link,
 )
@@ -139,6 +139,9 @@ def _real(value: Any, device: torch.device) -> Any:
 
 def _call_of(n: fx.Node, device: torch.device) -> Callable[[], Any]:
     args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: _real(a.meta.get("val"), device))
+    # a device the trace named (a factory op's or a copy's) is the timing device: a copy traced
+    # as "to cpu" would otherwise time a device-to-host transfer
+    args, kwargs = tree_map_only(torch.device, lambda _: device, (args, kwargs))
     target = n.target
     return lambda: target(*args, **kwargs)
 
@@ -273,7 +276,8 @@ def _worker(rank: int, nproc: int, port: int, job: _Job, use_cuda: bool) -> None
 def _time_model(job: _Job, device: torch.device, reps: int, record: dict) -> None:
     from autopar.model_presets import load_model
 
-    model, inputs = load_model(job.model, job.batch, job.seq)
+    with device:  # built on the device (a preset's fake tensors cannot be moved there after)
+        model, inputs = load_model(job.model, job.batch, job.seq)
     kernels, failed = time_kernels(model, inputs, device, reps, job.mixed_precision)
     record["kernels"] += [k.__dict__ for k in kernels]
     record["failed"] += failed
@@ -285,7 +289,13 @@ def time_kernels(model: torch.nn.Module, inputs: Any, device: torch.device, reps
     """Every distinct operator of ``model``'s joint graph (:func:`model_kernels`) timed on
     ``device`` (inputs of its traced shapes; every process of the default group at once, the
     mean of their medians over ``reps`` calls), and the operators synthetic inputs could not run
-    (name, error), which are left out. Needs a process group (one rank is enough)."""
+    (name, error), which are left out. ``model`` is moved to ``device`` (in place) and traced
+    there. Needs a process group (one rank is enough)."""
+    # traced on the device it is timed on: its kernels (CUDA's attention, not the CPU one) and
+    # its autocast policy (CUDA runs layer norm in fp32, the CPU in bf16)
+    if any(t.device != device for t in (*model.parameters(), *model.buffers())):
+        model = model.to(device)
+    inputs = tree_map_only(torch.Tensor, lambda t: t.to(device), inputs)
     timed, failed = [], []
     for k, node in model_kernels(model, inputs, mixed_precision):
         error = ""
@@ -386,7 +396,7 @@ def report(result: CalibrationResult) -> str:
     calibrated topology's prediction and the base preset's."""
     from tabulate import tabulate
 
-    from autopar.cost_models.calibration import step_seconds
+    from autopar.cost_models.calibration import LAUNCH_BOUND_S, step_seconds
     from autopar.cost_models.comm import collective_time
 
     rows = []
@@ -401,8 +411,15 @@ def report(result: CalibrationResult) -> str:
         rows.append([f"{c.kind} {c.nbytes:,} B", c.ranks, c.seconds * 1e3,
                      *(collective_time(c.kind, c.nbytes, c.ranks, t.intra_node) * 1e3
                        for t in (result.topology, result.base))])
-    return tabulate(rows, headers=["what", "kernels / ranks", "measured ms", "calibrated ms",
-                                   f"{result.base.name} ms"], floatfmt=".3f")
+    table = tabulate(rows, headers=["what", "kernels / ranks", "measured ms", "calibrated ms",
+                                    f"{result.base.name} ms"], floatfmt=".3f")
+    short = [k for k in result.kernels if k.seconds < LAUNCH_BOUND_S]
+    if result.topology.device_type == "cuda" and short:
+        share = step_seconds(short) / max(step_seconds(result.kernels), 1e-30)
+        table += (f"\n{len(short)} of {len(result.kernels)} operators ({share:.0%} of the measured "
+                  f"time) ran under {LAUNCH_BOUND_S * 1e6:.0f} us a call: launch-bound, their time "
+                  f"is the host's, not the GPU's; calibrate with the batch and sequence you train with")
+    return table
 
 
 def _few(samples: Sequence[CollectiveSample]) -> list[CollectiveSample]:

@@ -34,7 +34,12 @@ from autopar.cost_models.compute import op_time
 from autopar.cost_models.topology import AxisLink, Topology, custom
 
 __all__ = ["KernelSample", "CollectiveSample", "ComputeFit", "fit_compute", "fit_link",
-           "ring_terms", "predicted_kernel_time", "step_seconds"]
+           "ring_terms", "predicted_kernel_time", "step_seconds", "LAUNCH_BOUND_S"]
+
+# A GPU kernel call shorter than this is timed at the host's launch rate, not the GPU's: on an
+# H200 (benchmarks/data/h200_kernel_sweep.json) back-to-back GEMMs of any size below it took
+# 13-23 us a call, varying 2x between two runs; the roofline does not price launches.
+LAUNCH_BOUND_S = 40e-6
 
 
 @dataclass(frozen=True)
