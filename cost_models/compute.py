@@ -13,7 +13,7 @@ Sources:
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.utils.flop_counter import (
@@ -26,6 +26,9 @@ import autopar.capture.experts  # noqa: F401  (registers autopar::grouped_mm, pr
 from autopar.cost_models.topology import Topology
 
 __all__ = [
+    "DENSE_MATMULS",
+    "TENSOR_CORE_ALIGNMENT_BYTES",
+    "matmul_peak",
     "EXTRA_FLOP_FORMULAS",
     "FLOP_FORMULAS_BY_NAME",
     "op_time",
@@ -137,6 +140,31 @@ FLOP_FORMULAS_BY_NAME: dict[str, Callable[..., int]] = {
     "transformers::grouped_mm_fallback": _grouped_mm,
     "transformers::grouped_mm_fallback_backward": lambda x, w, *rest, **kw: 2 * _grouped_mm(x, w),
 }
+
+
+# Dense matmuls whose 16-bit operands must be row-aligned for the tensor cores (see
+# :func:`matmul_peak`); packets, as the FX targets' ``overloadpacket``.
+DENSE_MATMULS = frozenset({aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.matmul, aten.linear})
+# cuBLAS loads tensor-core tiles 16 bytes at a time ([UNAL] in topology.py)
+TENSOR_CORE_ALIGNMENT_BYTES = 16
+
+
+def matmul_peak(op: Any, tensors: Sequence[torch.Tensor]) -> str:
+    """The peak a node of ``op`` with input and output ``tensors`` (real, fake or meta) runs at,
+    as :meth:`Topology.peak_flops_for` names it: ``"fp32"`` unless its first tensor is 16-bit;
+    then ``"bf16"``, or ``"bf16_unaligned"`` for a dense matmul (:data:`DENSE_MATMULS`) one of
+    whose matrices has a row stride that is not a multiple of 16 bytes (a vocabulary of 50257:
+    [UNAL], 7-10x slower on an H200)."""
+    if not tensors or tensors[0].element_size() != 2:
+        return "fp32"
+    if getattr(op, "overloadpacket", op) not in DENSE_MATMULS:
+        return "bf16"
+    for t in tensors:
+        if t.dim() >= 2 and any(size > 1 and stride != 1
+                                and (stride * t.element_size()) % TENSOR_CORE_ALIGNMENT_BYTES
+                                for size, stride in zip(t.shape, t.stride())):
+            return "bf16_unaligned"
+    return "bf16"
 
 
 def _lookup(op: Any) -> tuple[Callable[..., Any] | None, bool]:

@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.cost_models.comm import axis_collective_time, axis_strides
-from autopar.cost_models.compute import flops_of_node, op_time
+from autopar.cost_models.compute import flops_of_node, matmul_peak, op_time
 from autopar.cost_models.experts import experts_comm_time, experts_node_work
 from autopar.strategies.rules import EXPERT_OPS
 from autopar.cost_models.topology import Topology
@@ -144,8 +144,9 @@ def roofline_terms(n: fx.Node, inputs: Sequence[Placements | None] | None = None
     ``outputs`` ``None``: the whole tensors, one device; an output placement ``None``: that
     output not counted). Bytes are every tensor input and output once (a ``fused`` input's
     name, or ``""`` for the outputs, costs no traffic); ``dtype`` is the matmul peak's
-    ("bf16" for 16-bit inputs, else "fp32"). View-like ops and expert ops are the caller's:
-    they are priced apart (``_FREE``, :func:`autopar.cost_models.experts.experts_node_work`)."""
+    (:func:`autopar.cost_models.compute.matmul_peak`: "bf16", "bf16_unaligned" or "fp32").
+    View-like ops and expert ops are the caller's: they are priced apart (``_FREE``,
+    :func:`autopar.cost_models.experts.experts_node_work`)."""
     args_in = tensor_inputs(n)
     inputs = inputs if inputs is not None else [None] * len(args_in)
     local_in = {}
@@ -170,8 +171,10 @@ def roofline_terms(n: fx.Node, inputs: Sequence[Placements | None] | None = None
     except (RuntimeError, TypeError, ValueError, IndexError, AssertionError):
         # a FLOP formula that cannot take these (local, meta) arguments: price by traffic alone
         flops = 0.0
-    # matmuls run at the peak of their dtype (16-bit tensor cores or fp32)
-    dtype = "bf16" if args_in and args_in[0].meta["val"].element_size() == 2 else "fp32"
+    # matmuls run at the peak of their dtype (16-bit tensor cores, fp32, or 16-bit with rows
+    # the tensor cores cannot load: judged on the whole tensors' strides)
+    dtype = matmul_peak(n.target, [a.meta["val"] for a in args_in]
+                        + [v for v in vals if isinstance(v, torch.Tensor)])
     return flops, float(nbytes), dtype
 
 

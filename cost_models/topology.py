@@ -69,6 +69,10 @@ _DTYPE_ALIASES: dict[str, str] = {
     "fp16": "fp16",
     "float16": "fp16",
     "half": "fp16",
+    # a 16-bit matmul with a row length that is not a multiple of 16 bytes (a vocabulary of
+    # 50257): cuBLAS cannot feed the tensor cores with vector loads [UNAL]; priced at the
+    # non-tensor 16-bit peak a topology lists under this key, else at its fp32 peak
+    "bf16_unaligned": "bf16_unaligned",
 }
 
 
@@ -171,7 +175,9 @@ class Topology:
     Attributes:
         name: preset or user name, e.g. ``"h100-dgx"``.
         peak_flops: per-device peak FLOP/s by dtype; must hold ``"fp32"`` and ``"bf16"``
-            (``"fp16"`` optional; defaults to the bf16 peak). fp32 is the non-tensor-core rate.
+            (``"fp16"`` optional; defaults to the bf16 peak). fp32 is the non-tensor-core rate;
+            ``"bf16_unaligned"`` (optional; defaults to fp32's) the rate of a 16-bit matmul
+            whose rows the tensor cores cannot load (``compute.matmul_peak``).
         mem_bandwidth_Bps: per-device memory bandwidth (HBM or DRAM), bytes/s, nominal.
         memory_bytes: per-device memory capacity in bytes.
         intra_node: link used by an axis whose ranks all lie in one node.
@@ -260,6 +266,8 @@ class Topology:
         canon = _DTYPE_ALIASES[key]
         if canon == "fp16" and "fp16" not in self.peak_flops:
             canon = "bf16"
+        if canon == "bf16_unaligned" and canon not in self.peak_flops:
+            canon = "fp32"  # no non-tensor figure listed: the vector unit's fp32 rate
         return self.peak_flops[canon]
 
     def link_for_axis(self, axis_size: int, stride: int) -> AxisLink:
@@ -458,6 +466,15 @@ def custom(name: str, *, base: str | Topology | None = None, **fields: Any) -> T
 #  [H100D] NVIDIA H100 SXM datasheet: 989 TFLOP/s bf16 dense, 67 TFLOP/s fp32, 80 GB HBM3 at
 #          3.35 TB/s, NVLink4 900 GB/s bidirectional (450 per direction).
 #  [H200D] NVIDIA H200 SXM datasheet: same compute as H100 SXM, 141 GB HBM3e at 4.8 TB/s.
+#  [HOPW]  NVIDIA Hopper architecture in-depth (developer blog, Table 3) and H100 whitepaper:
+#          H100 SXM5 non-tensor BF16 and FP16 at twice the non-tensor FP32 rate (133.8 of 66.9
+#          TFLOP/s at the final boost clock).
+#  [UNAL]  measured on one H200 (torch 2.11, cuBLAS of CUDA 13.0; benchmarks/kernel_sweep.py,
+#          benchmarks/data/h200_kernel_sweep.json): bf16 x @ w.T GEMMs with 50257 outputs ran at
+#          83-107 TFLOP/s (7.4-9.6x the aligned roofline), with 32000 or 32768 at 577-713; fp32
+#          unaffected. Priced at the non-tensor 16-bit peak times the matmul efficiency, these
+#          rows are predicted within 0.77-1.0 of the measured times. The A100 figure is the same
+#          rule, unmeasured.
 #  [NT]    measured nccl-tests bus bandwidths collected in benchmarks/data/calibration.json
 #          ("measured_collective_bandwidths"): A100 8-GPU all_reduce 232.5 GB/s
 #          (NVIDIA/nccl-tests#175), ~200 (#149); 2 A100 nodes with 4 HDR NICs 86 GB/s, i.e. 21.5
@@ -493,7 +510,8 @@ _NET_HOP_S = 2.7e-6
 _BUILTIN_PRESETS: tuple[Topology, ...] = (
     Topology(
         name="a100-dgx",
-        peak_flops={"fp32": 19.5e12, "bf16": 312e12},  # [A100W], [MEG]
+        # [A100W], [MEG]; bf16_unaligned: the non-tensor bf16 peak [A100W] (rule [UNAL])
+        peak_flops={"fp32": 19.5e12, "bf16": 312e12, "bf16_unaligned": 39e12},
         mem_bandwidth_Bps=2.0e12,  # [A100W] (80 GB SXM: 2.039 TB/s; DESIGN rounds to 2.0)
         memory_bytes=80 * _GiB,  # [A100W] 80 GB part reports 81920 MiB
         # NVSwitch gen2: 300 GB/s per direction line rate; measured ring busbw ~232.5 GB/s
@@ -513,7 +531,8 @@ _BUILTIN_PRESETS: tuple[Topology, ...] = (
     ),
     Topology(
         name="h100-dgx",
-        peak_flops={"fp32": 67e12, "bf16": 989e12},  # [H100D]
+        # [H100D]; bf16_unaligned: the non-tensor bf16 peak, twice fp32's [HOPW] (rule [UNAL])
+        peak_flops={"fp32": 67e12, "bf16": 989e12, "bf16_unaligned": 134e12},
         mem_bandwidth_Bps=3.35e12,  # [H100D]
         memory_bytes=80 * _GiB,  # [H100D]
         # NVLink4: 450 GB/s per direction line rate; ring busbw ~370 GB/s for any collective
@@ -530,7 +549,8 @@ _BUILTIN_PRESETS: tuple[Topology, ...] = (
     ),
     Topology(
         name="h200-dgx",
-        peak_flops={"fp32": 67e12, "bf16": 989e12},  # [H200D] same GH100 compute as H100 SXM
+        # [H200D] same GH100 compute as H100 SXM (and its non-tensor bf16 peak [HOPW])
+        peak_flops={"fp32": 67e12, "bf16": 989e12, "bf16_unaligned": 134e12},
         mem_bandwidth_Bps=4.8e12,  # [H200D]
         memory_bytes=141e9,  # [H200D] "141 GB"
         # Same NVLink4 fabric as DGX H100: ring busbw ~370 GB/s [NT] (#272's 475 GB/s is NVLS).

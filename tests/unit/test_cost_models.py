@@ -192,7 +192,9 @@ def test_preset_lookup_error_lists_names() -> None:
 
 def test_preset_hardware_facts() -> None:
     a100, h100, h200 = get_preset("a100-dgx"), get_preset("h100-dgx"), get_preset("h200-dgx")
-    assert a100.peak_flops == {"fp32": 19.5e12, "bf16": 312e12}
+    assert a100.peak_flops == {"fp32": 19.5e12, "bf16": 312e12, "bf16_unaligned": 39e12}
+    # the non-tensor bf16 rate, twice fp32's on Hopper (NVIDIA Hopper in-depth, Table 3)
+    assert h100.peak_flops_for("bf16_unaligned") == h200.peak_flops_for("bf16_unaligned") == 134e12
     assert h100.peak_flops["bf16"] == 989e12 and h200.peak_flops["bf16"] == 989e12
     assert (a100.mem_bandwidth_Bps, h100.mem_bandwidth_Bps, h200.mem_bandwidth_Bps) == (
         2.0e12,
