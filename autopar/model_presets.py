@@ -33,11 +33,11 @@ class MegatronBlock(nn.Module):
     """One transformer layer: ``x + drop(proj(attn(ln1(x))))``, then ``x + drop(mlp(ln2(x)))``."""
 
     def __init__(self, hidden: int, heads: int, dropout: float,
-                 dtype: torch.dtype = torch.bfloat16) -> None:
+                 dtype: torch.dtype = torch.bfloat16, flash: bool = False) -> None:
         super().__init__()
         if hidden % heads:
             raise ValueError(f"hidden size {hidden} must be divisible by heads {heads}")
-        self.heads, self.dropout = heads, dropout
+        self.heads, self.dropout, self.flash = heads, dropout, flash
         self.ln1 = nn.LayerNorm(hidden, dtype=dtype)
         self.qkv = nn.Linear(hidden, 3 * hidden, dtype=dtype)
         self.proj = nn.Linear(hidden, hidden, dtype=dtype)
@@ -51,6 +51,10 @@ class MegatronBlock(nn.Module):
         d = h // self.heads
         q, k, v = self.qkv(self.ln1(x)).split(h, dim=2)
         q, k, v = (t.view(b, s, self.heads, d).transpose(1, 2) for t in (q, k, v))
+        if self.flash:  # one fused kernel (no s x s tensors), without attention dropout
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
+            x = x + F.dropout(self.proj(y), self.dropout, self.training)
+            return x + F.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))), self.dropout, self.training)
         scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
         mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
         probs = F.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
@@ -61,15 +65,19 @@ class MegatronBlock(nn.Module):
 
 
 class MegatronGPT(nn.Module):
-    """GPT language model returning the mean next-token cross-entropy of ``(ids, targets)``."""
+    """GPT language model returning the mean next-token cross-entropy of ``(ids, targets)``.
+
+    ``flash``: attention as one fused kernel (``scaled_dot_product_attention``, no attention
+    dropout), as Megatron-Core runs it since 2023; otherwise as SC'21's Megatron-LM did (the
+    scores and probabilities materialised, dropout on them)."""
 
     def __init__(self, hidden: int, layers: int, heads: int, seq: int = 2048,
-                 vocab: int = 51200, dropout: float = 0.1, dtype: torch.dtype = torch.bfloat16
-                 ) -> None:
+                 vocab: int = 51200, dropout: float = 0.1, dtype: torch.dtype = torch.bfloat16,
+                 flash: bool = False) -> None:
         super().__init__()
         self.wte = nn.Embedding(vocab, hidden, dtype=dtype)
         self.wpe = nn.Embedding(seq, hidden, dtype=dtype)
-        self.blocks = nn.ModuleList(MegatronBlock(hidden, heads, dropout, dtype)
+        self.blocks = nn.ModuleList(MegatronBlock(hidden, heads, dropout, dtype, flash)
                                     for _ in range(layers))
         self.ln_f = nn.LayerNorm(hidden, dtype=dtype)
         self.head = nn.Linear(hidden, vocab, bias=False, dtype=dtype)
