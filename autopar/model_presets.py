@@ -145,7 +145,8 @@ class LlamaBlock(nn.Module):
         self.heads, self.kv_heads = heads, kv_heads
         self.norm1 = nn.RMSNorm(hidden, eps=1e-6, dtype=dtype)
         # q, then k and v of kv_heads heads each (grouped-query attention, Ainslie et al.,
-        # arXiv:2305.13245, as Llama 2 70B: Touvron et al., arXiv:2307.09288, sec. 2.2)
+        # arXiv:2305.13245, as Llama 2 70B: Touvron et al., arXiv:2307.09288, sec. 2.2); with
+        # fewer k/v heads, the output features grouped per k/v head (forward)
         self.qkv = nn.Linear(hidden, hidden + 2 * kv_heads * (hidden // heads), bias=False,
                              dtype=dtype)
         self.proj = nn.Linear(hidden, hidden, bias=False, dtype=dtype)
@@ -157,9 +158,16 @@ class LlamaBlock(nn.Module):
         """One layer on ``x`` (batch, seq, hidden) with the rotary tables ``cos``/``sin``."""
         b, s, h = x.shape
         d, kv = h // self.heads, self.kv_heads
-        q, k, v = self.qkv(self.norm1(x)).split((h, kv * d, kv * d), dim=2)
-        q = q.view(b, s, self.heads, d).transpose(1, 2)
-        k, v = (t.view(b, s, kv, d).transpose(1, 2) for t in (k, v))
+        if kv < self.heads:  # grouped: each k/v head after its query heads, as Megatron-Core
+            # lays out its fused QKV, so that a column split over tp (dividing kv) keeps groups
+            g = self.heads // kv
+            qkv = self.qkv(self.norm1(x)).view(b, s, kv, g + 2, d)
+            q = qkv[:, :, :, :g].reshape(b, s, self.heads, d).transpose(1, 2)
+            k, v = (qkv[:, :, :, j].transpose(1, 2) for j in (g, g + 1))
+        else:
+            q, k, v = self.qkv(self.norm1(x)).split((h, kv * d, kv * d), dim=2)
+            q = q.view(b, s, self.heads, d).transpose(1, 2)
+            k, v = (t.view(b, s, kv, d).transpose(1, 2) for t in (k, v))
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         if kv < self.heads:  # each k/v head serves heads / kv query heads
             k, v = (t[:, :, None].expand(b, kv, self.heads // kv, s, d).reshape(b, self.heads, s, d)

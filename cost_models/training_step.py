@@ -166,8 +166,8 @@ class Setup:
     # (shard groups of dp_shard consecutive ranks, replicated across the dp / dp_shard groups)
     dp_shard: int = 0
     # context parallelism: the sequence split over cp ranks (between dp and tp in the mesh);
-    # the per-layer costs are solved on the (cp, tp) submesh, the gradients reduced over dp
-    # and then over cp
+    # the per-layer costs are solved on the (cp, tp) submesh (the gradients' reduction over cp
+    # in them, each microbatch), the gradients reduced over dp once a step
     cp: int = 1
     # expert parallelism: the experts of MoE layers split over ep of the dp ranks (consecutive,
     # inside dp: stride cp * tp), the tokens sent to them by all-to-all; their gradients
@@ -557,10 +557,9 @@ def _step_end(lc: LayerCosts, setup: Setup, elements: float, gathered: float,
                                          g * stride, topology)
     else:
         dp_s = axis_collective_time("all_reduce", grad_bytes, setup.dp, stride, topology)
-    if setup.cp > 1:  # then over cp (stride tp): the parameters are whole on it, the gradients
-        # partial, each rank's share reduced there (the shard's, under ZeRO)
-        dp_s += axis_collective_time("all_reduce", grad_bytes / (setup.shard if setup.zero else 1),
-                                     setup.cp, setup.tp, topology)
+    # (over cp the gradients are not reduced here: the layer ILP, solved on the (cp, tp)
+    # submesh, already delivers them whole over cp, as the programs do, in every microbatch's
+    # backward: in its units' backward_comm_s)
     tied_s = 0.0
     if tied and setup.pp > 1 and lc.tied_elements:  # the first and last stage sum the tied weight's grad
         tied_s = axis_collective_time("all_reduce", lc.tied_elements * lc.param_itemsize, 2,

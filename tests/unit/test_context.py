@@ -88,8 +88,11 @@ def test_the_search_tries_cp_only_for_long_sequences_or_when_asked():
     assert cp_degrees(autopar.Config(cp=3), 4096, 8) == []  # 3 does not divide 8 devices
 
 
-def test_cp_reduces_the_gradients_over_cp_too_in_the_closed_form():
-    """The step's gradient reduction: over dp (stride cp * tp), then over cp (stride tp)."""
+def test_cp_gradients_are_reduced_in_the_layer_costs_not_again_at_the_step_end():
+    """Over dp (stride cp * tp) the closed form reduces the gradients once a step; over cp the
+    layer ILP already does (on the (cp, tp) submesh, in each microbatch's backward: measured
+    below as the block's backward communication), so the closed form adds nothing there (it
+    used to add a second all-reduce over cp)."""
     from autopar.cost_models.topology import get_preset
     from autopar.cost_models.training_step import LayerCosts, Setup, UnitCosts, price_setup
 
@@ -99,6 +102,24 @@ def test_cp_reduces_the_gradients_over_cp_too_in_the_closed_form():
     plain = price_setup(lc, Setup(8, 1, 1, 1, 1, "none", 1, "none", 0, False), topo, 1e15)
     ctx = price_setup(lc, Setup(4, 1, 1, 1, 1, "none", 1, "none", 0, False, cp=2), topo, 1e15)
     assert ctx.parts["dp_comm_s"] > 0 and plain.parts["dp_comm_s"] > 0
-    assert ctx.parts["dp_comm_s"] != plain.parts["dp_comm_s"]  # two reductions, other groups
+    assert ctx.parts["dp_comm_s"] != plain.parts["dp_comm_s"]  # other groups (stride cp)
     one = price_setup(lc, Setup(1, 1, 1, 1, 1, "none", 1, "none", 0, False, cp=8), topo, 1e15)
-    assert one.parts["dp_comm_s"] > 0  # no dp at all: the gradients still meet over cp
+    assert one.parts["dp_comm_s"] == 0  # no dp: nothing at the step end
+
+
+def test_cp_block_backward_carries_the_gradient_reduction_over_cp():
+    """The block's backward communication at cp=2 holds the all-reduce of its weights'
+    gradients over cp (the ILP's delivery of the gradients whole), the same as pricing that
+    all-reduce of the block's parameter bytes directly."""
+    from autopar.cost_models.comm import axis_collective_time
+    from autopar.model_presets import megatron_gpt
+    from autopar.planning.search import LayerSolver
+
+    model, inputs = megatron_gpt(dict(hidden=512, layers=2, heads=8), batch=1, seq=2048,
+                                 vocab=1024, flash=True)
+    mesh = autopar.Mesh.virtual("h100-dgx", nodes=1, gpus_per_node=2)
+    layers = LayerSolver(model, inputs, mesh, autopar.Config(), ())
+    block = layers.costs(1, 1, False, cp=2).block
+    grads = axis_collective_time("all_reduce", block.param_elements * 2, 2, 1, mesh.topology)
+    assert block.backward_comm_s >= grads
+    assert layers.costs(1, 1, False, cp=1).block.backward_comm_s == 0
