@@ -52,14 +52,13 @@ class MegatronBlock(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).split(h, dim=2)
         q, k, v = (t.view(b, s, self.heads, d).transpose(1, 2) for t in (q, k, v))
         if self.flash:  # one fused kernel (no s x s tensors), without attention dropout
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h)
-            x = x + F.dropout(self.proj(y), self.dropout, self.training)
-            return x + F.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))), self.dropout, self.training)
-        scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
-        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
-        probs = F.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
-        probs = F.dropout(probs, self.dropout, self.training)
-        y = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, h)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
+            mask = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+            probs = F.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+            y = torch.matmul(F.dropout(probs, self.dropout, self.training), v)
+        y = y.transpose(1, 2).reshape(b, s, h)
         x = x + F.dropout(self.proj(y), self.dropout, self.training)
         return x + F.dropout(self.fc2(F.gelu(self.fc1(self.ln2(x)))), self.dropout, self.training)
 

@@ -9,8 +9,8 @@ tensor parallelism and the published model sizes produce:
 - **GEMMs** in bf16 and fp32 (TF32 off): a layer's four weight GEMMs (QKV, attention output,
   MLP up and down) for hidden sizes 768-12288, 512-8192 tokens and the tensor-parallel splits
   1, 2, 4 and 8, in the forward layout (``x @ w.T``, as ``nn.Linear``); the two backward layouts
-  (``dy @ w`` and ``dy.T @ x``) for the unsplit ones; LM heads with vocabularies that are not
-  multiples of 128 (50257, 32000); thin GEMMs of 16-256 rows (the memory-bound regime).
+  (``dy @ w`` and ``dy.T @ x``) for the unsplit ones; LM heads of 32000, 32768 and 50257
+  outputs (the last not a multiple of 8); thin GEMMs of 16-256 rows (the memory-bound regime).
 - **attention**: ``scaled_dot_product_attention`` forward and backward in bf16, causal and not,
   head dims 64 and 128, sequences 512-8192 at a fixed 16K tokens.
 - **memory-bound ops**: add, GELU, layer norm (forward), softmax, in bf16 and fp32, from 1 MiB
@@ -21,7 +21,8 @@ kernel shorter than its launch is timed as the GPU runs it in a step), median of
 after 2 warm-ups; inputs smaller than the L2 cache stay in it, as the device facts say.
 Nothing here is fitted: the rows are written as measured, each with its FLOPs and bytes as
 :mod:`autopar.cost_models.compute` counts them. ``--budget-s`` stops the sweep (keeping what it
-has; 60% of it for the GEMMs, 20% each for the rest) before the machine's time runs out; ``--cpu`` is the script's own smoke test at tiny sizes.
+has; 60% of it for the GEMMs, 20% each for the rest) before the machine's time runs out;
+``--cpu`` is the script's own smoke test at tiny sizes.
 """
 
 from __future__ import annotations
@@ -107,6 +108,8 @@ def _gemm(m: int, k: int, n: int, layout: str, dtype: torch.dtype) -> Callable[[
 
 
 def gemms(budget_end: float, hidden: tuple[int, ...], tokens: tuple[int, ...]) -> list[dict]:
+    """The GEMMs of :func:`gemm_shapes` timed in bf16 (every layout) and fp32 (the forward's),
+    until ``budget_end`` (``time.perf_counter``)."""
     rows = []
     for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
         for s in gemm_shapes(hidden, tokens):
