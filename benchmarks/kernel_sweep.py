@@ -238,7 +238,8 @@ def report(path: str, topology: str) -> str:
     from autopar.cost_models.topology import load_topology
 
     topo = load_topology(topology)
-    data = json.load(open(path))
+    with open(path) as f:
+        data = json.load(f)
     rows = data["rows"]
     sms = data["facts"].get("sms") or 132
     groups: dict[str, list[float]] = {}

@@ -62,7 +62,8 @@ def value(v: Any) -> Any:
 def priced_rows(path: str = DATA, sources: tuple[str, ...] = PRICED) -> list[dict]:
     """The rows of ``sources`` this script can price: 16-bit, with tp and pp given, a step time
     or TFLOP/s per GPU, and a model of known layers, hidden size and heads."""
-    rows = json.load(open(path))["rows"]
+    with open(path) as f:
+        rows = json.load(f)["rows"]
     out = []
     for r in rows:
         p, m = r["parallel"], r["model"]
@@ -123,8 +124,11 @@ def layout(row: dict) -> tuple[Setup, list[str]]:
         sp = tp > 1
         assumed.append(f"sequence parallel {'on' if sp else 'off'}")
     dist_opt = p.get("distributed_optimizer")
-    zero = 1 if dist_opt is True or "yes" in str(dist_opt).lower() else 0
-    if not isinstance(dist_opt, bool) and row["source_id"] != "korthikanti2022":
+    if isinstance(dist_opt, bool):
+        zero = int(dist_opt)
+    elif row["source_id"] == "korthikanti2022":  # (2022 Megatron-LM: no distributed optimizer)
+        zero = 0
+    else:
         zero = 1
         assumed.append("distributed optimizer (ZeRO-1)")
     schedule = "none" if pp == 1 else "interleaved-1f1b" if vp > 1 else "1f1b"
