@@ -13,7 +13,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-.PHONY: install demo test test-all
+# The suite on an older torch (CI runs it after `make test`): unit tests and the 2-process job in
+# a second environment. PyPI's torch 2.11 is a CUDA build (about 5 GB with its libraries); it
+# runs on the CPU.
+OLD_TORCH ?= 2.11.0
+OLD_VENV := .venv-torch$(OLD_TORCH)
+
+.PHONY: install demo test test-all test-old-torch
 install: $(STAMP)
 
 demo: $(STAMP)
@@ -24,3 +30,11 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -m '' tests
+
+test-old-torch:
+	test -x $(OLD_VENV)/bin/python || $(PY) -m venv $(OLD_VENV)
+	$(OLD_VENV)/bin/python -m pip install -q --upgrade pip
+	$(OLD_VENV)/bin/python -m pip install -q torch==$(OLD_TORCH)
+	$(OLD_VENV)/bin/python -m pip install -q -e '.[test]'
+	$(OLD_VENV)/bin/python -m pytest -q tests/unit
+	$(OLD_VENV)/bin/python -m pytest -q tests/distributed/test_equivalence.py -k 2proc

@@ -21,6 +21,7 @@ __all__ = [
     "SUPPORTED", "TRIED",
     "check_torch_version",
     "RELEASE",
+    "older_than",
     "sharding_propagator",
     "enumerate_op_strategy",
     "redistribute_local",
@@ -34,7 +35,7 @@ __all__ = [
     "memory_tracker",
 ]
 
-SUPPORTED = ("2.13",)
+SUPPORTED = ("2.11", "2.12", "2.13")
 
 
 def _release(version: str) -> str:
@@ -42,12 +43,22 @@ def _release(version: str) -> str:
     return ".".join(version.split("+")[0].split(".")[:2])
 
 
+def _as_tuple(release: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in release.split("."))
+
+
 # the running torch release, "major.minor" (the rules that differ by release read it)
 RELEASE = _release(torch.__version__)
-# releases that import and run the one-GPU check but fail parts of the suite (torch 2.11: 8 of
-# 676 unit tests, DTensor's pointwise and view rules differ; its layer-norm rules are replaced
-# by autopar's, autopar.strategies.rules); only with AUTOPAR_UNVERIFIED_TORCH=1
-TRIED = ("2.11",)
+# releases that run with AUTOPAR_UNVERIFIED_TORCH=1 but are not verified (a warning says so);
+# none at present: 2.11 and 2.12 joined SUPPORTED once the suite passed on them (2026-11-27)
+TRIED: tuple[str, ...] = ()
+
+
+def older_than(release: str) -> bool:
+    """Whether the running torch release is older than ``release`` (``"2.13"``): DTensor's
+    sharding rules that autopar replaces on older releases are gated by it
+    (:mod:`autopar.strategies.rules`)."""
+    return _as_tuple(RELEASE) < _as_tuple(release)
 
 
 def check_torch_version() -> None:
@@ -61,8 +72,7 @@ def check_torch_version() -> None:
         return
     if release in TRIED and os.environ.get("AUTOPAR_UNVERIFIED_TORCH") == "1":
         warnings.warn(f"autopar on torch {torch.__version__}: not verified (the suite passes on "
-                      f"{', '.join(SUPPORTED)}; on 2.11 plans with sequence parallelism are refused "
-                      f"and some tensor-parallel layouts differ)", RuntimeWarning, stacklevel=2)
+                      f"{', '.join(SUPPORTED)})", RuntimeWarning, stacklevel=2)
         return
     tried = f" (on {', '.join(TRIED)}, AUTOPAR_UNVERIFIED_TORCH=1 runs it unverified)" if TRIED else ""
     raise RuntimeError(

@@ -18,10 +18,14 @@ twice. The collective, its bytes and its result are the same, on NCCL too.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.fx as fx
 
-__all__ = ["gather_into_buffers", "all_gather_into_buffer"]
+from autopar import _torch_private as private
+
+__all__ = ["gather_into_buffers", "all_gather_into_buffer", "compilable"]
 
 _GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 _GATHER_OUT = torch.ops._c10d_functional.all_gather_into_tensor_out.default
@@ -52,6 +56,34 @@ def gather_into_buffers(gm: fx.GraphModule) -> fx.GraphModule:
         out.meta = dict(n.meta)
         n.replace_all_uses_with(out)
         gm.graph.erase_node(n)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+def compilable(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` as inductor can compile it on the running torch. Torch 2.11's and 2.12's functionalization
+    refuses ``all_gather_into_tensor_out`` (an op whose output aliases an input: "Found a custom
+    (non-ATen) operator whose output has alias annotations"), so there a copy of ``gm`` gets
+    every gather into a buffer back as the functional gather (:func:`gather_into_buffers`
+    undone; the gloo race it avoids is possible again in their compiled programs). 2.13
+    compiles ``gm`` as it is.
+
+    Requires: a program of :func:`gather_into_buffers`. Guarantees: the same collectives, bytes
+    and results.
+    """
+    if not private.older_than("2.13"):
+        return gm
+    gm = copy.deepcopy(gm)
+    for n in [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _GATHER_OUT]:
+        buf = n.kwargs["out"]
+        with gm.graph.inserting_before(n):
+            gather = gm.graph.call_function(_GATHER, tuple(n.args))
+        gather.meta = dict(n.meta)
+        n.replace_all_uses_with(gather)
+        gm.graph.erase_node(n)
+        if not buf.users:
+            gm.graph.erase_node(buf)
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -59,6 +59,9 @@ def reshard(x: DTensor, dst: tuple, mesh: Any) -> DTensor:
             x = DTensor.from_local(local, mesh, step.after, run_check=False, shape=x.shape, stride=x.stride())
         elif step.kind == "all_gather" and isinstance(x.placements[step.axis], _StridedShard):
             x = _gather_strided(x, step.axis, step.after, mesh)
+        elif step.kind == "local" and isinstance(step.after[step.axis], _StridedShard) and \
+                isinstance(x.placements[step.axis], Replicate):
+            x = _slice_strided(x, step.axis, step.after, mesh)
         else:
             x = x.redistribute(mesh, step.after)
     return x
@@ -82,6 +85,17 @@ def _gather_strided(x: DTensor, axis: int, after: tuple, mesh: Any) -> DTensor:
     full = full.reshape(shape[:dim] + [n, k, c] + shape[dim + 1:]).transpose(dim, dim + 1)
     full = full.reshape(shape)
     return DTensor.from_local(full, mesh, after, run_check=False, shape=x.shape, stride=x.stride())
+
+
+def _slice_strided(x: DTensor, axis: int, after: tuple, mesh: Any) -> DTensor:
+    """Replicate -> ``_StridedShard(dim, k)`` on ``axis``, locally: of each of the k parts of
+    ``dim``, this rank's chunk (the inverse of :func:`_gather_strided`; DTensor 2.11's
+    redistribution cannot plan a move into a strided shard)."""
+    p = after[axis]
+    n, rank = mesh.shape[axis], mesh.get_local_rank(axis)
+    parts = x.to_local().chunk(p.split_factor, p.dim)
+    local = torch.cat([part.chunk(n, p.dim)[rank] for part in parts], p.dim)
+    return DTensor.from_local(local, mesh, after, run_check=False, shape=x.shape, stride=x.stride())
 
 
 def _spec_like(x: DTensor, placements: tuple) -> Any:
@@ -207,6 +221,8 @@ class _Interpreter:
             return _run_replicated(n, args, kwargs, self.mesh)
         if n.target in _VIEWS:
             return _local_view(n, args[0], placements_of(choice.outputs[0]), self.mesh)
+        if n.target is torch.ops.aten.expand.default and _strided(choice.outputs[0]):
+            return _local_expand(n, args[0], placements_of(choice.outputs[0]), self.mesh)
         if n.target in _NEW_FACTORIES:
             return _local_factory(n, args, kwargs, placements_of(choice.outputs[0]), self.mesh)
         if _all_replicated(choice) and not _seeded(n.target):
@@ -300,6 +316,20 @@ class _LazyInputs(dict):
         self[name] = DTensor.from_local(self.inputs[name], self.interp.mesh, p, run_check=False,
                                         shape=val.shape, stride=val.stride())
         return self[name]
+
+
+def _strided(placements: Sequence[str] | None) -> bool:
+    return placements is not None and any(p.startswith("SS(") for p in placements)
+
+
+def _local_expand(n: fx.Node, x: DTensor, out_placements: tuple, mesh: Any) -> DTensor:
+    """``expand`` of a strided-sharded tensor on the local shard (the plan keeps the strided
+    dims as they are: only whole size-1 dims grow). DTensor 2.12's dispatch computes a strided
+    shard's local shape with ``.tolist()``, which the lowering's fake tensors cannot give."""
+    out = n.meta["val"]
+    shape = local_shape(out.shape, out_placements, tuple(mesh.shape))
+    return DTensor.from_local(x.to_local().expand(list(shape)), mesh, out_placements,
+                              run_check=False, shape=out.shape, stride=out.stride())
 
 
 def _local_view(n: fx.Node, x: DTensor, out_placements: tuple, mesh: Any) -> DTensor:

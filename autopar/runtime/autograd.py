@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from autopar import _torch_private as private
 from autopar.capture.remat import is_wait
-from autopar.passes.gather_buffers import gather_into_buffers
+from autopar.passes.gather_buffers import compilable, gather_into_buffers
 from autopar.runtime.faults import collective_failures
 
 __all__ = ["split_forward_backward", "split_weight_backward", "WeightSplit", "JointFunction", "FlatBucket",
@@ -173,7 +173,7 @@ class LazyCompiled(torch.nn.Module):
         """Run the compiled graph (compiling it first, on the first call)."""
         if self._compiled is None:
             t0 = time.perf_counter()
-            self._compiled = private.inductor_compile(self.gm, list(args))
+            self._compiled = private.inductor_compile(compilable(self.gm), list(args))
             if self._timings is not None:
                 self._timings["compile_s"] = self._timings.get("compile_s", 0.0) + time.perf_counter() - t0
         return self._compiled(*args)

@@ -22,7 +22,7 @@ from autopar._torch_private import tree_flatten
 from autopar.errors import InputMismatchError
 from autopar.graph import TracedGraph
 from autopar.plan import Plan
-from autopar.passes.gather_buffers import gather_into_buffers
+from autopar.passes.gather_buffers import compilable, gather_into_buffers
 from autopar.passes.lower import placements_of
 from autopar.capture.stages import set_module_attr
 from autopar.runtime.faults import collective_failures
@@ -125,7 +125,7 @@ class ParallelModule(StateDictMixin, nn.Module):
             from autopar import _torch_private as private
 
             t0 = time.perf_counter()
-            self._compiled = private.inductor_compile(self._runnable, feeds)
+            self._compiled = private.inductor_compile(compilable(self._runnable), feeds)
             self.startup["compile_s"] = time.perf_counter() - t0
         return self._compiled(*feeds)
 

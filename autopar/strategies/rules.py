@@ -44,24 +44,27 @@ class OpRule:
     num_outputs: int
     fn: RuleFn
     static_argnum: int
+    static_kwargs: tuple[str, ...] = ()
 
 
 _RULES: dict[OpOverload, OpRule] = {}
 
 
 def register_op_rule(
-    op: OpOverload, num_outputs: int = 1, static_argnum: int = 100
+    op: OpOverload, num_outputs: int = 1, static_argnum: int = 100,
+    static_kwargs: Sequence[str] = (),
 ) -> Callable[[RuleFn], RuleFn]:
     """Decorator: register a single-axis sharding rule for ``op`` (overrides DTensor's).
 
     The function receives the arguments with tensors replaced by ``TensorMeta`` (shape, stride,
     dtype) and returns a list of placement lists ``[outputs..., tensor inputs...]``.
     ``static_argnum``: arguments from this position on are part of the cache key (as DTensor's
-    ``RuntimeSchemaInfo``), e.g. flags that change the valid shardings.
+    ``RuntimeSchemaInfo``), e.g. flags that change the valid shardings; ``static_kwargs``: keyword
+    arguments that are too (e.g. a cast's ``dtype``, which the output's metadata depends on).
     """
 
     def deco(fn: RuleFn) -> RuleFn:
-        rule = OpRule(op, num_outputs, fn, static_argnum)
+        rule = OpRule(op, num_outputs, fn, static_argnum, tuple(static_kwargs))
         _RULES[op] = rule
         _install(rule)
         return fn
@@ -89,7 +92,8 @@ def _install(rule: OpRule) -> None:
 
     prop = private.sharding_propagator()
     prop.op_single_dim_strategy_funcs.pop(rule.op, None)
-    prop.register_op_strategy(rule.op, strategy, schema_info=RuntimeSchemaInfo(rule.static_argnum))
+    info = RuntimeSchemaInfo(rule.static_argnum, static_kwargkey=list(rule.static_kwargs) or None)
+    prop.register_op_strategy(rule.op, strategy, schema_info=info)
 
 
 def _tensor_count(args_meta: tuple[Any, ...], kwargs_meta: dict[str, Any]) -> int:
@@ -148,46 +152,6 @@ def _sdpa_cpu_backward_rule(
         rules.append([Shard(2), Partial(), Partial(), Shard(2), Shard(2), Replicate(), Replicate(),
                       Shard(2), Shard(2)] + _mask_placement(kwargs_meta, 2))
     return rules
-
-
-# Layer norm, on the releases autopar runs unverified (torch 2.11): DTensor's backward rule
-# there offers the mean and rstd replicated beside an input sharded on a batch dim, and the
-# kernel then fails to broadcast the whole statistics against the local rows. These rules split
-# input, output and statistics together on any dim before the normalized ones (the weight and
-# bias whole, their gradients partial sums), or keep everything whole. On 2.13 DTensor's own
-# rules stay in charge.
-def _layer_norm_rules(ndim: int, axis: int, outputs: Sequence[Any], inputs: int,
-                      params: int) -> list[list[Any]]:
-    """``outputs``: per output, ``"split"`` (follows the rows), ``"sum"`` (a parameter's
-    gradient) or ``None`` (not computed); ``inputs`` row-shaped tensor inputs, then ``params``
-    weight and bias."""
-    whole = [None if o is None else Replicate() for o in outputs] + [Replicate()] * (inputs + params)
-    rules = [whole]
-    for d in range(axis):
-        rules.append([None if o is None else Shard(d) if o == "split" else Partial() for o in outputs]
-                     + [Shard(d)] * inputs + [Replicate()] * params)
-    return rules
-
-
-def _params_given(*values: Any) -> int:
-    return sum(isinstance(v, TensorMeta) for v in values)
-
-
-if private.RELEASE in private.TRIED:
-    @register_op_rule(torch.ops.aten.native_layer_norm.default, 3, 1)
-    def _layer_norm_rule(args_meta: tuple[Any, ...], kwargs_meta: dict[str, Any]) -> list[list[Any]]:
-        ndim = len(args_meta[0].shape)  # input, normalized_shape, weight, bias, eps
-        return _layer_norm_rules(ndim, ndim - len(args_meta[1]), ["split"] * 3, 1,
-                                 _params_given(*args_meta[2:4]))
-
-    @register_op_rule(torch.ops.aten.native_layer_norm_backward.default, 3, 2)
-    def _layer_norm_backward_rule(args_meta: tuple[Any, ...], kwargs_meta: dict[str, Any]
-                                  ) -> list[list[Any]]:
-        # grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask
-        ndim, mask = len(args_meta[1].shape), args_meta[7]
-        outputs = [o if m else None for o, m in zip(("split", "sum", "sum"), mask)]
-        return _layer_norm_rules(ndim, ndim - len(args_meta[2]), outputs, 4,
-                                 _params_given(*args_meta[5:7]))
 
 
 # The functional copy (``aten.copy(self, src)``, which functionalization makes of an in-place
