@@ -166,8 +166,8 @@ class Setup:
     # (shard groups of dp_shard consecutive ranks, replicated across the dp / dp_shard groups)
     dp_shard: int = 0
     # context parallelism: the sequence split over cp ranks (between dp and tp in the mesh);
-    # the per-layer costs are solved on the (cp, tp) submesh (the gradients' reduction over cp
-    # in them, each microbatch), the gradients reduced over dp once a step
+    # the per-layer costs are solved on the (cp, tp) submesh, the gradients reduced over dp and
+    # then over cp once a step (partial sums over cp until then, as a pipeline stage runs them)
     cp: int = 1
     # expert parallelism: the experts of MoE layers split over ep of the dp ranks (consecutive,
     # inside dp: stride cp * tp), the tokens sent to them by all-to-all; their gradients
@@ -557,9 +557,13 @@ def _step_end(lc: LayerCosts, setup: Setup, elements: float, gathered: float,
                                          g * stride, topology)
     else:
         dp_s = axis_collective_time("all_reduce", grad_bytes, setup.dp, stride, topology)
-    # (over cp the gradients are not reduced here: the layer ILP, solved on the (cp, tp)
-    # submesh, already delivers them whole over cp, as the programs do, in every microbatch's
-    # backward: in its units' backward_comm_s)
+    if setup.cp > 1:  # each cp rank's gradients are partial sums over its sequence chunk,
+        # all-reduced over cp once a step (the layer ILP leaves them partial there:
+        # LayerSolver.costs); a pipeline stage sums them over its microbatches first and, with
+        # ZeRO, reduces its dp shard only (step_end_buckets: the first axis, then the others)
+        scattered = setup.shard if setup.zero and setup.pp > 1 else 1
+        dp_s += axis_collective_time("all_reduce", grad_bytes / scattered, setup.cp, setup.tp,
+                                     topology)
     tied_s = 0.0
     if tied and setup.pp > 1 and lc.tied_elements:  # the first and last stage sum the tied weight's grad
         tied_s = axis_collective_time("all_reduce", lc.tied_elements * lc.param_itemsize, 2,

@@ -123,10 +123,12 @@ class LayerSolver:
                              cp_axes=(0,) if cp > 1 else ())
             if (b, tp, cp) not in self.spaces:  # shared by the sp on/off solves
                 self.spaces[(b, tp, cp)] = unpinned_space(traced, cand, self.config)
+            # (the gradients' reduction over cp is left to the step end: price_setup)
             space, costs, res = solve_space(traced, self.mesh, self.config, cand,
                                             self.cost_passes, None,
                                             sequence_parallel=sp if tp > 1 else None,
-                                            base_space=self.spaces[(b, tp, cp)])
+                                            base_space=self.spaces[(b, tp, cp)],
+                                            gradient_share=0.0 if cp > 1 else 1.0)
             self.solved[key] = layer_costs(traced, fwd, space, costs, res.choice, self.num_blocks,
                                            self.config.optimizer, (tp if sp else 1) * cp,
                                            self.lead_runs, self.config.expert_load_skew)

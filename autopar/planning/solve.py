@@ -35,7 +35,8 @@ from autopar.strategies.rules import (
 )
 from autopar.strategies.space import StrategySpace, build_space
 
-__all__ = ['regathered_share', 'replace_plan', 'solve_candidate', 'solve_space', 'unpinned_space']
+__all__ = ['gradient_axes', 'regathered_share', 'replace_plan', 'solve_candidate', 'solve_space',
+           'unpinned_space']
 
 
 from autopar.planning.assembly import build_plan
@@ -67,8 +68,9 @@ def priced_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidat
     pipeline stage holds that many microbatches in flight (the incoming gradients, consumed at
     once, are not multiplied). ``gradient_share``: the share of the moves of the parameters'
     gradients to their placements that one run of the graph pays (``1/m`` for a pipeline stage
-    that reduces its gradients over dp once a step over its ``m`` microbatches; the moves over
-    the other axes are paid every run). ``sequence_parallel`` True makes
+    that reduces its gradients over dp and cp once a step over its ``m`` microbatches, 0 for
+    the per-layer costs of the setup search, whose step end prices those reductions; the moves
+    over the other axes are paid every run: :func:`gradient_axes`). ``sequence_parallel`` True makes
     every layer norm take its input sharded on the sequence dim (dim 1) over the ``tp`` axis
     (Korthikanti et al., MLSys'23, sec. 4.2.2), False makes it take it replicated there; None
     leaves the choice to the ILP. ``base_space``: the unpinned space of this graph and mesh,
@@ -113,7 +115,7 @@ def priced_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidat
         once = {p.node for p in traced.params} | set(traced.tangent_nodes)
         costs = dataclasses.replace(costs, memory={
             n: m if n in once else m * activation_scale for n, m in costs.memory.items()})
-    if gradient_share != 1.0 and cand.dp_axes:
+    if gradient_share != 1.0 and gradient_axes(cand):
         costs = _deferred_gradients(traced, space, costs, mesh, cand, gradient_share)
     return space, _with_recompute_peak(traced, costs)
 
@@ -127,10 +129,18 @@ def regathered_share(traced: TracedGraph) -> float:
     return min(1.0, REGATHERED_LAYERS / max(1, len(layers)))
 
 
+def gradient_axes(cand: Candidate) -> tuple[int, ...]:
+    """The mesh axes over which a pipeline stage reduces its gradients once a step (summed over
+    its microbatches first, as Megatron-LM reduces over its data-and-context-parallel group):
+    data parallel and context parallel (each cp rank's gradients are partial sums over its
+    sequence chunk)."""
+    return tuple(sorted(set(cand.dp_axes) | set(cand.cp_axes)))
+
+
 def _deferred_gradients(traced: TracedGraph, space: StrategySpace, costs: SpaceCosts,
                         mesh: Mesh, cand: Candidate, share: float) -> SpaceCosts:
     """``costs`` with the moves of the parameters' gradients priced as a pipeline stage runs
-    them: the reduction over the dp axes once a step, ``share`` of it per microbatch
+    them: the reduction over the dp and cp axes once a step, ``share`` of it per microbatch
     (:func:`~autopar.cost_models.sharding.deferred_gradient_matrix`)."""
     outs = next(n for n in traced.gm.graph.nodes if n.op == "output").args[0]
     moved = {}
@@ -138,7 +148,8 @@ def _deferred_gradients(traced: TracedGraph, space: StrategySpace, costs: SpaceC
         if param is not None:
             m = deferred_gradient_matrix(space.nodes[value[0]].strategies, value[1],
                                          space.nodes[param].strategies, outs[i].meta["val"],
-                                         tuple(cand.shape), mesh.topology, cand.dp_axes, share)
+                                         tuple(cand.shape), mesh.topology, gradient_axes(cand),
+                                         share)
         moved[i] = (value, param, m)
     return dataclasses.replace(costs, outputs=moved)
 
@@ -315,7 +326,8 @@ def solve_candidate(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candi
 
     Raises :class:`PlanError` when the graph cannot be placed on it and
     :class:`InfeasibleMemoryError` when nothing fits ``budget``. ``stage`` tags the collectives
-    of a pipeline stage; a stage's program leaves its data-parallel gradient reductions out
+    of a pipeline stage; a stage's program leaves its data- and context-parallel gradient
+    reductions out
     (the stage reduces its gradients once a step, after its ``microbatches``:
     :func:`~autopar.planning.assembly.deferred_gradient`).
     ``split_backward``: the stage runs its input and weight gradients as two steps
@@ -337,7 +349,7 @@ def solve_candidate(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candi
         grads = {p.grad_output_index for p in traced.params if p.grad_output_index is not None}
         res = dataclasses.replace(res, choice=reduce_at_outputs(traced.gm, space, res.choice, grads))
         plan = build_plan(traced, mesh, config, cand, space, costs, res,
-                          defer_axes=cand.dp_axes if defer_grad_sync else (),
+                          defer_axes=gradient_axes(cand) if defer_grad_sync else (),
                           stage=StageRun(activation_scale, microbatches,
                                          split_backward=split_backward,
                                          zero_axes=tuple(cand.zero_axes) if zero_once else (),
