@@ -83,7 +83,9 @@ class Prediction(_Fields):
     ``peak_memory_bytes`` and its ``state_bytes`` (parameters, gradients, optimizer states);
     ``saved_bytes``: the values held from the forward into the backward (what each further
     pipeline microbatch in flight adds); ``held_bytes``: what a pipeline stage holds while
-    another stage of its rank runs (the rest of its peak is not alive then); ``ilp_objective_s``: the intra-operator ILP's objective; ``model_flops`` / ``mfu``: the
+    another stage of its rank runs (the rest of its peak is not alive then); ``ahead_bytes``:
+    a ZeRO-3 pipeline stage's gather in flight while the action before it computes (in its peak,
+    beside its own gathered copy); ``ilp_objective_s``: the intra-operator ILP's objective; ``model_flops`` / ``mfu``: the
     model's FLOPs per step and the utilisation they give; ``bubble_fraction``: a pipeline's idle
     share; ``search_step_time_s`` / ``search_peak_memory_bytes``: the setup search's closed-form
     price of the chosen setup (with the optimizer), next to the per-operator one.
@@ -98,6 +100,7 @@ class Prediction(_Fields):
     state_bytes: float | None = None
     saved_bytes: float | None = None
     held_bytes: float | None = None
+    ahead_bytes: float | None = None
     ilp_objective_s: float | None = None
     model_flops: float | None = None
     mfu: float | None = None

@@ -40,6 +40,8 @@ copies (e.g. the flat all-gather output before its ``cat``), and the optimizer's
 
 from __future__ import annotations
 
+import math
+
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -98,7 +100,10 @@ class StepMemory:
     into the backward (what each further microbatch in flight adds in a pipeline);
     ``held_bytes``: what a pipeline stage holds while another stage of its rank runs (the
     persistent bytes, the saved values of its microbatches in flight, its gradient sum);
-    ``peak_node``: the joint-graph node at the peak.
+    ``peak_node``: the joint-graph node at the peak; ``ahead_bytes``: a ZeRO-3 pipeline
+    stage's (``StageRun.regather``) gather in flight while the action before it computes
+    (``runtime.prefetch``: the flat buffer it fills and the packed shards it reads), which
+    ``peak_bytes`` holds beside the stage's own gathered copy, else 0.
     """
 
     peak_bytes: float
@@ -106,6 +111,7 @@ class StepMemory:
     saved_bytes: float
     held_bytes: float
     peak_node: str
+    ahead_bytes: float = 0.0
 
 
 @dataclass
@@ -551,11 +557,16 @@ def step_memory(traced: Any, mesh_shape: Sequence[int], nodes: dict, outputs: Se
     peak = max(peak, persistent + gathered)
     held = persistent + in_flight * (saved + stash) + walk.sink_bytes
     if stage is not None and stage.regather:
-        # ZeRO-3: each backward gathers the parameters again, its flat buffer beside the new
-        # copy while every microbatch in flight holds its saved values and the sink its sums;
-        # between the stage's computations no gathered copy is held
-        peak = max(peak, persistent + gathered + in_flight * (saved + stash) + walk.sink_bytes)
+        # ZeRO-3: while the stage computes, the next action's gather is in flight, its flat
+        # buffer and the packed shards it reads (runtime.prefetch: taken as this stage's own
+        # size; planning.pipeline takes the rank's largest); each backward's copy is made from
+        # its flat buffer while every microbatch in flight holds its saved values and the sink
+        # its sums; between the stage's computations no gathered copy of its own is held
+        ahead = gathered * (1 + 1 / math.prod(mesh_shape[a] for a in stage.zero_axes))
+        peak = max(peak + ahead,
+                   persistent + gathered + in_flight * (saved + stash) + walk.sink_bytes)
         held -= gathered
+        return StepMemory(peak, persistent, saved + stash, min(held, peak), at, ahead)
     return StepMemory(peak, persistent, saved + stash, min(held, peak), at)
 
 

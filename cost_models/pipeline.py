@@ -30,7 +30,9 @@ sequence, and an action starts at ``max(rank free, dependencies ready)`` where
 and a dependency produced on another rank arrives ``p2p_s`` later (an activation / gradient
 send). Sends are asynchronous with unbounded buffering (torch posts ``isend``/``irecv``), so p2p
 time lengthens the critical path but never counts as busy time. Compute and communication of a
-rank do not contend; the optimizer step, gradient reduction and FSDP unshard are not modelled.
+rank do not contend; the optimizer step and gradient reduction are not modelled. ZeRO-3's
+parameter gathers (``gather_s``) are: each action that computes with a stage's parameters waits
+for their gather, issued when the rank's previous such action started (``runtime.prefetch``).
 
 Memory: a microbatch is *in flight* on a stage from the start of its forward until its input-grad
 backward (``B`` or ``BW``) completes. Because all stages of a rank execute sequentially on that
@@ -439,16 +441,21 @@ def _execute(
     durations: dict[str, Sequence[float]],
     ranks: int,
     p2p_s: float,
+    gather_s: Sequence[float] | None = None,
 ) -> tuple[tuple[tuple[TimedAction, ...], ...], tuple[float, ...]]:
     """Run each rank's order in sequence; return timed actions and busy time per rank.
 
-    ``durations`` maps a kind to per-stage seconds. Raises ``RuntimeError`` if no rank can start
-    its next action (the orders deadlock).
+    ``durations`` maps a kind to per-stage seconds. ``gather_s``: per stage, the seconds of
+    the parameter gather each of its ``F``, ``B`` and ``BW`` actions waits for (ZeRO-3),
+    issued when the rank's gathering action before it starts (``runtime.prefetch``); the
+    rank's first is waited for at once. Raises ``RuntimeError`` if no rank can start its next
+    action (the orders deadlock).
     """
     stages = len(durations["F"])
     done: dict[tuple[str, int, int], float] = {}  # "F"/"G" (input grad)/"W" -> end time
     timed: list[list[TimedAction]] = [[] for _ in range(ranks)]
     free, busy, pos = [0.0] * ranks, [0.0] * ranks, [0] * ranks
+    issued: list[float | None] = [None] * ranks  # when the rank's pending gather was issued
     progress = True
     while progress:
         progress = False
@@ -459,6 +466,11 @@ def _execute(
                 if ready is None:
                     break
                 start = max(free[rank], ready)
+                gather = gather_s[stage] if gather_s is not None and kind != "W" else 0.0
+                if gather > 0.0:  # (its gather: issued one gathering action ahead, or now)
+                    start = start + gather if issued[rank] is None else max(
+                        start, issued[rank] + gather)
+                    issued[rank] = start
                 end = start + durations[kind][stage]
                 key = ("G" if kind in ("B", "BW") else kind, stage, mb)
                 if key in done or stage % ranks != rank:
@@ -487,6 +499,7 @@ def simulate(
     p2p_s: float = 0.0,
     weight_fraction: float = 0.5,
     activation_bytes: Sequence[float] | None = None,
+    gather_s: Sequence[float] | None = None,
 ) -> ScheduleResult:
     """Simulate one step of ``schedule`` with per-stage, per-microbatch times.
 
@@ -495,9 +508,16 @@ def simulate(
     into ``B`` = ``(1 - weight_fraction) * backward_s[s]`` and ``W`` = ``weight_fraction *
     backward_s[s]`` ([ZB]); other schedules run one fused ``BW``. ``p2p_s`` delays every
     dependency that crosses ranks. ``activation_bytes[s]``: bytes stage ``s`` keeps per in-flight
-    microbatch.
+    microbatch. ``gather_s[s]`` (ZeRO-3 in a pipeline): seconds of stage ``s``'s parameter
+    gather before each of its forwards and (input-gradient) backwards, issued when the rank's
+    gathering action before it starts, so that it overlaps that action (the rank's first
+    gather of the step is exposed); not busy time.
     """
     chunks = _check_times(forward_s, backward_s, ranks, p2p_s, weight_fraction, activation_bytes)
+    if gather_s is not None and (len(gather_s) != len(forward_s) or not all(
+            math.isfinite(g) and g >= 0 for g in gather_s)):
+        raise ValueError(f"gather_s must hold one finite, non-negative time per stage "
+                         f"({len(forward_s)}), got {list(gather_s)!r}")
     orders = action_order(schedule, ranks, chunks, microbatches)
     wf = float(weight_fraction)
     durations: dict[str, Sequence[float]] = {
@@ -506,7 +526,7 @@ def simulate(
         "B": [(1.0 - wf) * t for t in backward_s],
         "W": [wf * t for t in backward_s],
     }
-    timed, busy = _execute(orders, durations, ranks, p2p_s)
+    timed, busy = _execute(orders, durations, ranks, p2p_s, gather_s)
     step = max((a[4] for rank_actions in timed for a in rank_actions), default=0.0)
     peak, peak_bytes = _peaks(orders, len(forward_s), activation_bytes)
     bubble = 0.0 if step == 0.0 else 1.0 - (sum(busy) / ranks) / step

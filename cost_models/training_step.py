@@ -320,14 +320,15 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
     fw, bw, elems, xelems = sums.fw, sums.bw, sums.elems, sums.xelems
     if setup.grad_sync == "microbatch" and p > 1 and setup.dp > 1:
         fw, bw = _sync_per_microbatch(lc, setup, sums, topology)
+    exposed = 0.0  # ZeRO-3: each rank's first gather of the step, waited for at once
     if setup.grad_sync == "regathered" and p > 1 and setup.dp > 1:  # ZeRO-3's gathers
-        fw, bw = _gather_per_microbatch(setup, sums, topology)
+        fw, bw, exposed = _gather_per_microbatch(setup, sums, topology)
     rank = lambda xs: [sum(xs[j] for j in range(r, stages, p)) for r in range(p)]  # noqa: E731
     busy = [f + b for f, b in zip(rank(fw), rank(bw))]
     # [MEG] Eq. 1 generalised to unequal stages: m rounds of the busiest rank, plus the fill
     # and drain of p - 1 stage-times (a stage is 1/v of a rank's work when interleaved)
     chunk = max(f + b for f, b in zip(fw, bw))
-    pipe = m * max(busy) + (p - 1) * chunk
+    pipe = m * max(busy) + (p - 1) * chunk + p * exposed
     experts = _expert_setup(setup)  # (the experts' state: sharded over the dp / ep ranks)
     stage_memory, memory = _memory(lc, setup, counts, sums, bact)
     comm = m * max(rank(_comm_per_stage(lc, counts, setup.recompute)))
@@ -441,9 +442,10 @@ def _memory(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], s: _StageSums
     stage_memory = [b + e for b, e in zip(base, extra)]
     memory = [sum(base[r::p]) + max(extra[r::p]) for r in range(p)]
     if setup.zero == 3 and setup.dp > 1 and p > 1:
-        # the computing stage's gathered parameters and the flat buffer they came from (one
-        # stage of a rank computes at a time; the others hold no gathered copy)
-        memory = [mem + 2 * max(s.gathered[j] for j in range(r, stages, p))
+        # the computing stage's gathered parameters and the next action's gather in flight,
+        # its flat buffer and packed shards (runtime.prefetch; one stage of a rank computes at
+        # a time, the others hold no gathered copy)
+        memory = [mem + (2 + 1 / setup.shard) * max(s.gathered[j] for j in range(r, stages, p))
                   for r, mem in enumerate(memory)]
     return stage_memory, memory
 
@@ -512,17 +514,21 @@ def _sync_per_microbatch(lc: LayerCosts, setup: Setup, s: _StageSums, topology: 
 
 
 def _gather_per_microbatch(setup: Setup, s: _StageSums, topology: Topology
-                           ) -> tuple[list[float], list[float]]:
+                           ) -> tuple[list[float], list[float], float]:
     """Stage times when a ZeRO-3 pipeline stage gathers its parameters for every microbatch's
     forward and again for its backward (``runtime.pipeline``: one flat all-gather over the
-    shard group each, waited for at once)."""
-    out_f, out_b = [], []
+    shard group each), each gather issued when the rank's action before it starts
+    (``runtime.prefetch``): an action then lasts at least the next one's gather, taken as
+    its own stage's. Also the longest gather: each rank's first of the step is waited for at
+    once, after its first input arrives (on the pipeline's fill)."""
+    out_f, out_b, most = [], [], 0.0
     for f, b, g in zip(s.fw, s.bw, s.gathered):
         gather = axis_collective_time("all_gather", g, setup.shard,
                                       setup.cp * setup.tp, topology)
-        out_f.append(f + gather)
-        out_b.append(b + gather)
-    return out_f, out_b
+        out_f.append(max(f, gather))
+        out_b.append(max(b, gather))
+        most = max(most, gather)
+    return out_f, out_b, most
 
 
 def _expert_setup(setup: Setup) -> Setup:

@@ -472,20 +472,19 @@ def _assemble(model: Any, facts: ModelFacts, mesh: Mesh, config: Config, setup: 
     bw = [p.predicted["step_time_s"] - f for p, f in zip(plans, fw)]
     # ZeRO-1 (a stage's reductions are deferred to the step's end, runtime.pipeline): stored
     # sharded over dp, gathered once a step; ZeRO-3: gathered for every microbatch's forward
-    # and backward (in the stage's times)
+    # and backward, each gather issued while the rank's action before it computes
+    # (runtime.prefetch; priced by the schedule's simulation)
     zero_axes = tuple(cand.zero_axes) if config.zero else ()
     stored = [{p.name: stored_placement(plan.params[p.name], p.shape, cand.shape, zero_axes)
                for p in traced.params} for (_, traced), plan in zip(stages, plans)]
     regathers = m if config.zero == 3 and zero_axes else 0
     reductions, reduce_s, gather_s = step_end_reductions(stages, plans, pp, cand, mesh, stored,
                                                          regathers)
-    fw = [f + g for f, g in zip(fw, gather_s)]
-    bw = [b + g for b, g in zip(bw, gather_s)]
     sends = _send_times(fwd, fwd.units, cand, pp, mesh)
     starts = [i for i in range(1, len(setup.stage_of_unit)) if setup.stage_of_unit[i] != setup.stage_of_unit[i - 1]]
     p2p = max((sends[i - 1] for i in starts), default=0.0) / 2
     sim = simulate(setup.schedule, fw, bw, m, pp, p2p_s=p2p,
-                   weight_fraction=_WEIGHT_FRACTION)
+                   weight_fraction=_WEIGHT_FRACTION, gather_s=gather_s if regathers else None)
     collectives: list[Collective] = []
     params: dict[str, tuple[str, ...]] = {}  # as stored between steps
     holders: dict[str, set[int]] = {}
@@ -528,6 +527,8 @@ def _assemble(model: Any, facts: ModelFacts, mesh: Mesh, config: Config, setup: 
                for r in range(pp)) * m
     optimizer = max(sum(p.predicted["optimizer_s"] for j, p in enumerate(plans) if j % pp == r)
                     for r in range(pp))
+    if regathers:  # the busiest rank's ZeRO-3 gathers, one per forward and backward
+        comm += max(2 * m * sum(gather_s[r::pp]) for r in range(pp))
     step = sim.step_time_s + tied_s + reduce_s
     return Plan(
         model_fingerprint=facts.fingerprint, mesh_shape=(pp, *cand.shape),
@@ -571,9 +572,15 @@ def _point_to_point(stages: list, cand: Candidate, m: int) -> list[Collective]:
 
 def _rank_memory(plans: list[Plan], setup: PipelineSetup, pp: int) -> list[float]:
     """Per pipeline rank, the peak of its stages (:func:`~autopar.cost_models.pipeline.
-    rank_memory` on the stage plans' predictions)."""
+    rank_memory` on the stage plans' predictions). A ZeRO-3 stage's peak holds the next
+    action's gather in flight at its own size (``cost_models.liveness.step_memory``); that
+    action may be another stage of the rank (``runtime.prefetch``): the rank's largest."""
+    ahead = [p.predicted.get("ahead_bytes", 0.0) for p in plans]
+    most = [max(ahead[r::pp]) for r in range(pp)]
     return list(rank_memory(setup.schedule, pp, setup.virtual_stages, setup.microbatches,
-                            [p.predicted["peak_memory_bytes"] for p in plans],
+                            [p.predicted["peak_memory_bytes"] - g + most[j % pp] if g else
+                             p.predicted["peak_memory_bytes"]
+                             for j, (p, g) in enumerate(zip(plans, ahead))],
                             [p.predicted["held_bytes"] for p in plans],
                             [p.predicted["saved_bytes"] for p in plans]))
 

@@ -23,12 +23,15 @@ parameter is stored sharded over dp (``plan.params``; the stage's program comput
 ``plan.pipeline.stages[j].params`` places it, replicated there): the stage all-gathers its
 parameters in one bucket before its first forward of the step, and reduce-scatters the
 gradients' bucket, laid out rank-major, into the shards (``cost_models.sharding.
-step_end_buckets``, one owner of the buckets for the plan and the runtime).
+step_end_buckets``, one owner of the buckets for the plan and the runtime). With ZeRO-3 it
+gathers them for every microbatch's forward and again for its backward, each gather issued
+while the rank's action before it computes (``runtime.prefetch``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import functools
+from typing import Any, Callable, Sequence
 
 import torch
 from autopar._torch_private import funcol
@@ -37,7 +40,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from autopar._torch_private import tree_flatten
 
-from autopar.cost_models.pipeline import TORCH_SCHEDULE_CLASSES
+from autopar.cost_models.pipeline import TORCH_SCHEDULE_CLASSES, action_order
 from autopar.errors import InputMismatchError, PlanError
 from autopar.graph import TracedGraph
 from autopar.passes.gather_buffers import all_gather_into_buffer
@@ -45,6 +48,7 @@ from autopar.passes.lower import placements_of
 from autopar.capture.stages import StageGraph, set_module_attr
 from autopar.plan import Plan
 from autopar.runtime.faults import collective_failures
+from autopar.runtime.prefetch import GatherAhead, Issue, gathering_stages
 from autopar.planning.candidates import HSDP_AXES
 from autopar.runtime.state import StateDictMixin, model_state
 from autopar.runtime.autograd import (FlatBucket, GradSink, JointFunction, Labelled, LazyCompiled,
@@ -250,8 +254,10 @@ class PipelineModule(StateDictMixin, nn.Module):
         # per stage, parameter -> (dim, chunks, this rank's): stored sharded, its gradient
         # computed whole by the stage
         self._chunked: dict[int, dict[str, tuple[int, int, int]]] = {}
+        self._issues: dict[int, Issue] = {}  # ZeRO-3: per stage, its gather (_gatherer)
         for j in self._stage_modules:
             self._once_a_step(j, canonical)
+        self._ahead = self._gather_ahead()
         self._tied = self._tied_params(stages, canonical)
         self._held, self._owner = self._params, self._owners(stages, canonical)
         self._state = model_state(model, set(self._owner))
@@ -286,8 +292,11 @@ class PipelineModule(StateDictMixin, nn.Module):
         stage = self._stage_modules[j]
         stage.sink = GradSink([flat[i] for i in reduced], self.plan.pipeline.microbatches, issue)
         gathers = [(flat[i], groups[i]) for i, b in enumerate(buckets) if b.kind == "all_gather"]
-        stage.gather = self._gatherer(gathers) if gathers else None
-        stage.regather = bool(gathers) and self.plan.techniques.get("zero") == 3
+        issue = self._gatherer(gathers) if gathers else None
+        stage.gather = (lambda: issue()()) if issue is not None else None
+        stage.regather = issue is not None and self.plan.techniques.get("zero") == 3
+        if stage.regather:  # (issued one action ahead: _gather_ahead)
+            self._issues[j] = issue
         scattered = {n for b in buckets if b.kind == "reduce_scatter" for n in b.params}
         for p in traced.params:
             kept = stored_dim(p.name, tuple(splan.params[p.name]), tuple(stored[p.name]))
@@ -296,23 +305,41 @@ class PipelineModule(StateDictMixin, nn.Module):
                 self._chunked.setdefault(j, {})[canonical.get(p.name, p.name)] = (
                     dim, self._submesh.size(axis), self._submesh.get_local_rank(axis))
 
-    def _gatherer(self, buckets: Sequence[tuple[FlatBucket, str]]) -> Any:
-        """A callable that all-gathers (ZeRO-1) the parameters of ``buckets`` (each with its
-        process group), one collective per bucket, into whole local tensors by name."""
+    def _gatherer(self, buckets: Sequence[tuple[FlatBucket, str]]) -> Issue:
+        """A callable that issues the all-gathers (ZeRO) of the parameters of ``buckets``
+        (each with its process group), one collective per bucket, and returns the callable
+        that waits for them and gives the whole local tensors by name."""
 
-        def gather() -> dict[str, torch.Tensor]:
-            out: dict[str, torch.Tensor] = {}
-            for bucket, group in buckets:
-                # (detached: the gradients come through the stage's sink, not autograd)
-                # (the packed shard is not kept past the gather: ZeRO-3 gathers again in every
-                # backward, beside the saved values of the microbatches in flight)
-                flat = funcol.wait_tensor(all_gather_into_buffer(
-                    bucket.pack([self._params[n].to_local().detach() for n in bucket.names]),
-                    bucket.parts, group))
-                out.update(zip(bucket.names, bucket.unpack(flat)))
-            return out
+        def issue() -> Callable[[], dict[str, torch.Tensor]]:
+            # (detached: the gradients come through the stage's sink, not autograd; the packed
+            # shard lives until the gather is waited for, as the plan's memory counts it)
+            flats = [(bucket, all_gather_into_buffer(
+                bucket.pack([self._params[n].to_local().detach() for n in bucket.names]),
+                bucket.parts, group)) for bucket, group in buckets]
 
-        return gather
+            def wait() -> dict[str, torch.Tensor]:
+                out: dict[str, torch.Tensor] = {}
+                for bucket, flat in flats:
+                    out.update(zip(bucket.names, bucket.unpack(funcol.wait_tensor(flat))))
+                flats.clear()  # (the flat buffers: held by the parameters made from them only)
+                return out
+
+            return wait
+
+        return issue
+
+    def _gather_ahead(self) -> GatherAhead | None:
+        """ZeRO-3: this rank's stage gathers, each issued one action ahead in the schedule's
+        order (:class:`~autopar.runtime.prefetch.GatherAhead`), or ``None`` without ZeRO-3."""
+        if not self._issues:
+            return None
+        pipe = self.plan.pipeline
+        order = action_order(pipe.schedule, self._pp, pipe.virtual_stages,
+                             pipe.microbatches)[self.pp_rank]
+        ahead = GatherAhead(gathering_stages(order, set(self._issues)), self._issues)
+        for j in self._issues:
+            self._stage_modules[j].gather = functools.partial(ahead.take, j)
+        return ahead
 
     def _add_param(self, name: str, original: torch.Tensor, placements: Sequence[str]) -> None:
         if name in self._params:
@@ -441,6 +468,8 @@ class PipelineModule(StateDictMixin, nn.Module):
             stage.sink.take()
             stage.gathered = None
         self._issued.clear()
+        if self._ahead is not None:
+            self._ahead.start_step()
         if 0 in self._stage_modules:
             self._schedule.step(index, target=index, losses=losses, return_outputs=False)
         else:

@@ -314,6 +314,35 @@ def test_p2p_1f1b_hand_case():
     assert [a[3:] for a in res.actions[1]] == spans
 
 
+def test_zero3_gathers_one_action_ahead_hand_cases():
+    """ZeRO-3 in a pipeline (``gather_s``): each action's parameter gather is issued when the
+    rank's gathering action before it starts (runtime.prefetch), the rank's first waited for at
+    once. By hand, 1F1B, f = 1, b = 2:
+
+    one rank, m = 2, g = 0.5: F0 [0.5,1.5] BW0 [1.5,3.5] F1 [3.5,4.5] BW1 [4.5,6.5]: only the
+    first gather shows; g = 3: F0 [3,4] BW0 [6,8] F1 [9,10] BW1 [12,14]: every action lasts a
+    gather. p = m = 2, g = 0.5, step 10 against 9 without gathers (each rank's first exposed,
+    on the fill); waited for at once before every action, as the runtime did before the
+    prefetch, the same step took (m + p - 1)(f + b + 2g) = 12.
+    """
+    one = simulate("1f1b", [1.0], [2.0], 2, 1, gather_s=[0.5])
+    assert [a[3:] for a in one.actions[0]] == [(0.5, 1.5), (1.5, 3.5), (3.5, 4.5), (4.5, 6.5)]
+    assert one.rank_busy_s == (6.0,)  # (the gathers are not compute)
+    slow = simulate("1f1b", [1.0], [2.0], 2, 1, gather_s=[3.0])
+    assert [a[3:] for a in slow.actions[0]] == [(3.0, 4.0), (6.0, 8.0), (9.0, 10.0), (12.0, 14.0)]
+    two = simulate("1f1b", [1.0, 1.0], [2.0, 2.0], 2, 2, gather_s=[0.5, 0.5])
+    assert [a[3:] for a in two.actions[1]] == [(2.0, 3.0), (3.0, 5.0), (5.0, 6.0), (6.0, 8.0)]
+    assert two.step_time_s == 10.0
+    assert simulate("1f1b", [1.0, 1.0], [2.0, 2.0], 2, 2).step_time_s == 9.0
+    assert simulate("1f1b", [2.0, 2.0], [3.0, 3.0], 2, 2).step_time_s == 15.0  # (at once)
+    # the weight step of a split backward gathers nothing
+    zb = simulate("zero-bubble", [1.0] * 4, [2.0] * 4, 4, 2, gather_s=[0.25] * 4)
+    plain = simulate("zero-bubble", [1.0] * 4, [2.0] * 4, 4, 2)
+    assert plain.step_time_s < zb.step_time_s < plain.step_time_s + 2 * 0.25 * 2 * 4 * 2
+    with pytest.raises(ValueError, match="gather_s"):
+        simulate("1f1b", [1.0], [2.0], 2, 1, gather_s=[-1.0])
+
+
 # ---------------------------------------------------------------- non-uniform stages
 
 
