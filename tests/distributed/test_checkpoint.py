@@ -58,10 +58,12 @@ def test_checkpoint_saved_under_one_plan_resumes_under_others(results_dir):
     assert e["dtensor"].startswith("TypeError") and "load_checkpoint" in e["dtensor"], e["dtensor"]
 
 
-# slow: saved under ZeRO-3 (dp=2), loaded under tp=2 and a pipeline; saved under tp=2, loaded
-# under ZeRO-3
-ZERO3 = ["ckpt:gpt,layers=2,batch=8,topo=slow-compute|dp=2,zero=3|tp=2|pp=2,microbatch_size=2,schedule=1f1b",
-         "ckpt:gpt,layers=2,batch=8,topo=slow-compute|tp=2|dp=2,zero=3"]
+# slow: saved under ZeRO-3 (dp=2), loaded under tp=2, a pipeline, plain dp and ZeRO-1; saved
+# under tp=2 and under ZeRO-1, loaded under ZeRO-3
+ZERO3 = ["ckpt:gpt,layers=2,batch=8,topo=slow-compute|dp=2,zero=3|tp=2|pp=2,microbatch_size=2,"
+         "schedule=1f1b|dp=2,zero=0|dp=2,zero=1",
+         "ckpt:gpt,layers=2,batch=8,topo=slow-compute|tp=2|dp=2,zero=3",
+         "ckpt:gpt,layers=2,batch=8,topo=slow-compute|dp=2,zero=1|dp=2,zero=3"]
 
 
 @pytest.mark.slow
