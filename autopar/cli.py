@@ -104,15 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _hardware(text: str) -> str:
-    """``--hardware``: a registered preset or a topology JSON file (checked when parsed)."""
+def _hardware(text: str) -> Any:
+    """``--hardware``: a registered preset or a topology JSON file, loaded (once) when parsed:
+    the :class:`~autopar.cost_models.topology.Topology`."""
     from autopar.cost_models.topology import load_topology
 
     try:
-        load_topology(text)
+        return load_topology(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from e
-    return text
 
 
 def _outputs(p: argparse.ArgumentParser, json: bool = True) -> None:
@@ -124,10 +124,9 @@ def _outputs(p: argparse.ArgumentParser, json: bool = True) -> None:
 
 def _plan(args: argparse.Namespace) -> Any:
     import autopar
-    from autopar.cost_models.topology import load_topology
     from autopar.model_presets import load_model
 
-    topo = load_topology(args.hardware)  # (checked by the parser)
+    topo = args.hardware  # (loaded by the parser)
     nodes, gpus = parse_mesh(args.mesh, topo.gpus_per_node)
     mesh = autopar.Mesh.virtual(topo, nodes=nodes, gpus_per_node=gpus)
     say = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731

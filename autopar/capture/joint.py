@@ -273,16 +273,41 @@ def export_program(wrapper: nn.Module, args: tuple, kwargs: dict) -> Any:
         with static_expert_blocks(wrapper):
             return torch.export.export(wrapper, args, kwargs, strict=False)
     except Exception as e:
-        msg = str(e)
-        kind = "data-dependent control flow" if (
-            "data-dependent" in msg or "data dependent" in msg or "GuardOnDataDependent" in msg
-        ) else "an untraceable construct"
+        name, msg = type(wrapper.model).__name__, str(e)
+        dependent = ("data-dependent" in msg or "data dependent" in msg
+                     or "GuardOnDataDependent" in msg)
+        if not dependent and (_raised_by_user_code(e) or type(e) in _PLAIN_ERRORS):
+            # (the model's own error, or an op's on these shapes: not a limit of the tracer,
+            # whose refusals are torch's own exception classes)
+            raise CaptureError(
+                f"could not trace {name}: {type(e).__name__}{_user_frame(e)} when run on the "
+                f"example inputs as fake tensors (shapes and dtypes, no values). Check that "
+                f"the model runs on these inputs without autopar and reads no tensor's values "
+                f"(.item(), .tolist(), .numpy()). Cause: {first_line(e)}") from e
+        kind = "data-dependent control flow" if dependent else (
+            "a construct torch.export cannot trace")
         raise CaptureError(
-            f"could not trace {type(wrapper.model).__name__}: {kind}{_user_frame(e)}. "
+            f"could not trace {name}: {kind}{_user_frame(e)}. "
             f"autopar needs one whole graph: replace Python branches on tensor values with "
             f"torch.where / torch.cond, and keep shapes independent of data. Cause: "
             f"{first_line(e)}"
         ) from e
+
+
+# exceptions of these exact classes come from the model's code or an operator's checks;
+# torch's tracer refuses with its own subclasses
+_PLAIN_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, KeyError, AssertionError)
+
+
+def _raised_by_user_code(e: BaseException) -> bool:
+    """Whether the innermost frame of ``e``'s traceback, where it was raised, lies outside
+    torch and autopar: the model's own ``raise``, not a refusal of the tracer."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return False
+    where = frames[-1].filename
+    return not (where.startswith(os.path.dirname(torch.__file__))
+                or where.startswith(os.path.dirname(os.path.dirname(__file__))))
 
 
 def first_line(e: BaseException) -> str:

@@ -121,6 +121,35 @@ def test_data_dependent_control_flow_is_a_capture_error():
     assert "torch.where" in msg or "torch.cond" in msg  # says how to fix it
 
 
+class _Raises(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != 8:
+            raise ValueError(f"expected 8 features, got {x.shape[-1]}")
+        return self.fc(x).sum()
+
+
+def test_an_error_of_the_model_itself_is_not_called_untraceable():
+    """A model whose own code raises on the example inputs (a user error, not a limit of the
+    tracer) is told so, with its line, and not advised to rewrite its branches."""
+    lines, first = inspect.getsourcelines(_Raises.forward)
+    line = first + next(i for i, text in enumerate(lines) if "raise ValueError" in text)
+    with pytest.raises(autopar.CaptureError) as err:
+        capture(_Raises(), (torch.randn(2, 4),))
+    msg = str(err.value)
+    assert "ValueError at" in msg and f"test_capture.py:{line}" in msg, msg
+    assert "expected 8 features, got 4" in msg and "torch.cond" not in msg, msg
+    assert isinstance(err.value.__cause__, ValueError)
+    # an operator's own check on these shapes likewise (raised inside torch)
+    with pytest.raises(autopar.CaptureError) as err:
+        capture(nn.Sequential(nn.Linear(8, 4)), (torch.randn(2, 4),))
+    msg = str(err.value)
+    assert "RuntimeError" in msg and "runs on these inputs" in msg and "torch.cond" not in msg, msg
+
+
 def test_inputs_that_do_not_match_the_signature():
     model, (ids, tgt) = build("gpt")
     with pytest.raises(autopar.InputMismatchError, match="too many positional"):

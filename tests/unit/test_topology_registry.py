@@ -76,7 +76,7 @@ def test_registered_preset_is_a_cli_choice(registry, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(argv)  # not registered yet: argparse refuses the choice
     register_topology(_measured_h200())
-    assert build_parser().parse_args(argv).hardware == "h200-measured"
+    assert build_parser().parse_args(argv).hardware.name == "h200-measured"
     # the whole command plans on it (a small preset, pp and microbatch fixed: one trace)
     assert main(["plan", "gpt2-small", "--mesh", "2x4", "--hardware", "h200-measured", "--batch",
                  "32", "--seq", "128", "--pp", "2", "--microbatch-size", "1"]) == 0
