@@ -221,6 +221,7 @@ class StepCost:
                 f"over the {self.budget_bytes / 2**30:.1f} GiB budget")
 
 
+@functools.lru_cache(maxsize=4096)  # (the same split for every setup of one layer pricing)
 def blocks_per_stage(num_blocks: int, stages: int, pre_s: float, post_s: float,
                      block_s: float) -> tuple[int, ...]:
     """Blocks of each stage, balancing stage times when the first stage also runs ``pre`` and the
@@ -323,7 +324,7 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
     exposed = 0.0  # ZeRO-3: each rank's first gather of the step, waited for at once
     if setup.grad_sync == "regathered" and p > 1 and setup.dp > 1:  # ZeRO-3's gathers
         fw, bw, exposed = _gather_per_microbatch(setup, sums, topology)
-    rank = lambda xs: [sum(xs[j] for j in range(r, stages, p)) for r in range(p)]  # noqa: E731
+    rank = lambda xs: [sum(xs[r::p]) for r in range(p)]  # noqa: E731  (a rank's stages)
     busy = [f + b for f, b in zip(rank(fw), rank(bw))]
     # [MEG] Eq. 1 generalised to unequal stages: m rounds of the busiest rank, plus the fill
     # and drain of p - 1 stage-times (a stage is 1/v of a rank's work when interleaved)
@@ -332,10 +333,11 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
     experts = _expert_setup(setup)  # (the experts' state: sharded over the dp / ep ranks)
     stage_memory, memory = _memory(lc, setup, counts, sums, bact)
     comm = m * max(rank(_comm_per_stage(lc, counts, setup.recompute)))
-    held = max(range(p), key=lambda r: rank(elems)[r])
-    x, xg = rank(xelems)[held], rank(sums.xgathered)[held]
-    dp_s, tied_s, opt_s = _step_end(lc, setup, rank(elems)[held] - x,
-                                    rank(sums.gathered)[held] - xg, topology)
+    per_rank = rank(elems)  # (the rank holding the most parameters)
+    held = max(range(p), key=per_rank.__getitem__)
+    x, xg = sum(xelems[held::p]), sum(sums.xgathered[held::p])
+    dp_s, tied_s, opt_s = _step_end(lc, setup, per_rank[held] - x,
+                                    sum(sums.gathered[held::p]) - xg, topology)
     if x:  # the experts' gradients, over the ranks holding the same experts
         dp_x, _, opt_x = _step_end(lc, experts, x, xg, topology, outer=setup.ep, tied=False)
         dp_s, opt_s = dp_s + dp_x, opt_s + opt_x

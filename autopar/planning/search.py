@@ -106,6 +106,7 @@ class LayerSolver:
         self.traces: dict[int, tuple[Any, Any]] = {}
         self.solved: dict[tuple[int, int, bool, int], LayerCosts] = {}
         self.spaces: dict[tuple[int, int, int], Any] = {}
+        self._shards: dict[int, bool] = {}  # shards_sequence, per microbatch size
         self.seq = sequence_length(example_inputs)
         self.num_experts = expert_count(model)  # (of its MoE layers; 0 without)
         self.trace_s = self.solve_s = 0.0
@@ -140,8 +141,10 @@ class LayerSolver:
         norm op for it to split (:data:`~autopar.planning.records.NORMS`; a norm written out
         in pointwise ops, as DeepSeek-V3's RMSNorm, has none), so that a setup with it is not
         the same program as one without, priced as if its block inputs were split."""
-        traced, _ = self._trace(b)
-        return any(is_op(n, NORMS) for n in traced.gm.graph.nodes)
+        if b not in self._shards:  # (asked once per setup priced: the graph walked once)
+            traced, _ = self._trace(b)
+            self._shards[b] = any(is_op(n, NORMS) for n in traced.gm.graph.nodes)
+        return self._shards[b]
 
     def bound(self, setup: Setup, budget_bytes: float) -> StepCost:
         """A lower bound of ``setup``'s price, for a setup with ``cp > 1`` or ``tp > 1``, from
