@@ -41,7 +41,6 @@ copies (e.g. the flat all-gather output before its ``cat``), and the optimizer's
 from __future__ import annotations
 
 import math
-
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Sequence

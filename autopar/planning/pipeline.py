@@ -578,8 +578,7 @@ def _rank_memory(plans: list[Plan], setup: PipelineSetup, pp: int) -> list[float
     ahead = [p.predicted.get("ahead_bytes", 0.0) for p in plans]
     most = [max(ahead[r::pp]) for r in range(pp)]
     return list(rank_memory(setup.schedule, pp, setup.virtual_stages, setup.microbatches,
-                            [p.predicted["peak_memory_bytes"] - g + most[j % pp] if g else
-                             p.predicted["peak_memory_bytes"]
+                            [p.predicted["peak_memory_bytes"] - g + most[j % pp]
                              for j, (p, g) in enumerate(zip(plans, ahead))],
                             [p.predicted["held_bytes"] for p in plans],
                             [p.predicted["saved_bytes"] for p in plans]))
