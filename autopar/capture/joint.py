@@ -299,15 +299,16 @@ def export_program(wrapper: nn.Module, args: tuple, kwargs: dict) -> Any:
 _PLAIN_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, KeyError, AssertionError)
 
 
+def _library_file(filename: str) -> bool:
+    """Whether ``filename`` is torch's or autopar's capture code (not the model's)."""
+    return filename.startswith((os.path.dirname(torch.__file__), os.path.dirname(__file__)))
+
+
 def _raised_by_user_code(e: BaseException) -> bool:
-    """Whether the innermost frame of ``e``'s traceback, where it was raised, lies outside
-    torch and autopar: the model's own ``raise``, not a refusal of the tracer."""
+    """Whether the innermost frame of ``e``'s traceback, where it was raised, is the model's
+    (:func:`_library_file`): its own ``raise``, not a refusal of the tracer."""
     frames = traceback.extract_tb(e.__traceback__)
-    if not frames:
-        return False
-    where = frames[-1].filename
-    return not (where.startswith(os.path.dirname(torch.__file__))
-                or where.startswith(os.path.dirname(os.path.dirname(__file__))))
+    return bool(frames) and not _library_file(frames[-1].filename)
 
 
 def first_line(e: BaseException) -> str:
@@ -317,12 +318,7 @@ def first_line(e: BaseException) -> str:
 
 def _user_frame(e: BaseException) -> str:
     """`` at file:line (code)`` of the innermost frame outside torch, if any."""
-    torch_dir = os.path.dirname(torch.__file__)
-    here = os.path.dirname(__file__)
-    frames = [
-        f for f in traceback.extract_tb(e.__traceback__)
-        if not f.filename.startswith(torch_dir) and not f.filename.startswith(here)
-    ]
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not _library_file(f.filename)]
     if not frames:
         m = re.search(r'File "([^"]+)", line (\d+)', str(e))
         return f" at {m.group(1)}:{m.group(2)}" if m else ""

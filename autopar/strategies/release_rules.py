@@ -35,9 +35,9 @@ __all__: list[str] = []  # registers rules on import; nothing to call
 # against the local rows. These rules split input, output and statistics together on any dim
 # before the normalized ones (the weight and bias whole, their gradients partial sums), or keep
 # everything whole.
-def _layer_norm_rules(ndim: int, axis: int, outputs: Sequence[Any], inputs: int,
+def _layer_norm_rules(axis: int, outputs: Sequence[Any], inputs: int,
                       params: int) -> list[list[Any]]:
-    """``outputs``: per output, ``"split"`` (follows the rows), ``"sum"`` (a parameter's
+    """``axis``: the first normalized dim (the rows are split on a dim before it); ``outputs``: per output, ``"split"`` (follows the rows), ``"sum"`` (a parameter's
     gradient) or ``None`` (not computed); ``inputs`` row-shaped tensor inputs, then ``params``
     weight and bias."""
     whole = [None if o is None else Replicate() for o in outputs] + [Replicate()] * (inputs + params)
@@ -56,7 +56,7 @@ if private.older_than("2.13"):
     @register_op_rule(torch.ops.aten.native_layer_norm.default, 3, 1)
     def _layer_norm_rule(args_meta: tuple[Any, ...], kwargs_meta: dict[str, Any]) -> list[list[Any]]:
         ndim = len(args_meta[0].shape)  # input, normalized_shape, weight, bias, eps
-        return _layer_norm_rules(ndim, ndim - len(args_meta[1]), ["split"] * 3, 1,
+        return _layer_norm_rules(ndim - len(args_meta[1]), ["split"] * 3, 1,
                                  _params_given(*args_meta[2:4]))
 
     @register_op_rule(torch.ops.aten.native_layer_norm_backward.default, 3, 2)
@@ -65,7 +65,7 @@ if private.older_than("2.13"):
         # grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask
         ndim, mask = len(args_meta[1].shape), args_meta[7]
         outputs = [o if m else None for o, m in zip(("split", "sum", "sum"), mask)]
-        return _layer_norm_rules(ndim, ndim - len(args_meta[2]), outputs, 4,
+        return _layer_norm_rules(ndim - len(args_meta[2]), outputs, 4,
                                  _params_given(*args_meta[5:7]))
 
     # Dropout (2.11, 2.12): DTensor's rule gives the two outputs (values and mask) one spec,
