@@ -8,10 +8,13 @@ from typing import Any
 
 from autopar.cost_models.pipeline import SCHEDULES
 
-__all__ = ["Config", "ZERO_STAGES"]
+__all__ = ["CP_ATTENTION", "Config", "ZERO_STAGES"]
 
 _UNKNOWN_OP = ("replicate", "error")
 _RECOMPUTE = ("none", "selective", "full")
+# context parallelism's two forms of attention (autopar.strategies.rules): keys and values
+# all-gathered over cp, or passed around its ranks (ring attention)
+CP_ATTENTION = ("gather", "ring")
 # ZeRO stages (Rajbhandari et al., SC'20, sec. 5): 1 and 2 run one program (see Config.zero)
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -25,10 +28,15 @@ class Config:
         tp: tensor-parallel degree, or ``None`` to search.
         pp: pipeline-parallel degree, or ``None`` to search.
         cp: context-parallel degree: the sequence dim of the inputs (dim 1) and of the
-            activations split over ``cp`` ranks, attention's keys and values gathered over
-            them (Llama 3's form), parameters replicated on them and their gradients
-            all-reduced. ``None``: the setup search tries it for sequences of 65,536 tokens
+            activations split over ``cp`` ranks, attention run over them in the form of
+            ``cp_attention``, parameters replicated on them and their gradients all-reduced. ``None``: the setup search tries it for sequences of 65,536 tokens
             or more, 1 otherwise (``autopar.planning.search.CP_MIN_SEQUENCE``).
+        cp_attention: how attention runs over cp: ``"gather"`` (the keys and values
+            all-gathered over the cp ranks before the rank's queries attend to them, their
+            gradients reduce-scattered after: Llama 3's form), ``"ring"`` (the keys and values
+            passed from rank to rank in blocks while each block's attention computes, merged by
+            their log-sum-exps: ring attention, ``autopar.passes.ring_attention``), or ``None``:
+            the planner prices both per attention and takes the cheaper.
         ep: expert-parallel degree of mixture-of-experts layers: each layer's experts split
             over ``ep`` of the data-parallel ranks (ep divides dp, as Megatron-LM and
             torchtitan fold it), the (token, choice) pairs sent to their experts' ranks and
@@ -90,6 +98,7 @@ class Config:
     tp: int | None = None
     pp: int | None = None
     cp: int | None = None
+    cp_attention: str | None = None
     ep: int | None = None
     expert_load_skew: float = 1.0
     memory_bytes: float | None = None
@@ -118,6 +127,9 @@ class Config:
             raise ValueError(
                 f"Config.unknown_op={self.unknown_op!r}: use one of {_UNKNOWN_OP}."
             )
+        if self.cp_attention is not None and self.cp_attention not in CP_ATTENTION:
+            raise ValueError(f"Config.cp_attention={self.cp_attention!r}: use one of "
+                             f"{CP_ATTENTION}, or None to let the planner choose.")
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise ValueError(f"Config.schedule={self.schedule!r}: use one of {SCHEDULES}, or None "
                              f"to let the search choose.")

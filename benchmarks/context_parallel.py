@@ -4,12 +4,14 @@
 
 starts one ``torchrun`` job per process count (CPU processes, gloo) and, on the GPT-2-style
 model of ``runtime_vs_torch.py`` (:class:`BenchGPT`) at a long sequence for its size (dim 256,
-4 heads, 2 layers, sequence 2048, batch 2), times
+4 heads, 2 layers, sequence 2048, batch 1: one sequence per step, as long-context
+training runs; a batch of several has its linear layers flatten the batch and the sequence into
+one dim, where the plan cannot keep the sequence split, docs/architecture.md), times
 
-- autopar ``Config(cp=n, dp=1, tp=1, pp=1)``: the sequence split over the n ranks, attention's
-  keys and values all-gathered (the gathered form; ring attention is not built yet), eager and
-  compiled; the plan's predicted step on the ``cpu-gloo`` preset next to the measured one, and
-  the collectives counted against the plan's;
+- autopar ``Config(cp=n, dp=1, tp=1, pp=1)`` in both forms of attention over cp
+  (``cp_attention``): the keys and values all-gathered, or passed around the ring (ring
+  attention, ``autopar.passes.ring_attention``), eager and compiled; the plan's predicted step
+  on the ``cpu-gloo`` preset next to the measured one, and the bytes sent against the plan's;
 - PyTorch's ``context_parallel`` (``torch.distributed.tensor.experimental``) on the same model
   and batch, where it runs; where it does not, the table gives what stopped it.
 
@@ -36,20 +38,22 @@ from runtime_vs_torch import (  # noqa: E402
     backward_loss, job_main, make_batch, make_model, measure,
 )
 
-SIZES = {"default": dict(dim=256, heads=4, layers=2, seq=2048, batch=2, vocab=1024),
+SIZES = {"default": dict(dim=256, heads=4, layers=2, seq=2048, batch=1, vocab=1024),
          "tiny": dict(dim=32, heads=2, layers=2, seq=32, batch=2, vocab=64)}
 
 
-def autopar_row(size: dict, compile: bool, repeats: int, warmup: int) -> dict:
-    """autopar's cp plan on this job: measured and predicted step, collectives."""
+def autopar_row(size: dict, form: str, compile: bool, repeats: int, warmup: int) -> dict:
+    """autopar's cp plan in attention ``form`` on this job: measured and predicted step,
+    collectives."""
     n = dist.get_world_size()
     batch = make_batch(size)
     mesh = autopar.Mesh.from_torchrun(topology="cpu-gloo")
     pm = autopar.parallelize(make_model(size), mesh, batch, compile=compile, plan_cache=False,
-                             config=autopar.Config(cp=n, dp=1, tp=1, pp=1))
+                             config=autopar.Config(cp=n, dp=1, tp=1, pp=1, cp_attention=form))
     res = measure({"autopar": (pm.step, list(pm.parameters()))}, batch, repeats, warmup)["autopar"]
     plan = pm.plan
-    return {"procs": n, "mode": "compiled" if compile else "eager", "degrees": plan.degrees,
+    return {"procs": n, "form": form, "mode": "compiled" if compile else "eager",
+            "degrees": plan.degrees,
             "measured_s": res["median_s"], "predicted_s": plan.predicted["step_time_s"],
             "times": res["times"], "counts": res["counts"], "bytes": res["bytes"],
             "plan_counts": dict(plan.collective_counts()), "plan_bytes": dict(plan.collective_bytes())}
@@ -93,15 +97,15 @@ def torch_row(size: dict, repeats: int, warmup: int) -> dict:
 def worker(args: argparse.Namespace) -> None:
     """Body of each rank."""
     size = SIZES[args.size]
-    rows = [autopar_row(size, c, args.repeats, args.warmup)
+    rows = [autopar_row(size, form, c, args.repeats, args.warmup) for form in ("gather", "ring")
             for c in ([False, True] if args.compile else [False])]
     theirs = torch_row(size, args.repeats, args.warmup)
     if dist.get_rank() == 0:
-        table = [[r["procs"], r["mode"], f"{r['measured_s'] * 1e3:.1f}",
+        table = [[r["procs"], r["form"], r["mode"], f"{r['measured_s'] * 1e3:.1f}",
                   f"{r['predicted_s'] * 1e3:.1f}", f"{r['measured_s'] / r['predicted_s']:.2f}",
                   sum(r["bytes"].values()), sum(r["plan_bytes"].values())] for r in rows]
         print(f"BenchGPT {size}, {rows[0]['procs']} processes (gloo), median of {args.repeats}")
-        print(tabulate(table, headers=["procs", "autopar", "measured ms", "predicted ms",
+        print(tabulate(table, headers=["procs", "form", "autopar", "measured ms", "predicted ms",
                                        "measured / predicted", "bytes", "plan bytes"]))
         ran = theirs.get("measured_s")
         print("torch context_parallel:", theirs.get("why") or

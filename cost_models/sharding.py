@@ -23,6 +23,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from autopar.cost_models.comm import axis_collective_time, axis_strides
 from autopar.cost_models.compute import flops_of_node, matmul_peak, op_time
 from autopar.cost_models.experts import experts_comm_time, experts_node_work
+from autopar.cost_models.ring import ring_axis, ring_seconds
 from autopar.strategies.rules import EXPERT_OPS
 from autopar.cost_models.topology import Topology
 from autopar.capture.layers import aten_ops, is_op
@@ -132,7 +133,12 @@ def _compute_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: To
     if n.target in EXPERT_OPS:
         return _experts_time(n, s, mesh_shape, topo, skew)
     flops, nbytes, dtype = roofline_terms(n, s.inputs, s.outputs, mesh_shape, fused)
-    return op_time(flops, nbytes, topo, dtype, is_matmul=flops > 0)
+    seconds = op_time(flops, nbytes, topo, dtype, is_matmul=flops > 0)
+    if ring_axis(n.target, s.inputs) is not None:  # (ring attention: the kernel on one block)
+        args = tensor_inputs(n)
+        return ring_seconds(n.target, s.inputs, [tuple(a.meta["val"].shape) for a in args],
+                            args[0].meta["val"].element_size(), mesh_shape, topo, seconds)
+    return seconds
 
 
 def roofline_terms(n: fx.Node, inputs: Sequence[Placements | None] | None = None,
@@ -612,8 +618,9 @@ def _output_costs(traced: TracedGraph, space: StrategySpace, mesh_shape: tuple[i
     res: dict[int, tuple[tuple[str, int], str | None, np.ndarray]] = {}
     rep = tuple(Replicate() for _ in mesh_shape)
     fixed = {i: rep for i in ([traced.loss_output_index] if traced.loss_output_index is not None else [])}
-    edge = boundary_placements(len(mesh_shape), space.dp_axes)
-    fixed.update({i: edge for i in (*traced.boundary_outputs, *traced.boundary_grad_outputs)})
+    fixed.update({i: boundary_placements(tuple(outs[i].meta["val"].shape), mesh_shape, space.dp_axes,
+                                         space.cp_axes)
+                  for i in (*traced.boundary_outputs, *traced.boundary_grad_outputs)})
     for i, target in fixed.items():  # the loss (replicated) and a pipeline stage's boundary values
         value = space.value_of(outs[i].name)
         v = outs[i].meta["val"]

@@ -35,7 +35,7 @@ from autopar.passes.overlap import overlap_collectives, prefetch_gathers
 from autopar.capture.layers import is_backward
 from autopar.capture.remat import REGATHER, TAG, marked
 from autopar.passes.recompute import recompute_pass
-from autopar.passes import experts as expert_ops, seq_attention
+from autopar.passes import experts as expert_ops, ring_attention, seq_attention
 from autopar.plan import Plan
 from autopar.strategies import fused
 from autopar.strategies.reshard import local_shape, reshard_steps
@@ -213,6 +213,9 @@ class _Interpreter:
         if expert_ops.needs_local(n.target, [placements_of(p) for p in choice.inputs]):
             return expert_ops.run_local(n, args, [placements_of(o) for o in choice.outputs],
                                         self.mesh)
+        if ring_attention.needs_ring(n.target, [placements_of(p) for p in choice.inputs]):
+            return ring_attention.run_ring(n, args, kwargs, [placements_of(o) for o in choice.outputs],
+                                           self.mesh)
         if seq_attention.needs_local(n.target, [placements_of(p) for p in choice.inputs], n.args):
             return seq_attention.run_local(n, args, kwargs, [placements_of(o) for o in choice.outputs],
                                            self.mesh)

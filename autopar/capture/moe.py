@@ -34,7 +34,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = ["ACTIVATIONS", "OPS_WITH_COLLECTIVES", "expert_count", "experts", "experts_backward",
-           "experts_block_form", "experts_forward", "has_expert_blocks", "routed_rows"]
+           "experts_block_form", "experts_forward", "group_rank_size", "has_expert_blocks",
+           "routed_rows"]
 
 
 def _silu_grad(x: torch.Tensor) -> torch.Tensor:
@@ -158,8 +159,9 @@ def _local_backward(grad: torch.Tensor, saved: list[tuple], w_in: torch.Tensor,
 
 # --- routing ------------------------------------------------------------------------------
 
-def _group(name: str) -> tuple[Any, int, int]:
-    """(process group or None, this rank in it, its size) of a group name ("" for none)."""
+def group_rank_size(name: str) -> tuple[Any, int, int]:
+    """(process group or None, this rank in it, its size) of a group name ("" for none): how
+    the ops that communicate inside (the experts', ring attention's) find their group."""
     if not name:
         return None, 0, 1
     from autopar._torch_private import resolve_process_group
@@ -206,7 +208,7 @@ class _Exchange:
     regroup by local expert."""
 
     def __init__(self, index: torch.Tensor, owner: list[int], group: str) -> None:
-        self.pg, me, size = _group(group)
+        self.pg, me, size = group_rank_size(group)
         self.pairs, counts, local = routed_rows(index, owner, me, size)
         got = counts if self.pg is None else _all_to_all(counts, [local] * size, [local] * size,
                                                          self.pg)

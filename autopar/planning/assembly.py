@@ -89,7 +89,6 @@ def build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate,
             nodes[n.name] = NodePlan((nodes[src].outputs[idx],), ())
     out_node = next(n for n in traced.gm.graph.nodes if n.op == "output")
     rep = tuple("R" for _ in cand.shape)
-    edge = txt(boundary_placements(len(cand.shape), cand.dp_axes))
     boundary = set(traced.boundary_outputs) | set(traced.boundary_grad_outputs)
     outputs: list[tuple[str, ...] | None] = []
     param_of_grad = {p.grad_output_index: p for p in traced.params}
@@ -99,7 +98,8 @@ def build_plan(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate,
         elif i == traced.loss_output_index:
             outputs.append(rep)
         elif i in boundary:
-            outputs.append(edge)
+            outputs.append(txt(boundary_placements(tuple(a.meta["val"].shape), cand.shape,
+                                                   cand.dp_axes, cand.cp_axes)))
         else:
             outputs.append(deferred_gradient(nodes[param_of_grad[i].node].outputs[0],
                                              nodes[a.name].outputs[0] if a.name in nodes else None,

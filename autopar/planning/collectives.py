@@ -13,6 +13,7 @@ import torch.fx as fx
 
 from autopar.cost_models.comm import axis_collective_time, axis_strides
 from autopar.cost_models.experts import experts_exchanges
+from autopar.cost_models.ring import ring_exchanges
 from autopar.cost_models.overlap import Comm
 from autopar.cost_models.sharding import step_end_buckets
 from autopar.graph import TracedGraph, output_moves
@@ -21,7 +22,7 @@ from autopar.placements import from_str
 from autopar.plan import Collective, NodePlan
 from autopar.capture.layers import node_phase
 from autopar.capture.remat import GatherRuns, gather_bucket_key, is_random
-from autopar.strategies.rules import EXPERT_OPS
+from autopar.strategies.rules import EXPERT_OPS, SEQUENCE_ATTENTION_QUERY
 from autopar.strategies.space import tensor_inputs
 from autopar.strategies.reshard import reshard_steps
 
@@ -179,6 +180,20 @@ class _Walk:
         self.add(first.kind, first.axis, nbytes, "backward", layer, "output", last, last)
 
 
+def _ring_messages(walk: _Walk, n: fx.Node, phase: str, layer: str, recomputed: bool) -> None:
+    """Ring attention's sends and receives, which the op runs inside itself (none for the other
+    forms); a recomputed forward runs them again in the backward (``passes.recompute`` copies
+    the op)."""
+    ins = tensor_inputs(n)
+    messages = ring_exchanges(n.target, [tuple(map(from_str, p)) for p in walk.nodes[n.name].inputs],
+                              [tuple(a.meta["val"].shape) for a in ins],
+                              ins[0].meta["val"].element_size(), walk.shape)
+    for again in ((phase, "backward") if recomputed else (phase,)):
+        for kind, axis, nbytes in messages:
+            walk.add(kind, axis, nbytes, again, layer, n.name, n.name, walk.previous,
+                     priced=False)
+
+
 def step_collectives(traced: TracedGraph, shape: Sequence[int], names: Sequence[str],
                      nodes: dict[str, NodePlan], outputs: Sequence, mesh: Mesh,
                      buckets: tuple[tuple[int, ...], ...] = (),
@@ -221,6 +236,8 @@ def step_collectives(traced: TracedGraph, shape: Sequence[int], names: Sequence[
                         val.element_size(), walk.shape):
                     walk.add(kind, axis, nbytes, phase, layer, n.name, n.name, walk.previous,
                              priced=False)
+            if n.target in SEQUENCE_ATTENTION_QUERY:  # (ring attention's sends, inside it too)
+                _ring_messages(walk, n, phase, layer, n.name in recompute and not is_random(n))
             if n.name in walk.prefetch and phase == "forward":
                 walk.note_chain(n)
             if n.name in early:

@@ -41,6 +41,8 @@ from autopar.planning.solve import solve_candidate, solve_space
 from autopar.planning.records import param_shards
 from autopar.planning.stage_reuse import renamed_stage_plan, stage_key
 from autopar.solver.stage_cuts import LayerCost, solve_cuts
+from autopar.strategies.reshard import local_shape
+from autopar.strategies.space import boundary_placements
 from autopar.capture.stages import (
     ForwardGraph, capture_stages, capture_with_forward, export_forward, microbatch_inputs,
 )
@@ -177,7 +179,6 @@ def chosen_comm(space: Any, costs: Any, choice: dict[str, int], backward: set[st
 def _send_times(fwd: ForwardGraph, units: tuple[str, ...], cand: Candidate, pp: int,
                 mesh: Mesh) -> list[float]:
     """Seconds to send the activations crossing a cut after each unit, and their gradients."""
-    dp = math.prod(cand.shape[a] for a in cand.dp_axes)
     crossing = np.zeros(len(units))
     for n in fwd.gm.graph.nodes:
         if n.name not in fwd.unit_of:
@@ -187,7 +188,7 @@ def _send_times(fwd: ForwardGraph, units: tuple[str, ...], cand: Candidate, pp: 
         if not later or not hasattr(val, "numel"):
             continue
         lo, hi = fwd.unit_of[n.name], max(later)
-        crossing[lo:hi] += val.numel() * val.element_size() / dp
+        crossing[lo:hi] += boundary_bytes(val, cand)
     stride = math.prod(cand.shape)
     return [2 * axis_collective_time("send_recv", float(b), pp, stride, mesh.topology) if b else 0.0
             for b in crossing]
@@ -552,17 +553,25 @@ def _assemble(model: Any, facts: ModelFacts, mesh: Mesh, config: Config, setup: 
         techniques=dict(plans[0].techniques))
 
 
+def boundary_bytes(val: Any, cand: Candidate) -> int:
+    """Bytes a rank sends (and receives) of a value crossing a pipeline cut: its part under
+    :func:`~autopar.strategies.space.boundary_placements` (split on the batch over the data
+    axes, on the sequence over cp)."""
+    shape = tuple(val.shape)
+    edge = boundary_placements(shape, cand.shape, cand.dp_axes, cand.cp_axes)
+    return math.prod(local_shape(shape, edge, tuple(cand.shape))) * val.element_size()
+
+
 def _point_to_point(stages: list, cand: Candidate, m: int) -> list[Collective]:
     """The sends and receives of boundary activations (forward) and their gradients (backward),
     for every microbatch, tagged with the stage whose ranks issue them."""
-    dp = math.prod(cand.shape[a] for a in cand.dp_axes)
     out: list[Collective] = []
     for st, traced in stages:
         nodes = {n.name: n for n in traced.gm.graph.nodes}
         for names, fwd_kind in ((traced.boundary_inputs, "recv"), (traced.boundary_tangents, "send")):
             for name in names:
                 val = nodes[name].meta["val"]
-                nbytes = int(val.numel() * val.element_size() // dp)
+                nbytes = boundary_bytes(val, cand)
                 bwd_kind = "send" if fwd_kind == "recv" else "recv"
                 for _ in range(m):
                     out.append(Collective(fwd_kind, "pp", nbytes, "forward", "", name, st.index))

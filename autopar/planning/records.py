@@ -16,6 +16,7 @@ from autopar.cost_models.sharding import stored_placement
 from autopar.graph import TracedGraph
 from autopar.capture.remat import recompute_nodes
 from autopar.plan import NodePlan
+from autopar.strategies.rules import SEQUENCE_ATTENTION_QUERY
 
 __all__ = ["NORMS", "applied_techniques", "describe_nodes", "local_elements", "param_shards",
            "precision", "stored_params"]
@@ -89,7 +90,24 @@ def applied_techniques(traced: TracedGraph, config: Config, cand: Any,
     shard = math.prod(cand.shape[a] for a in cand.zero_axes) if zero else 1
     return {"recompute": recompute, "zero": zero, "dp_shard": shard,
             "sequence_parallel": _sequence_sharded(
-        traced, cand, nodes), "mixed_precision": precision(traced, config)}, notes
+        traced, cand, nodes), "mixed_precision": precision(traced, config),
+            "cp_attention": cp_attention_form(traced, cand, nodes)}, notes
+
+
+def cp_attention_form(traced: TracedGraph, cand: Any, nodes: dict[str, NodePlan]) -> str:
+    """How the plan's attention runs over cp: ``"gather"`` (keys and values whole on the cp
+    axis), ``"ring"`` (sharded: ring attention), both joined by ``+`` when its attention nodes
+    differ, ``"none"`` without a cp axis."""
+    if "cp" not in cand.names:
+        return "none"
+    axis = cand.names.index("cp")
+    forms = set()
+    for n in traced.gm.graph.nodes:
+        if n.target in SEQUENCE_ATTENTION_QUERY and n.name in nodes:
+            inputs = nodes[n.name].inputs
+            key = SEQUENCE_ATTENTION_QUERY[n.target] + 1
+            forms.add("ring" if inputs[key][axis] == "S(2)" else "gather")
+    return "+".join(sorted(forms)) or "none"
 
 
 def _sequence_sharded(traced: TracedGraph, cand: Any, nodes: dict[str, NodePlan]) -> bool:

@@ -132,7 +132,8 @@ class LayerSolver:
                                             gradient_share=0.0 if cp > 1 else 1.0)
             self.solved[key] = layer_costs(traced, fwd, space, costs, res.choice, self.num_blocks,
                                            self.config.optimizer, (tp if sp else 1) * cp,
-                                           self.lead_runs, self.config.expert_load_skew)
+                                           self.lead_runs, self.config.expert_load_skew,
+                                           boundary_shards=cp)
             self.solve_s += time.perf_counter() - t0
         return self.solved[key]
 

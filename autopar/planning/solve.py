@@ -99,7 +99,7 @@ def priced_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidat
         _pin_norms(traced, space, cand.names.index("tp"), sequence_parallel)
     for axis in range(len(cand.shape)):
         if axis in cand.cp_axes:
-            _pin_attention(traced, space, axis)
+            _pin_attention(traced, space, axis, form=config.cp_attention)
             _sequence_only(traced, space, axis)
         else:
             _pin_attention(traced, space, axis, sequence=False)
@@ -213,12 +213,13 @@ def _pin_norms(traced: TracedGraph, space: StrategySpace, axis: int, sharded: bo
 
 
 def _pin_attention(traced: TracedGraph, space: StrategySpace, axis: int,
-                   sequence: bool = True) -> None:
+                   sequence: bool = True, form: str | None = None) -> None:
     """Context parallelism: keep the attention strategies whose queries are sharded on the
-    sequence (dim 2) over the cp ``axis`` (their keys and values whole: gathered over it),
-    so that the ILP cannot turn the cp axis into a second batch split; on another axis
-    (``sequence`` False) drop them: the sequence is split over cp only, and the plans of the
-    other axes stay as they were before cp existed (Megatron's heads split over tp)."""
+    sequence (dim 2) over the cp ``axis``, their keys and values either whole (gathered over
+    it) or sharded too (the ring), as ``form`` (``Config.cp_attention``) says or both for the
+    ILP to price, so that the ILP cannot turn the cp axis into a second batch split; on another
+    axis (``sequence`` False) drop them: the sequence is split over cp only, and the plans of
+    the other axes stay as they were before cp existed (Megatron's heads split over tp)."""
     want = Shard(2)
     for n in traced.gm.graph.nodes:
         if n.target not in SEQUENCE_ATTENTION_QUERY or n.name not in space.nodes:
@@ -229,10 +230,16 @@ def _pin_attention(traced: TracedGraph, space: StrategySpace, axis: int,
                   f"attention {n.name} has only strategies with its queries split on the "
                   f"sequence, which autopar runs over a cp axis only; use cp > 1.")
             continue
-        _keep(space, n.name, lambda s: len(s.inputs) > q and s.inputs[q][axis] == want,
+
+        def ok(s: Any) -> bool:
+            if len(s.inputs) <= q + 1 or s.inputs[q][axis] != want:
+                return False
+            return form is None or (s.inputs[q + 1][axis] == want) == (form == "ring")
+
+        _keep(space, n.name, ok,
               f"attention {n.name} has no strategy with its queries sharded on the sequence over "
-              f"the cp axis (it has dropout, or an attention mask that cannot follow the "
-              f"queries); use cp=1 for this model.")
+              f"the cp axis{'' if form is None else f' in the {form} form'} (it has dropout, or "
+              f"an attention mask that cannot follow the queries); use cp=1 for this model.")
 
 
 def _store_experts_split(traced: TracedGraph, space: StrategySpace, axis: int, size: int) -> None:

@@ -30,12 +30,14 @@ __all__ = ["layer_costs"]
 
 def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str, int],
                 num_blocks: int, optimizer: str, seq_shards: int,
-                lead_runs: Sequence[int] = (), expert_skew: float = 1.0) -> LayerCosts:
+                lead_runs: Sequence[int] = (), expert_skew: float = 1.0,
+                boundary_shards: int = 1) -> LayerCosts:
     """Per-unit costs of a two-block trace's ILP solution (the second repeated block stands for
     every block; the leading blocks that differ from them count in ``pre``: the trace holds
     one block of each run of identical leading ones, ``lead_runs`` their run lengths, each
     counted that many times); ``seq_shards``: the tp degree when the block input is
-    sequence-sharded."""
+    sequence-sharded; ``boundary_shards``: the ranks a pipeline cut's activation is split over
+    besides the data axes (cp: :func:`~autopar.strategies.space.boundary_placements`)."""
 
     lead = len(lead_runs)
     nodes = list(traced.gm.graph.nodes)
@@ -68,7 +70,7 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
         gather_itemsize=_width(a["gbytes"] - a["xgbytes"], a["elems"] - a["xelems"]),
         expert_gather_itemsize=_width(a["xgbytes"], a["xelems"]),
         regathered_bytes=a["chain"], backward_transient_bytes=a["trans"])
-    boundary = _boundary_bytes(fwd)
+    whole = _boundary_bytes(fwd)
     itemsize = traced.params[0].dtype.itemsize if traced.params else 4
     # (a largest transient is a maximum: neither repeated nor added)
     leading = [{k: v if k == "trans" else _times(v, c) for k, v in a.items()}
@@ -80,7 +82,7 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
     return LayerCosts(unit(pre, 0) if not lead else _unit_with(unit(pre, 0), pre_peaks),
                       unit(acc[lead + 2], lead + 2), unit(acc[-1], len(units) - 1), num_blocks,
                       tied_state, tied_elems,
-                      boundary, boundary / seq_shards, itemsize, optimizer, expert_skew,
+                      whole / boundary_shards, whole / seq_shards, itemsize, optimizer, expert_skew,
                       sum(lead_runs), sum(a["f"] + a["fc"] - a["xfs"] for a in leading),
                       sum(a["act"] - a["rand"] for a in leading))
 

@@ -55,6 +55,7 @@ from autopar.runtime.autograd import (FlatBucket, GradSink, JointFunction, Label
                                       split_forward_backward, split_weight_backward)
 from autopar.cost_models.sharding import step_end_buckets, stored_dim
 from autopar.strategies.reshard import local_shape
+from autopar.strategies.space import boundary_placements
 
 __all__ = ["PipelineModule", "StageModule", "SCHEDULE_CLASSES"]
 
@@ -404,15 +405,19 @@ class PipelineModule(StateDictMixin, nn.Module):
         """Local-shaped example inputs/outputs of stage ``j`` (static pipeline metadata; later
         stages' inputs require grad, or earlier stages would silently get no input gradient)."""
         pipe = self.plan.pipeline
-        # (split on the batch over the data axes: dp, or hybrid sharding's two)
-        edge = tuple("S(0)" if n in ("dp", "ep", *HSDP_AXES) else "R"
-                     for n in self.plan.axis_names[1:])
+        # (split on the batch over the data axes: dp, or hybrid sharding's two; on the
+        # sequence over cp: the planner's boundary_placements)
+        names = self.plan.axis_names[1:]
+        data = [a for a, n in enumerate(names) if n in ("dp", "ep", *HSDP_AXES)]
+        cp = [a for a, n in enumerate(names) if n == "cp"]
+        mesh_shape = tuple(self._submesh.shape)
         traced = self._traced[j]
         nodes = {n.name: n for n in traced.gm.graph.nodes}
 
         def boundary(vals: Sequence[Any]) -> tuple[torch.Tensor, ...]:
-            return tuple(torch.empty(_local(v.shape, edge, self._submesh), dtype=v.dtype,
-                                     requires_grad=v.dtype.is_floating_point) for v in vals)
+            return tuple(torch.empty(local_shape(tuple(v.shape), boundary_placements(
+                v.shape, mesh_shape, data, cp), mesh_shape), dtype=v.dtype,
+                requires_grad=v.dtype.is_floating_point) for v in vals)
 
         ins = (torch.zeros(1, dtype=torch.long),) if j == 0 else boundary(
             [nodes[n].meta["val"] for n in traced.boundary_inputs])

@@ -116,6 +116,9 @@ def _mask_placement(kwargs_meta: dict[str, Any], dim: int) -> list[Any]:
 # their gradients reduced); without dropout only (its random mask would have to follow the
 # queries' rows). A causal mask then needs the rank's query positions: the lowering runs such a
 # node itself (``autopar.passes.seq_attention``); DTensor's dispatch runs the others.
+# A fourth: everything sharded on the sequence, the ring form (keys and values passed around
+# the axis's ranks block by block, ``autopar.passes.ring_attention``), which the lowering always
+# runs itself: DTensor's dispatch would attend each rank's queries to its own keys only.
 # the attention ops with that third rule, each with where its queries are among its tensor
 # inputs (the planner pins the rule on cp, the lowering runs a causal one itself)
 SEQUENCE_ATTENTION_QUERY = {
@@ -135,6 +138,7 @@ def _sdpa_cpu_rule(args_meta: tuple[Any, ...], kwargs_meta: dict[str, Any]) -> l
         rules.append([Shard(dim)] * 5 + _mask_placement(kwargs_meta, dim))
     if _no_dropout(args_meta, 3):
         rules.append([Shard(2)] * 3 + [Replicate()] * 2 + _mask_placement(kwargs_meta, 2))
+        rules.append([Shard(2)] * 5 + _mask_placement(kwargs_meta, 2))  # the ring
     return rules
 
 
@@ -151,6 +155,7 @@ def _sdpa_cpu_backward_rule(
     if _no_dropout(args_meta, 6):  # grad_k, grad_v: each rank's queries' share of the sum
         rules.append([Shard(2), Partial(), Partial(), Shard(2), Shard(2), Replicate(), Replicate(),
                       Shard(2), Shard(2)] + _mask_placement(kwargs_meta, 2))
+        rules.append([Shard(2)] * 9 + _mask_placement(kwargs_meta, 2))  # the ring
     return rules
 
 

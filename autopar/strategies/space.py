@@ -77,6 +77,7 @@ class StrategySpace:
     alias: dict[str, Value] = field(repr=False)
     dp_axes: tuple[int, ...]
     warnings: tuple[str, ...]
+    cp_axes: tuple[int, ...] = ()
 
     def value_of(self, node: str) -> Value:
         """The value (producer, output index) a node name stands for."""
@@ -92,9 +93,21 @@ class StrategySpace:
         return sum(len(ns.strategies) for ns in self.nodes.values())
 
 
-def boundary_placements(mesh_ndim: int, dp_axes: Sequence[int]) -> Placements:
-    """Placement of a value crossing a pipeline cut: batch-sharded on dp axes, else replicated."""
-    return tuple(Shard(0) if a in dp_axes else Replicate() for a in range(mesh_ndim))
+def boundary_placements(shape: Sequence[int], mesh_shape: Sequence[int], dp_axes: Sequence[int],
+                        cp_axes: Sequence[int] = ()) -> Placements:
+    """Placement of a value of ``shape`` crossing a pipeline cut (or its gradient): split on
+    the batch (dim 0) over the data axes; over a cp axis split on the first dim after the batch
+    with more than one element that the axis divides (the sequence of a ``[batch, seq,
+    hidden]`` activation, the query rows of a ``[batch, 1, seq, seq]`` mask), so each cp rank
+    sends and receives its own part of the sequence; replicated otherwise."""
+    out: list[Placement] = []
+    for axis, size in enumerate(mesh_shape):
+        dim = None
+        if axis in cp_axes:
+            dim = next((d for d in range(1, len(shape)) if shape[d] > 1 and shape[d] % size == 0),
+                       None)
+        out.append(Shard(0) if axis in dp_axes else Shard(dim) if dim is not None else Replicate())
+    return tuple(out)
 
 
 def _distinct_outputs(strategies: Sequence[Strategy], idx: int) -> list[Placements]:
@@ -137,9 +150,12 @@ def _placeholder_strategies(
 
     A fused projection parameter (``fused = (dim, k)``) may also be strided-sharded on ``dim``.
     """
+    if role == "boundary":
+        edge = boundary_placements(shape, mesh_shape, dp_axes, cp_axes)
+        return [Strategy((edge,), ())] if _even(shape, edge, mesh_shape) else []
     per_axis: list[list[Placement]] = []
     for axis in range(len(mesh_shape)):
-        if role == "tangent" or (role == "boundary" and axis not in dp_axes):
+        if role == "tangent":
             opts: list[Placement] = [Replicate()]
         elif axis in cp_axes:
             opts = [Shard(1)] if role == "input" and len(shape) >= 2 else [Replicate()]
@@ -421,7 +437,7 @@ def _build(traced: TracedGraph, mesh: Any, axis_names: Sequence[str], dp_axes: S
                 b.op(n)
                 built[key] = n.name
     return StrategySpace(tuple(mesh.shape), tuple(axis_names), b.nodes, b.alias,
-                         tuple(dp_axes), tuple(b.warnings))
+                         tuple(dp_axes), tuple(b.warnings), tuple(cp_axes))
 
 
 def representatives(traced: TracedGraph) -> dict[str, str]:

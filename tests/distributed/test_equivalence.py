@@ -71,15 +71,22 @@ ZERO3_CURVE = "gpt:dp=2,zero=3,curve=1,dim=256,heads=4,layers=4,batch=8,seq=64"
 # Compiled (inductor) programs at the smallest size that exercises each: the MLP with tp, dp and
 # dp x tp, next to the same plans run eagerly in the same job (a pipeline's in test_pipeline.py).
 COMPILED = {2: ["mlp:tp=2,compile=1", "mlp:dp=2,compile=1"], 4: ["mlp:dp=2,tp=2,compile=1"]}
-# Context parallelism (the sequence split over cp, attention's queries sharded on it and its
-# keys and values gathered): cp=2 on the GPT on 2 processes, cp=2 x tp=2 on 4; for the default
-# suite's time, Llama (RoPE, an explicit causal mask) with cp=2, cp=4, cp=2 x dp=2 and
-# pp=2 x cp=2 in test_slow.py.
+# Context parallelism (the sequence split over cp), in both forms of attention: the keys and
+# values gathered over cp before the rank's queries attend to them, or passed around the cp
+# ranks block by block (ring attention, passes.ring_attention): cp=2 on the GPT on 2 processes,
+# cp=2 x tp=2 on 4; for the default suite's time, Llama (RoPE, an explicit causal mask) with
+# cp=2, cp=4, cp=2 x dp=2 (the ring's with ZeRO-3), pp=2 x cp=2, and the ring with selective
+# recomputation and with bf16, in test_slow.py.
 _CP = "dim=64,heads=4,layers=2,batch=4,seq=64"
-CONTEXT = {2: [f"gpt:cp=2,{_CP}"], 4: [f"gpt:cp=2,tp=2,{_CP}"]}
-CONTEXT_SLOW = {2: ["llama:cp=2"],
-                4: [f"gpt:cp=4,{_CP}", f"gpt:cp=2,dp=2,{_CP}",
-                    f"gpt:pp=2,cp=2,layers=4,{_CP.replace('layers=2,', '')}"]}
+_G, _R = "cp_attention=gather", "cp_attention=ring"
+CONTEXT = {2: [f"gpt:cp=2,{_G},{_CP}", f"gpt:cp=2,{_R},memory=1,{_CP}"],
+           4: [f"gpt:cp=2,tp=2,{form},{_CP}" for form in (_G, _R)]}
+CONTEXT_SLOW = {2: [f"llama:cp=2,{_G}", f"llama:cp=2,{_R}", f"gpt:cp=2,{_R},recompute=selective,{_CP}",
+                    f"gpt:cp=2,{_R},mixed_precision=bf16,{_CP}"],
+                4: [f"gpt:cp=4,{form},{_CP}" for form in (_G, _R)]
+                + [f"gpt:cp=2,dp=2,{_G},{_CP}", f"gpt:cp=2,dp=2,{_R},zero=3,{_CP}"]
+                + [f"gpt:pp=2,cp=2,{form},layers=4,{_CP.replace('layers=2,', '')}"
+                   for form in (_G, _R)]}
 # Mixture-of-experts models of transformers as they are, planned freely: Mixtral (experts as
 # 3-D weights run grouped over the tokens sorted by expert, transformers' default) and JetMoE
 # (experts over the tokens the batch routes to, traced in autopar's static form:
@@ -345,12 +352,21 @@ def test_bf16_matches_a_single_process_bf16_run(world):
 
 
 def check_context_parallel(check: str, r: dict, cp: int) -> None:
-    """A context-parallel check: equal to one process, cp in the degrees, the keys and
-    values gathered in the forward."""
+    """A context-parallel check: equal to one process (bf16 autocast against one process's:
+    conftest.BF16_TOL), cp in the degrees, and the form asked for: the keys and values
+    gathered in the forward, or sent around the ring (sends in the forward and the backward)."""
     _ok(r)
-    assert_matches_one_process(r, FP32_TOL, check)
+    assert_matches_one_process(r, BF16_TOL if "bf16" in check else FP32_TOL, check)
     assert r["degrees"]["cp"] == cp, (check, r["degrees"])
-    assert any(c[:2] == ["all_gather", "forward"] for c in r["collectives"]), check
+    form = "ring" if _R in check else "gather"
+    assert r["techniques"]["cp_attention"] == form, (check, r["techniques"])
+    # (the collectives are [kind, phase, bytes, the node reading it]: the ring's, attention)
+    ring = {c[1] for c in r["collectives"] if c[0] == "send" and "attention" in c[3]}
+    assert ring == ({"forward", "backward"} if form == "ring" else set()), (check, ring)
+    if form == "gather":
+        assert any(c[:2] == ["all_gather", "forward"] for c in r["collectives"]), check
+    if "measured" in r:  # (memory=1: the peak measured against the predicted one)
+        check_memory({check: r}, [check])
 
 
 def test_context_parallel_matches_one_process(world):

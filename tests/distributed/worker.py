@@ -2,7 +2,7 @@
 
 Usage: torchrun --nproc_per_node=N worker.py OUT.json CHECK [CHECK ...]
 A CHECK is ``kind:key=value,key=value`` (kind in mlp, gpt, gpt2, llama, t5, bart, pegasus, marian, mbart; keys: dp, tp, pp,
-schedule, virtual_stages, microbatch_size, recompute, zero, sequence_parallel (0/1),
+schedule, virtual_stages, microbatch_size, recompute, zero, sequence_parallel (0/1), cp_attention,
 mixed_precision for the Config, dim/batch/seq/layers/heads/explicit (attention)/tied for the model, topo for the topology
 preset; memory=1 also measures the peak memory of a step, curve=1 records a 20-step loss curve
 instead), ``example:NAME`` to run a training example of ``examples/`` (``examples_check.py``), or
@@ -40,7 +40,7 @@ from models import build  # noqa: E402
 _MODEL_KEYS = {"dim", "batch", "seq", "layers", "heads", "d_in", "d_hidden", "d_out", "explicit",
                "tied"}
 _RUN_KEYS = {"compile", "memory", "curve"}
-_TEXT_KEYS = {"schedule", "recompute", "mixed_precision"}
+_TEXT_KEYS = {"schedule", "recompute", "mixed_precision", "cp_attention"}
 
 
 def _parse(check: str) -> tuple[str, dict, dict, str]:

@@ -20,7 +20,7 @@ def _plan(cp: int, devices: int, **config) -> autopar.Plan:
 
 
 def test_cp_axis_shards_attention_queries_and_gathers_keys_and_values():
-    plan = _plan(2, 4, tp=2)
+    plan = _plan(2, 4, tp=2, cp_attention="gather")
     assert plan.degrees == {"dp": 1, "tp": 2, "pp": 1, "cp": 2, "ep": 1}
     assert plan.axis_names == ("cp", "tp")
     forward = [n for n in plan.nodes if n.startswith("_scaled_dot_product_flash_attention_for_cpu")
@@ -120,7 +120,7 @@ def test_cp_layer_costs_leave_the_gradient_reduction_to_the_step_end():
     model, inputs = megatron_gpt(dict(hidden=512, layers=2, heads=8), batch=1, seq=2048,
                                  vocab=1024, flash=True)
     mesh = autopar.Mesh.virtual("h100-dgx", nodes=1, gpus_per_node=2)
-    layers = LayerSolver(model, inputs, mesh, autopar.Config(), ())
+    layers = LayerSolver(model, inputs, mesh, autopar.Config(cp_attention="gather"), ())
     block = layers.costs(1, 1, False, cp=2).block
     assert block.forward_comm_s > 0
     assert block.backward_comm_s == pytest.approx(2 * block.forward_comm_s, rel=1e-6)
@@ -142,3 +142,16 @@ def test_a_pipeline_stage_reduces_its_gradients_over_cp_once_a_step():
     assert sorted(c.stage for c in once) == list(range(len(plan.pipeline.stages))), once
     for stage in plan.pipeline.stages:
         assert ("P(sum)",) in {tuple(o) for o in stage.output_placements if o}
+
+
+def test_a_pipeline_cut_sends_each_cp_rank_its_part_of_the_sequence():
+    """pp=2 x cp=2: the activation crossing the cut, [microbatch 1, seq 512, dim 256] fp32
+    (512 KiB), is split on the sequence over cp, so each rank sends and receives its half per
+    microbatch and direction (it sent the whole to every cp rank before); the search's closed
+    form prices the same half."""
+    model, inputs = build("gpt", dim=256, heads=4, layers=4, batch=2, seq=512)
+    mesh = autopar.Mesh.virtual("a100-dgx", gpus_per_node=4)
+    plan = autopar.plan(model, mesh, inputs,
+                        config=autopar.Config(pp=2, cp=2, dp=1, tp=1, microbatch_size=1))
+    p2p = [c for c in plan.collectives if c.axis == "pp" and c.kind in ("send", "recv")]
+    assert p2p and {c.bytes for c in p2p} == {512 * 256 * 4 // 2}, {c.bytes for c in p2p}

@@ -1,0 +1,90 @@
+"""What ring attention (``autopar.passes.ring_attention``) sends and how long it takes.
+
+With ``n`` ranks on the ring axis, a rank runs the kernel on ``n`` blocks (its queries against
+each rank's keys): the kernel's time at the local shapes, ``t_block``, ``n`` times, as the
+gathered form's kernel (queries against every key) is priced; neither is discounted for a causal
+mask (the last rank of a contiguous split computes every block below the diagonal). Each block's
+exchange is issued before its kernel and waited for after it, so a step lasts as long as the
+longer of the two (Liu et al., 2023, sec. 3: the exchange hides behind the blockwise compute
+when the block is long enough):
+
+- forward: ``t_block + (n - 1) * max(t_block, t_kv)``, ``t_kv`` the send of the stacked keys
+  and values of one block to the next rank (:func:`~autopar.cost_models.comm.send_recv_time`;
+  over a NIC when the axis spans nodes);
+- backward: ``t_block + (n - 1) * max(t_block, t_kv + t_dkv) + t_dkv``: the keys' and values'
+  gradients (float32) travel with them, and the last exchange brings them home after the last
+  kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch.distributed.tensor import Shard
+
+from autopar.cost_models.comm import axis_collective_time, axis_strides
+from autopar.cost_models.topology import Topology
+from autopar.strategies.reshard import local_shape
+from autopar.strategies.rules import SEQUENCE_ATTENTION_QUERY
+
+__all__ = ["RING_GRAD_ITEMSIZE", "ring_axis", "ring_exchanges", "ring_seconds"]
+
+_SEQ = 2  # [batch, heads, sequence, head dim]
+_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+RING_GRAD_ITEMSIZE = 4  # the keys' and values' gradients travel in float32
+
+
+def ring_axis(target: Any, placements: Sequence[Sequence[Any]]) -> int | None:
+    """The mesh axis over which an attention node's strategy (``placements`` of its tensor
+    inputs) runs the ring, its keys sharded on the sequence there; ``None``: not the ring
+    form. More than one such axis is refused (the ring runs on one)."""
+    if target not in SEQUENCE_ATTENTION_QUERY or len(placements) <= SEQUENCE_ATTENTION_QUERY[target] + 1:
+        return None
+    keys = placements[SEQUENCE_ATTENTION_QUERY[target] + 1]
+    axes = [a for a, p in enumerate(keys) if isinstance(p, Shard) and p.dim == _SEQ]
+    if len(axes) > 1:
+        raise ValueError(f"attention's keys are sharded on the sequence over mesh axes {axes} "
+                         f"({tuple(keys)}); ring attention runs over one axis (the cp axis).")
+    return axes[0] if axes else None
+
+
+def _block_bytes(target: Any, placements: Sequence[Sequence[Any]], shapes: Sequence[tuple],
+                 itemsize: int, mesh_shape: Sequence[int]) -> tuple[float, float]:
+    """Bytes of one block's stacked keys and values, and of their gradients (float32)."""
+    key = SEQUENCE_ATTENTION_QUERY[target] + 1
+    numel = 1
+    for d in local_shape(shapes[key], placements[key], tuple(mesh_shape)):
+        numel *= d
+    return float(2 * numel * itemsize), float(2 * numel * RING_GRAD_ITEMSIZE)
+
+
+def ring_exchanges(target: Any, placements: Sequence[Sequence[Any]], shapes: Sequence[tuple],
+                   itemsize: int, mesh_shape: Sequence[int]) -> list[tuple[str, int, float]]:
+    """The messages of one ring-attention node as ``(kind, axis, bytes)`` in the order a rank
+    issues them, a ``send`` and a ``recv`` per exchange; none for another node."""
+    axis = ring_axis(target, placements)
+    if axis is None:
+        return []
+    kv, dkv = _block_bytes(target, placements, shapes, itemsize, mesh_shape)
+    n = mesh_shape[axis]
+    # backward, per step: the next block's keys and values, then this block's gradients
+    steps = [kv] * (n - 1) if target is _FORWARD else [kv, dkv] * (n - 1) + [dkv]
+    return [(kind, axis, nbytes) for nbytes in steps for kind in ("send", "recv")]
+
+
+def ring_seconds(target: Any, placements: Sequence[Sequence[Any]], shapes: Sequence[tuple],
+                 itemsize: int, mesh_shape: Sequence[int], topology: Topology,
+                 block_s: float) -> float:
+    """Seconds of one ring-attention node on a rank (see the module docstring), ``block_s``
+    the kernel's time on one block (its local shapes)."""
+    axis = ring_axis(target, placements)
+    n = mesh_shape[axis]
+    if n == 1:
+        return block_s
+    kv, dkv = _block_bytes(target, placements, shapes, itemsize, mesh_shape)
+    stride = axis_strides(mesh_shape)[axis]
+    t_kv, t_dkv = (axis_collective_time("send_recv", b, n, stride, topology) for b in (kv, dkv))
+    if target is _FORWARD:
+        return block_s + (n - 1) * max(block_s, t_kv)
+    return block_s + (n - 1) * max(block_s, t_kv + t_dkv) + t_dkv

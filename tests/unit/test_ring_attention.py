@@ -1,0 +1,119 @@
+"""Ring attention, the second form of context parallelism: its strategy, what it sends, how
+it is priced and how the planner chooses between it and the gathered keys and values (the
+equivalence checks with processes: tests/distributed/test_equivalence.py, CONTEXT)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+import autopar
+from autopar.cost_models.comm import send_recv_time
+from autopar.cost_models.ring import ring_axis, ring_exchanges, ring_seconds
+from autopar.cost_models.topology import get_preset
+from models import build
+
+_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+S2, R = Shard(2), Replicate()
+
+
+def _plan(seq: int, form: str | None, topo: str = "a100-dgx", **config) -> autopar.Plan:
+    small = seq <= 64
+    model, inputs = build("gpt", dim=64 if small else 256, heads=4, layers=2,
+                          batch=4 if small else 1, seq=seq)
+    devices = config.get("tp", 1) * 2
+    mesh = autopar.Mesh.virtual(topo, nodes=1, gpus_per_node=devices)
+    return autopar.plan(model, mesh, inputs, config=autopar.Config(cp=2, cp_attention=form, **config))
+
+
+def test_the_ring_form_shards_queries_keys_and_values_and_lists_its_sends():
+    """cp=2, the ring asked for: every tensor of attention and of its backward sharded
+    on the sequence over cp (the keys and values never gathered), and per layer one exchange
+    of the stacked keys and values in the forward, and in the backward one of them and two of
+    their float32 gradients (the last bringing them home), each a send and a receive."""
+    plan = _plan(64, "ring")
+    assert plan.axis_names == ("cp",) and plan.techniques["cp_attention"] == "ring"
+    attention = [n for n in plan.nodes if n.startswith("_scaled_dot_product_flash_attention_for_cpu")]
+    assert len(attention) == 4
+    for n in attention:
+        assert {p[0] for p in plan.nodes[n].inputs} == {"S(2)"}, plan.nodes[n]
+        assert {p[0] for p in plan.nodes[n].outputs if p} == {"S(2)"}, plan.nodes[n]
+    # keys [batch 4, heads 4, seq 64, head 16] fp32: a rank's block is [4, 4, 32 (cp), 16]
+    block = 4 * 4 * 32 * 16
+    sends = [c for c in plan.collectives if c.kind == "send"]
+    forward = sorted(c.bytes for c in sends if c.phase == "forward")
+    backward = sorted(c.bytes for c in sends if c.phase == "backward")
+    assert forward == [2 * block * 4] * 2
+    assert backward == [2 * block * 4] * 6  # (fp32 model: the gradients' float32 is its dtype)
+    assert plan.collective_counts()["recv"] == plan.collective_counts()["send"] == 8
+    assert all(c.axis == "cp" for c in sends)
+
+
+def test_the_gather_form_sends_nothing_point_to_point():
+    plan = _plan(64, "gather")
+    assert plan.techniques["cp_attention"] == "gather"
+    assert "send" not in plan.collective_counts()
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_ring_exchanges_per_rank(n):
+    """Forward: n - 1 exchanges of the keys and values; backward: n - 1 of them and n of their
+    gradients, for bf16 keys (the gradients travel in float32: twice the bytes)."""
+    shapes = [(1, 8, 4096, 128)] * 3
+    placements = [(S2,)] * 5
+    fwd = ring_exchanges(_FWD, placements[:3], shapes, 2, (n,))
+    block = 8 * (4096 // n) * 128
+    assert fwd == [(k, 0, 2.0 * block * 2) for _ in range(n - 1) for k in ("send", "recv")]
+    bwd = ring_exchanges(_BWD, [(S2,)] * 6, [(1, 8, 4096, 128)] * 6, 2, (n,))
+    sizes = [b for k, _, b in bwd if k == "send"]
+    assert sorted(sizes) == sorted([2.0 * block * 2] * (n - 1) + [2.0 * block * 4] * n)
+    assert ring_exchanges(_FWD, [(S2,), (R,), (R,)], shapes, 2, (n,)) == []  # the gathered form
+
+
+def test_ring_axis_is_the_keys_sequence_axis_and_one_at_most():
+    assert ring_axis(_FWD, [(S2, Shard(1)), (S2, Shard(1)), (S2, Shard(1))]) == 0
+    assert ring_axis(_BWD, [(R, S2)] * 6) == 1
+    assert ring_axis(_FWD, [(S2, R), (R, R), (R, R)]) is None
+    assert ring_axis(torch.ops.aten.mm.default, [(S2,), (S2,)]) is None
+    with pytest.raises(ValueError, match="one axis"):
+        ring_axis(_FWD, [(S2, S2)] * 3)
+
+
+def test_ring_seconds_hide_the_exchange_behind_the_blocks_and_not_more():
+    """With blocks longer than a send, a step costs a block: n blocks in all; with blocks
+    shorter, each of the n - 1 later steps waits for its send (Liu et al. 2023, sec. 3)."""
+    topo = get_preset("h100-dgx")
+    shapes, n = [(1, 8, 8192, 128)] * 3, 4
+    kv = 2 * 8 * (8192 // n) * 128 * 2
+    t_kv = send_recv_time(kv, topo.intra_node)
+    slow = 10 * t_kv
+    assert ring_seconds(_FWD, [(S2,)] * 3, shapes, 2, (n,), topo, slow) == pytest.approx(n * slow)
+    fast = t_kv / 10
+    assert ring_seconds(_FWD, [(S2,)] * 3, shapes, 2, (n,), topo, fast) == \
+        pytest.approx(fast + (n - 1) * t_kv)
+    t_dkv = send_recv_time(2 * kv, topo.intra_node)  # (float32 gradients of bf16 keys)
+    assert ring_seconds(_BWD, [(S2,)] * 6, [shapes[0]] * 6, 2, (n,), topo, fast) == \
+        pytest.approx(fast + (n - 1) * (t_kv + t_dkv) + t_dkv)
+
+
+def test_the_planner_takes_the_cheaper_form_and_the_ring_at_long_sequences():
+    """Left free (``cp_attention=None``), each attention gets the form the ILP prices cheaper:
+    at 1,024 tokens the ring's per-step latency costs more than gathering the keys and values,
+    at 4,096 the gather's exposed time costs more than the ring's blocks hide (cp=2 on virtual
+    H100s). The free plan is never dearer than either form asked for."""
+    chosen = {}
+    for seq in (1024, 4096):
+        steps = {form: _plan(seq, form, "h100-dgx") for form in ("gather", "ring", None)}
+        price = {form: p.predicted["step_time_s"] for form, p in steps.items()}
+        assert price[None] <= min(price["gather"], price["ring"]) * (1 + 1e-6), price
+        chosen[seq] = steps[None].techniques["cp_attention"]
+        cheaper = min(("gather", "ring"), key=price.get)
+        assert chosen[seq] == cheaper, (seq, price, chosen)
+    assert chosen == {1024: "gather", 4096: "ring"}
+
+
+def test_cp_attention_must_be_a_form():
+    with pytest.raises(ValueError, match="Config.cp_attention='rings'"):
+        autopar.Config(cp_attention="rings")
