@@ -52,10 +52,12 @@ from torch.distributed.tensor import Shard
 
 from autopar.capture.layers import is_backward
 from autopar.capture.remat import GatherRuns, gather_dtype, is_random
+from autopar.cost_models.ring import ring_workspace_bytes
 from autopar.cost_models.sharding import state_bytes_per_element, zero_placement
 from autopar.graph import output_moves
 from autopar.placements import from_str
 from autopar.strategies.reshard import local_shape, reshard_steps
+from autopar.strategies.rules import SEQUENCE_ATTENTION_QUERY
 from autopar.strategies.space import tensor_inputs
 
 __all__ = ["StageRun", "StepMemory", "step_memory", "weight_stash_bytes"]
@@ -374,6 +376,13 @@ class _Walk:
         op = self.new_op(sizes, self.step, tagged, recipe)
         self.ops[op].regathered = regathered
         self.env[n.name] = [(op, i) for i in range(len(sizes))] if many else (op, 0)
+        if n.target in SEQUENCE_ATTENTION_QUERY:  # (ring attention's buffers, while it runs)
+            ins = tensor_inputs(n)
+            work = ring_workspace_bytes(n.target, [tuple(map(from_str, p)) for p in plan.inputs],
+                                        [tuple(a.meta["val"].shape) for a in ins],
+                                        ins[0].meta["val"].element_size(), self.mesh_shape)
+            if work:
+                self.new_op([work], self.step)
 
     def output_move(self, n: fx.Node, index: int, step: int) -> None:
         """A gradient, moved where it is computed: to its parameter's placement, or into its

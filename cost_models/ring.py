@@ -28,7 +28,8 @@ from autopar.cost_models.topology import Topology
 from autopar.strategies.reshard import local_shape
 from autopar.strategies.rules import SEQUENCE_ATTENTION_QUERY
 
-__all__ = ["RING_GRAD_ITEMSIZE", "ring_axis", "ring_exchanges", "ring_seconds"]
+__all__ = ["RING_GRAD_ITEMSIZE", "ring_axis", "ring_exchanges", "ring_seconds",
+           "ring_workspace_bytes"]
 
 _SEQ = 2  # [batch, heads, sequence, head dim]
 _FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -88,3 +89,24 @@ def ring_seconds(target: Any, placements: Sequence[Sequence[Any]], shapes: Seque
     if target is _FORWARD:
         return block_s + (n - 1) * max(block_s, t_kv)
     return block_s + (n - 1) * max(block_s, t_kv + t_dkv) + t_dkv
+
+
+def ring_workspace_bytes(target: Any, placements: Sequence[Sequence[Any]],
+                         shapes: Sequence[tuple], itemsize: int, mesh_shape: Sequence[int]) -> float:
+    """Bytes a ring-attention node holds while it runs beyond its inputs and outputs: the
+    block of stacked keys and values it holds and the one arriving, a block's kernel outputs,
+    and the float32 accumulators (the output and its log-sum-exp in the forward; the queries'
+    gradient and the keys' and values' gradients held and arriving in the backward); 0 for
+    another node."""
+    if ring_axis(target, placements) is None:
+        return 0.0
+    kv, dkv = _block_bytes(target, placements, shapes, itemsize, mesh_shape)
+    query = SEQUENCE_ATTENTION_QUERY[target]
+    q_numel = 1
+    for d in local_shape(shapes[query], placements[query], tuple(mesh_shape)):
+        q_numel *= d
+    q = q_numel * itemsize
+    if target is _FORWARD:  # kv held and arriving; the block's output; out and lse in float32
+        return 2 * kv + q + q_numel * RING_GRAD_ITEMSIZE * (1 + 1 / shapes[query][-1])
+    # kv held and arriving, dkv held and arriving, the block's three gradients, dq in float32
+    return 2 * kv + 2 * dkv + q + kv + q_numel * RING_GRAD_ITEMSIZE

@@ -10,7 +10,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import autopar
 from autopar.cost_models.comm import send_recv_time
-from autopar.cost_models.ring import ring_axis, ring_exchanges, ring_seconds
+from autopar.cost_models.ring import ring_axis, ring_exchanges, ring_seconds, ring_workspace_bytes
 from autopar.cost_models.topology import get_preset
 from models import build
 
@@ -96,6 +96,22 @@ def test_ring_seconds_hide_the_exchange_behind_the_blocks_and_not_more():
     t_dkv = send_recv_time(2 * kv, topo.intra_node)  # (float32 gradients of bf16 keys)
     assert ring_seconds(_BWD, [(S2,)] * 6, [shapes[0]] * 6, 2, (n,), topo, fast) == \
         pytest.approx(fast + (n - 1) * (t_kv + t_dkv) + t_dkv)
+
+
+def test_ring_workspace_counts_the_blocks_in_flight_and_the_float32_accumulators():
+    """bf16 [1, 8, 4096, 128] over cp=4: a rank's block of keys is 1 MiB elements (2 MiB). The
+    forward holds the stacked keys and values of the block it computes on and of the one
+    arriving (2 x 4 MiB), the block's output (2 MiB) and the float32 output and log-sum-exp
+    (4 MiB + 4 MiB / 128); the backward both blocks of keys and values, both of their float32
+    gradients (2 x 8 MiB), the block's three gradients (2 + 4 MiB) and the float32 queries'
+    gradient (4 MiB). The liveness walk holds them at the node's step only."""
+    mib = 2 ** 20
+    shapes = [(1, 8, 4096, 128)] * 3
+    assert ring_workspace_bytes(_FWD, [(S2,)] * 3, shapes, 2, (4,)) == \
+        pytest.approx(8 * mib + 2 * mib + 4 * mib * (1 + 1 / 128))
+    assert ring_workspace_bytes(_BWD, [(S2,)] * 6, [shapes[0]] * 6, 2, (4,)) == \
+        pytest.approx(8 * mib + 16 * mib + 2 * mib + 4 * mib + 4 * mib)
+    assert ring_workspace_bytes(_FWD, [(S2,), (R,), (R,)], shapes, 2, (4,)) == 0.0
 
 
 def test_the_planner_takes_the_cheaper_form_and_the_ring_at_long_sequences():
