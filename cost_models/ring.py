@@ -1,19 +1,22 @@
 """What ring attention (``autopar.passes.ring_attention``) sends and how long it takes.
 
 With ``n`` ranks on the ring axis, a rank runs the kernel on ``n`` blocks (its queries against
-each rank's keys): the kernel's time at the local shapes, ``t_block``, ``n`` times, as the
-gathered form's kernel (queries against every key) is priced; neither is discounted for a causal
-mask (the last rank of a contiguous split computes every block below the diagonal). Each block's
+each rank's keys), each taking ``t_block``, the kernel's time at the local shapes, as the
+gathered form's kernel (queries against every key) is priced at once. Under a causal mask the
+op skips the blocks above the diagonal and the kernel computes half of the diagonal block; the
+last rank of the contiguous split skips none, so its time is the node's: its first block (the
+diagonal) takes ``t_first = t_block / 2`` (``t_block`` without a causal mask). Each block's
 exchange is issued before its kernel and waited for after it, so a step lasts as long as the
 longer of the two (Liu et al., 2023, sec. 3: the exchange hides behind the blockwise compute
 when the block is long enough):
 
-- forward: ``t_block + (n - 1) * max(t_block, t_kv)``, ``t_kv`` the send of the stacked keys
-  and values of one block to the next rank (:func:`~autopar.cost_models.comm.send_recv_time`;
-  over a NIC when the axis spans nodes);
-- backward: ``t_block + (n - 1) * max(t_block, t_kv + t_dkv) + t_dkv``: the keys' and values'
-  gradients (float32) travel with them, and the last exchange brings them home after the last
-  kernel.
+- forward: ``max(t_first, t_kv) + (n - 2) * max(t_block, t_kv) + t_block``, ``t_kv`` the send
+  of the stacked keys and values of one block to the next rank
+  (:func:`~autopar.cost_models.comm.send_recv_time`; over a NIC when the axis spans nodes);
+- backward: ``max(t_first, t_kv) + (n - 2) * max(t_block, t_kv + t_dkv) + max(t_block, t_dkv)
+  + t_dkv``: the keys' and values' gradients (float32, ``t_dkv``) travel with them, each sent
+  after its block's kernel while the next block computes, and the last exchange brings them
+  home after the last kernel.
 """
 
 from __future__ import annotations
@@ -76,19 +79,21 @@ def ring_exchanges(target: Any, placements: Sequence[Sequence[Any]], shapes: Seq
 
 def ring_seconds(target: Any, placements: Sequence[Sequence[Any]], shapes: Sequence[tuple],
                  itemsize: int, mesh_shape: Sequence[int], topology: Topology,
-                 block_s: float) -> float:
+                 block_s: float, causal: bool = False) -> float:
     """Seconds of one ring-attention node on a rank (see the module docstring), ``block_s``
-    the kernel's time on one block (its local shapes)."""
+    the kernel's time on one block (its local shapes), ``causal``: the node's ``is_causal``."""
     axis = ring_axis(target, placements)
     n = mesh_shape[axis]
+    first = block_s / 2 if causal else block_s
     if n == 1:
-        return block_s
+        return first
     kv, dkv = _block_bytes(target, placements, shapes, itemsize, mesh_shape)
     stride = axis_strides(mesh_shape)[axis]
     t_kv, t_dkv = (axis_collective_time("send_recv", b, n, stride, topology) for b in (kv, dkv))
     if target is _FORWARD:
-        return block_s + (n - 1) * max(block_s, t_kv)
-    return block_s + (n - 1) * max(block_s, t_kv + t_dkv) + t_dkv
+        return max(first, t_kv) + (n - 2) * max(block_s, t_kv) + block_s
+    return (max(first, t_kv) + (n - 2) * max(block_s, t_kv + t_dkv) + max(block_s, t_dkv)
+            + t_dkv)
 
 
 def ring_workspace_bytes(target: Any, placements: Sequence[Sequence[Any]],

@@ -24,7 +24,7 @@ from autopar.cost_models.comm import axis_collective_time, axis_strides
 from autopar.cost_models.compute import flops_of_node, matmul_peak, op_time
 from autopar.cost_models.experts import experts_comm_time, experts_node_work
 from autopar.cost_models.ring import ring_axis, ring_seconds
-from autopar.strategies.rules import EXPERT_OPS
+from autopar.strategies.rules import EXPERT_OPS, attention_is_causal
 from autopar.cost_models.topology import Topology
 from autopar.capture.layers import aten_ops, is_op
 from autopar.capture.remat import gather_dtype
@@ -137,7 +137,8 @@ def _compute_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: To
     if ring_axis(n.target, s.inputs) is not None:  # (ring attention: the kernel on one block)
         args = tensor_inputs(n)
         return ring_seconds(n.target, s.inputs, [tuple(a.meta["val"].shape) for a in args],
-                            args[0].meta["val"].element_size(), mesh_shape, topo, seconds)
+                            args[0].meta["val"].element_size(), mesh_shape, topo, seconds,
+                            attention_is_causal(n.target, n.args))
     return seconds
 
 

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.capture.moe import OPS_WITH_COLLECTIVES, group_rank_size
 from autopar.cost_models.ring import ring_axis
+from autopar.strategies.rules import attention_is_causal
 
 __all__ = ["needs_ring", "ring_attention", "ring_attention_backward", "run_ring"]
 
@@ -189,9 +190,8 @@ def needs_ring(target: Any, in_placements: Sequence[tuple]) -> bool:
     return ring_axis(target, in_placements) is not None
 
 
-# the flash kernels' positional arguments: forward (q, k, v, dropout, is_causal, [mask, scale]
-# as keywords); backward (grad_out, q, k, v, out, logsumexp, dropout, is_causal)
-_CAUSAL = {_FORWARD: 4, _BACKWARD: 7}
+# the flash kernels' leading tensor arguments: forward (q, k, v), backward (grad_out, q, k, v,
+# out, logsumexp); dropout and is_causal follow, the mask and the scale are keywords
 _TENSORS = {_FORWARD: 3, _BACKWARD: 6}
 
 
@@ -202,7 +202,7 @@ def run_ring(n: Any, args: tuple, kwargs: dict, out_placements: Sequence[tuple],
     tensors = [a for a in args if isinstance(a, DTensor)]
     axis = ring_axis(n.target, [t.placements for t in tensors])
     group = mesh.get_group(axis).group_name
-    causal = len(args) > _CAUSAL[n.target] and bool(args[_CAUSAL[n.target]])
+    causal = attention_is_causal(n.target, args)
     mask = kwargs.get("attn_mask")
     if mask is not None:
         mask = mask.to_local()

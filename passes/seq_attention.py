@@ -20,25 +20,24 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor, Shard
 
-from autopar.strategies.rules import SEQUENCE_ATTENTION_QUERY
+from autopar.strategies.rules import (ATTENTION_CAUSAL_ARG, SEQUENCE_ATTENTION_QUERY,
+                                      attention_is_causal)
 
 __all__ = ["SEQ_DIM", "needs_local", "run_local", "query_offset"]
 
 aten = torch.ops.aten
 SEQ_DIM = 2  # [batch, heads, sequence, head dim]
-_FORWARD = aten._scaled_dot_product_flash_attention_for_cpu.default
-_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-# where the queries are among the tensor inputs (the rule's table), and where is_causal is
-# among the arguments
+# where the queries are among the tensor inputs, and where is_causal is among the arguments
+# (the rules' tables)
 _QUERY = SEQUENCE_ATTENTION_QUERY
-_CAUSAL = {_FORWARD: 4, _BACKWARD: 7}
+_CAUSAL = ATTENTION_CAUSAL_ARG
 
 
 def needs_local(target: Any, in_placements: Sequence[tuple], args: tuple) -> bool:
     """Whether a node is causal attention with its queries sharded on the sequence."""
     if target not in _QUERY:
         return False
-    causal = len(args) > _CAUSAL[target] and bool(args[_CAUSAL[target]])
+    causal = attention_is_causal(target, args)
     query = in_placements[_QUERY[target]]
     return causal and any(isinstance(p, Shard) and p.dim == SEQ_DIM for p in query)
 

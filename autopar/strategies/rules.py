@@ -30,7 +30,8 @@ from autopar._torch_private import (
     expand_to_full_mesh_op_strategy,
 )
 
-__all__ = ["EXPERT_OPS", "OpRule", "SEQUENCE_ATTENTION_QUERY", "dispatch_axes", "dispatches_experts",
+__all__ = ["ATTENTION_CAUSAL_ARG", "EXPERT_OPS", "OpRule", "SEQUENCE_ATTENTION_QUERY",
+           "attention_is_causal", "dispatch_axes", "dispatches_experts",
            "expert_owners", "register_op_rule", "splits_experts", "registered_rules", "rule_for"]
 
 RuleFn = Callable[[tuple[Any, ...], dict[str, Any]], list[list[Any]]]
@@ -125,6 +126,20 @@ SEQUENCE_ATTENTION_QUERY = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: 0,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 1,
 }
+
+
+# where ``is_causal`` is among their positional arguments
+ATTENTION_CAUSAL_ARG = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: 4,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 7,
+}
+
+
+def attention_is_causal(target: Any, args: Sequence[Any]) -> bool:
+    """Whether a call of one of those attention ops with positional ``args`` asks the kernel for
+    its causal mask."""
+    index = ATTENTION_CAUSAL_ARG[target]
+    return len(args) > index and bool(args[index])
 
 
 def _no_dropout(args_meta: tuple[Any, ...], index: int) -> bool:
