@@ -61,7 +61,10 @@ class _Ring:
             self.prev = dist.get_global_rank(self.pg, (self.me - 1) % self.size)
 
     def start(self, buf: torch.Tensor) -> tuple[torch.Tensor, list]:
-        """Send ``buf`` to the next rank and receive the previous rank's (not waited for)."""
+        """Send ``buf`` to the next rank and receive the previous rank's (not waited for); a
+        ring of one rank (no group) hands ``buf`` back."""
+        if self.pg is None:
+            return buf, []
         got = torch.empty_like(buf)
         ops = [dist.P2POp(dist.isend, buf, self.next, self.pg),
                dist.P2POp(dist.irecv, got, self.prev, self.pg)]
@@ -124,6 +127,9 @@ def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
             out, lse = _merge(out, lse, o, lse_t)
         if pending is not None:
             kv = _Ring.finish(pending)
+    # a row with every key masked: output 0 and log-sum-exp 0, as the kernel gives it (with
+    # -inf, the backward's exp(score - lse) would be NaN)
+    lse = lse.masked_fill(torch.isneginf(lse), 0.0)
     return torch.empty_like(layout[0]).copy_(out), torch.empty_like(layout[1]).copy_(lse)
 
 

@@ -311,7 +311,8 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple:
 
 experts.register_autograd(_backward, setup_context=_setup)
 
-# the ops that communicate inside (all-to-all), each with its Python body: a dispatch mode that
+# the ops that communicate inside (the experts' all-to-alls here; ring attention's sends,
+# autopar.passes.ring_attention, add theirs), each with its Python body: a dispatch mode that
 # counts collectives (``autopar.runtime.profile.CommMeter``) runs the body under itself to see
 # them, as it sees the collectives of the rest of the program
 OPS_WITH_COLLECTIVES: dict[Any, Callable[..., Any]] = {

@@ -47,7 +47,8 @@ from autopar.capture.stages import (
     ForwardGraph, capture_stages, capture_with_forward, export_forward, microbatch_inputs,
 )
 
-__all__ = ["batch_size", "build_pipeline_plan", "chosen_comm", "forward_for_plan", "ModelFacts",
+__all__ = ["batch_size", "boundary_bytes", "build_pipeline_plan", "chosen_comm", "forward_for_plan",
+           "ModelFacts",
            "PipelineSetup", "search_pipeline",
            "unflatten_inputs", "unit_costs"]
 

@@ -18,7 +18,7 @@ from autopar.capture.remat import recompute_nodes
 from autopar.plan import NodePlan
 from autopar.strategies.rules import SEQUENCE_ATTENTION_QUERY
 
-__all__ = ["NORMS", "applied_techniques", "describe_nodes", "local_elements", "param_shards",
+__all__ = ["NORMS", "applied_techniques", "cp_attention_form", "describe_nodes", "local_elements", "param_shards",
            "precision", "stored_params"]
 
 # the normalisation ops sequence parallelism shards (as solve.pin_norms pins them)
@@ -83,6 +83,9 @@ def applied_techniques(traced: TracedGraph, config: Config, cand: Any,
     stored = stored_params(traced, nodes, cand, zero_axes)
     zero = (config.zero or 0) if any(
         stored[p.name][a].startswith("S") for p in traced.params for a in cand.zero_axes) else 0
+    if config.cp_attention and "cp" not in cand.names:
+        notes.append(f"cp_attention={config.cp_attention!r} changes nothing without a cp axis "
+                     f"(cp=1); set Config.cp > 1 for context parallelism")
     if config.zero and not zero:
         notes.append(f"zero={config.zero} shards nothing on this mesh (no data-parallel axis, or "
                      f"no parameter dim divides by it); the optimizer state is not sharded")

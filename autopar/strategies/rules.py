@@ -119,9 +119,11 @@ def _mask_placement(kwargs_meta: dict[str, Any], dim: int) -> list[Any]:
 # node itself (``autopar.passes.seq_attention``); DTensor's dispatch runs the others.
 # A fourth: everything sharded on the sequence, the ring form (keys and values passed around
 # the axis's ranks block by block, ``autopar.passes.ring_attention``), which the lowering always
-# runs itself: DTensor's dispatch would attend each rank's queries to its own keys only.
-# the attention ops with that third rule, each with where its queries are among its tensor
-# inputs (the planner pins the rule on cp, the lowering runs a causal one itself)
+# runs itself: DTensor's dispatch would attend each rank's queries to its own keys only (the
+# rule is registered in DTensor's propagator with the others, so a DTensor call of the kernel
+# outside autopar's lowering with its keys split on the sequence would do just that).
+# The attention ops with the third and fourth rules, each with where its queries are among its
+# tensor inputs (the planner pins them on cp, the lowering runs the ring and a causal third)
 SEQUENCE_ATTENTION_QUERY = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: 0,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 1,

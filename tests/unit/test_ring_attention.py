@@ -149,3 +149,23 @@ def test_the_planner_takes_the_cheaper_form_and_the_ring_at_long_sequences():
 def test_cp_attention_must_be_a_form():
     with pytest.raises(ValueError, match="Config.cp_attention='rings'"):
         autopar.Config(cp_attention="rings")
+
+
+def test_a_row_with_every_key_masked_gives_the_kernels_zeros_not_nan():
+    """A padding mask that hides every key of a query row: the kernel gives that row output 0
+    and log-sum-exp 0, and finite gradients. The ring (here one rank, no group: its own block
+    only) keeps such a row out of its merge and must hand the kernel's values back, or its
+    backward's exp(score - lse) is NaN for the whole block."""
+    from autopar.passes.ring_attention import ring_attention, ring_attention_backward
+
+    torch.manual_seed(0)
+    q, k, v, grad = (torch.randn(1, 2, 4, 8) for _ in range(4))
+    mask = torch.zeros(1, 1, 4, 4)
+    mask[..., 1, :] = float("-inf")  # query row 1 sees no key
+    out, lse = _FWD(q, k, v, 0.0, False, attn_mask=mask)
+    ring_out, ring_lse = ring_attention(q, k, v, False, None, mask, "")
+    assert torch.equal(ring_lse, lse) and torch.allclose(ring_out, out)
+    want = _BWD(grad, q, k, v, out, lse, 0.0, False, attn_mask=mask)
+    got = ring_attention_backward(grad, q, k, v, ring_out, ring_lse, False, None, mask, "")
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all() and torch.allclose(g, w, atol=1e-6)
