@@ -23,19 +23,16 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import torch
 from torch.distributed.tensor import Shard
 
 from autopar.cost_models.comm import axis_collective_time, axis_strides
 from autopar.cost_models.topology import Topology
 from autopar.strategies.reshard import local_shape
-from autopar.strategies.rules import SEQUENCE_ATTENTION_QUERY
+from autopar.strategies.rules import CPU_ATTENTION as _FORWARD, SEQ_DIM, SEQUENCE_ATTENTION_QUERY
 
 __all__ = ["RING_GRAD_ITEMSIZE", "ring_axis", "ring_exchanges", "ring_seconds",
            "ring_workspace_bytes"]
 
-_SEQ = 2  # [batch, heads, sequence, head dim]
-_FORWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 RING_GRAD_ITEMSIZE = 4  # the keys' and values' gradients travel in float32
 
 
@@ -46,7 +43,7 @@ def ring_axis(target: Any, placements: Sequence[Sequence[Any]]) -> int | None:
     if target not in SEQUENCE_ATTENTION_QUERY or len(placements) <= SEQUENCE_ATTENTION_QUERY[target] + 1:
         return None
     keys = placements[SEQUENCE_ATTENTION_QUERY[target] + 1]
-    axes = [a for a, p in enumerate(keys) if isinstance(p, Shard) and p.dim == _SEQ]
+    axes = [a for a, p in enumerate(keys) if isinstance(p, Shard) and p.dim == SEQ_DIM]
     if len(axes) > 1:
         raise ValueError(f"attention's keys are sharded on the sequence over mesh axes {axes} "
                          f"({tuple(keys)}); ring attention runs over one axis (the cp axis).")

@@ -26,7 +26,7 @@ of their gradients per rank.
 
 The ops run their sends and receives on the group inside themselves (``batch_isend_irecv``,
 each issued before the block's kernel and waited for after it), so the traced per-rank program
-holds one opaque node per attention; :data:`autopar.capture.moe.OPS_WITH_COLLECTIVES` lists them
+holds one opaque node per attention; :data:`autopar.comm_ops.OPS_WITH_COLLECTIVES` lists them
 so that the collective meter sees their messages. The plan lists them too
 (:func:`autopar.cost_models.ring.ring_exchanges`).
 """
@@ -39,16 +39,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from autopar.capture.moe import OPS_WITH_COLLECTIVES, group_rank_size
+from autopar.comm_ops import group_rank_size, register_op_with_collectives
 from autopar.cost_models.ring import ring_axis
-from autopar.strategies.rules import attention_is_causal
+from autopar.strategies.rules import (CPU_ATTENTION as _FORWARD, CPU_ATTENTION_BACKWARD as _BACKWARD,
+                                      SEQ_DIM, attention_is_causal)
 
 __all__ = ["needs_ring", "ring_attention", "ring_attention_backward", "run_ring"]
 
 aten = torch.ops.aten
-_FORWARD = aten._scaled_dot_product_flash_attention_for_cpu.default
-_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-SEQ_DIM = 2
 
 
 class _Ring:
@@ -187,8 +185,9 @@ def _ring_attention_backward_fake(grad: torch.Tensor, q: torch.Tensor, k: torch.
     return _BACKWARD(grad, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
 
 
-OPS_WITH_COLLECTIVES[torch.ops.autopar.ring_attention.default] = _ring_attention
-OPS_WITH_COLLECTIVES[torch.ops.autopar.ring_attention_backward.default] = _ring_attention_backward
+register_op_with_collectives(torch.ops.autopar.ring_attention.default, _ring_attention)
+register_op_with_collectives(torch.ops.autopar.ring_attention_backward.default,
+                             _ring_attention_backward)
 
 
 def needs_ring(target: Any, in_placements: Sequence[tuple]) -> bool:

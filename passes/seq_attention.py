@@ -20,13 +20,12 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor, Shard
 
-from autopar.strategies.rules import (ATTENTION_CAUSAL_ARG, SEQUENCE_ATTENTION_QUERY,
+from autopar.strategies.rules import (ATTENTION_CAUSAL_ARG, SEQ_DIM, SEQUENCE_ATTENTION_QUERY,
                                       attention_is_causal)
 
-__all__ = ["SEQ_DIM", "needs_local", "run_local", "query_offset"]
+__all__ = ["needs_local", "run_local", "query_offset"]
 
 aten = torch.ops.aten
-SEQ_DIM = 2  # [batch, heads, sequence, head dim]
 # where the queries are among the tensor inputs, and where is_causal is among the arguments
 # (the rules' tables)
 _QUERY = SEQUENCE_ATTENTION_QUERY

@@ -33,9 +33,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["ACTIVATIONS", "OPS_WITH_COLLECTIVES", "expert_count", "experts", "experts_backward",
-           "experts_block_form", "experts_forward", "group_rank_size", "has_expert_blocks",
-           "routed_rows"]
+from autopar.comm_ops import group_rank_size, register_op_with_collectives
+
+__all__ = ["ACTIVATIONS", "expert_count", "experts", "experts_backward", "experts_block_form",
+           "experts_forward", "has_expert_blocks", "routed_rows"]
 
 
 def _silu_grad(x: torch.Tensor) -> torch.Tensor:
@@ -158,17 +159,6 @@ def _local_backward(grad: torch.Tensor, saved: list[tuple], w_in: torch.Tensor,
 
 
 # --- routing ------------------------------------------------------------------------------
-
-def group_rank_size(name: str) -> tuple[Any, int, int]:
-    """(process group or None, this rank in it, its size) of a group name ("" for none): how
-    the ops that communicate inside (the experts', ring attention's) find their group."""
-    if not name:
-        return None, 0, 1
-    from autopar._torch_private import resolve_process_group
-
-    pg = resolve_process_group(name)
-    return pg, dist.get_rank(pg), dist.get_world_size(pg)
-
 
 def routed_rows(index: torch.Tensor, owner: list[int], me: int, size: int
                 ) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -310,12 +300,5 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple:
 
 
 experts.register_autograd(_backward, setup_context=_setup)
-
-# the ops that communicate inside (the experts' all-to-alls here; ring attention's sends,
-# autopar.passes.ring_attention, add theirs), each with its Python body: a dispatch mode that
-# counts collectives (``autopar.runtime.profile.CommMeter``) runs the body under itself to see
-# them, as it sees the collectives of the rest of the program
-OPS_WITH_COLLECTIVES: dict[Any, Callable[..., Any]] = {
-    torch.ops.autopar.experts.default: _experts,
-    torch.ops.autopar.experts_backward.default: _experts_backward,
-}
+register_op_with_collectives(torch.ops.autopar.experts.default, _experts)
+register_op_with_collectives(torch.ops.autopar.experts_backward.default, _experts_backward)

@@ -16,7 +16,7 @@ from autopar.cost_models.sharding import stored_placement
 from autopar.graph import TracedGraph
 from autopar.capture.remat import recompute_nodes
 from autopar.plan import NodePlan
-from autopar.strategies.rules import SEQUENCE_ATTENTION_QUERY
+from autopar.strategies.rules import SEQ_DIM, SEQUENCE_ATTENTION_QUERY
 
 __all__ = ["NORMS", "applied_techniques", "cp_attention_form", "describe_nodes", "local_elements", "param_shards",
            "precision", "stored_params"]
@@ -109,7 +109,7 @@ def cp_attention_form(traced: TracedGraph, cand: Any, nodes: dict[str, NodePlan]
         if n.target in SEQUENCE_ATTENTION_QUERY and n.name in nodes:
             inputs = nodes[n.name].inputs
             key = SEQUENCE_ATTENTION_QUERY[n.target] + 1
-            forms.add("ring" if inputs[key][axis] == "S(2)" else "gather")
+            forms.add("ring" if inputs[key][axis] == f"S({SEQ_DIM})" else "gather")
     return "+".join(sorted(forms)) or "none"
 
 

@@ -31,7 +31,7 @@ from autopar.plan_context import ExplainContext, attach, context_of
 from autopar.capture.layers import is_backward, is_op
 from autopar.capture.remat import recompute_nodes
 from autopar.strategies.rules import (
-    EXPERT_OPS, SEQUENCE_ATTENTION_QUERY, dispatches_experts, splits_experts,
+    EXPERT_OPS, SEQ_DIM, SEQUENCE_ATTENTION_QUERY, dispatches_experts, splits_experts,
 )
 from autopar.strategies.space import StrategySpace, build_space
 
@@ -220,7 +220,7 @@ def _pin_attention(traced: TracedGraph, space: StrategySpace, axis: int,
     ILP to price, so that the ILP cannot turn the cp axis into a second batch split; on another
     axis (``sequence`` False) drop them: the sequence is split over cp only, and the plans of
     the other axes stay as they were before cp existed (Megatron's heads split over tp)."""
-    want = Shard(2)
+    want = Shard(SEQ_DIM)
     for n in traced.gm.graph.nodes:
         if n.target not in SEQUENCE_ATTENTION_QUERY or n.name not in space.nodes:
             continue

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from autopar._torch_private import TorchDispatchMode
-from autopar.capture.moe import OPS_WITH_COLLECTIVES
+from autopar.comm_ops import OPS_WITH_COLLECTIVES
 
 __all__ = ["CommMeter", "StepProfile", "profile_step"]
 

@@ -30,7 +30,8 @@ from autopar._torch_private import (
     expand_to_full_mesh_op_strategy,
 )
 
-__all__ = ["ATTENTION_CAUSAL_ARG", "EXPERT_OPS", "OpRule", "SEQUENCE_ATTENTION_QUERY",
+__all__ = ["ATTENTION_CAUSAL_ARG", "CPU_ATTENTION", "CPU_ATTENTION_BACKWARD", "EXPERT_OPS",
+           "OpRule", "SEQUENCE_ATTENTION_QUERY", "SEQ_DIM",
            "attention_is_causal", "dispatch_axes", "dispatches_experts",
            "expert_owners", "register_op_rule", "splits_experts", "registered_rules", "rule_for"]
 
@@ -124,17 +125,14 @@ def _mask_placement(kwargs_meta: dict[str, Any], dim: int) -> list[Any]:
 # outside autopar's lowering with its keys split on the sequence would do just that).
 # The attention ops with the third and fourth rules, each with where its queries are among its
 # tensor inputs (the planner pins them on cp, the lowering runs the ring and a causal third)
-SEQUENCE_ATTENTION_QUERY = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: 0,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 1,
-}
+CPU_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+CPU_ATTENTION_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+SEQ_DIM = 2  # the sequence dim of attention's tensors: [batch, heads, sequence, head dim]
+SEQUENCE_ATTENTION_QUERY = {CPU_ATTENTION: 0, CPU_ATTENTION_BACKWARD: 1}
 
 
 # where ``is_causal`` is among their positional arguments
-ATTENTION_CAUSAL_ARG = {
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: 4,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 7,
-}
+ATTENTION_CAUSAL_ARG = {CPU_ATTENTION: 4, CPU_ATTENTION_BACKWARD: 7}
 
 
 def attention_is_causal(target: Any, args: Sequence[Any]) -> bool:
@@ -148,20 +146,19 @@ def _no_dropout(args_meta: tuple[Any, ...], index: int) -> bool:
     return len(args_meta) <= index or not args_meta[index]
 
 
-@register_op_rule(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, 2, 3)
+@register_op_rule(CPU_ATTENTION, 2, 3)
 def _sdpa_cpu_rule(args_meta: tuple[Any, ...], kwargs_meta: dict[str, Any]) -> list[list[Any]]:
     rules = [[Replicate()] * 5 + ([Replicate()] if kwargs_meta.get("attn_mask") is not None else [])]
     for dim in (0, 1):
         rules.append([Shard(dim)] * 5 + _mask_placement(kwargs_meta, dim))
     if _no_dropout(args_meta, 3):
-        rules.append([Shard(2)] * 3 + [Replicate()] * 2 + _mask_placement(kwargs_meta, 2))
-        rules.append([Shard(2)] * 5 + _mask_placement(kwargs_meta, 2))  # the ring
+        seq = Shard(SEQ_DIM)
+        rules.append([seq] * 3 + [Replicate()] * 2 + _mask_placement(kwargs_meta, SEQ_DIM))
+        rules.append([seq] * 5 + _mask_placement(kwargs_meta, SEQ_DIM))  # the ring
     return rules
 
 
-@register_op_rule(
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default, 3, 6
-)
+@register_op_rule(CPU_ATTENTION_BACKWARD, 3, 6)
 def _sdpa_cpu_backward_rule(
     args_meta: tuple[Any, ...], kwargs_meta: dict[str, Any]
 ) -> list[list[Any]]:
@@ -170,9 +167,10 @@ def _sdpa_cpu_backward_rule(
     for dim in (0, 1):
         rules.append([Shard(dim)] * 9 + _mask_placement(kwargs_meta, dim))
     if _no_dropout(args_meta, 6):  # grad_k, grad_v: each rank's queries' share of the sum
-        rules.append([Shard(2), Partial(), Partial(), Shard(2), Shard(2), Replicate(), Replicate(),
-                      Shard(2), Shard(2)] + _mask_placement(kwargs_meta, 2))
-        rules.append([Shard(2)] * 9 + _mask_placement(kwargs_meta, 2))  # the ring
+        seq = Shard(SEQ_DIM)
+        rules.append([seq, Partial(), Partial(), seq, seq, Replicate(), Replicate(), seq, seq]
+                     + _mask_placement(kwargs_meta, SEQ_DIM))
+        rules.append([seq] * 9 + _mask_placement(kwargs_meta, SEQ_DIM))  # the ring
     return rules
 
 
