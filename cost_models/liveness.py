@@ -127,6 +127,9 @@ class _Op:
     # ZeRO-3: the (parameter chain node, placement, layer) its recomputed copy reads gathered
     # again (for a reader in that layer)
     regathered: list[tuple[fx.Node, tuple[str, ...], str]] = field(default_factory=list)
+    # bytes it holds only while it runs (ring attention's blocks in flight and accumulators),
+    # again when its recomputed copy runs
+    workspace: float = 0.0
 
 
 class _Walk:
@@ -190,6 +193,8 @@ class _Walk:
             for a, dst, layer in op.regathered:  # (ZeRO-3: passes.recompute's regather)
                 self.read(self.regathered(a, dst, layer), at, True)
             op.copy = self.new_op([self.size[b] for b in op.buffers], at)
+            if op.workspace:
+                self.new_op([op.workspace], at)
         return op.copy
 
     def placements(self, text: Sequence[str]) -> tuple:
@@ -383,6 +388,7 @@ class _Walk:
                                         ins[0].meta["val"].element_size(), self.mesh_shape)
             if work:
                 self.new_op([work], self.step)
+                self.ops[op].workspace = work
 
     def output_move(self, n: fx.Node, index: int, step: int) -> None:
         """A gradient, moved where it is computed: to its parameter's placement, or into its

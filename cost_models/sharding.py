@@ -218,7 +218,7 @@ def _numel(shape: Sequence[int]) -> int:
 def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
                 optimizer: str = "adam", recompute: frozenset[str] = frozenset(),
                 zero_axes: Sequence[int] = (), gathered_share: float = 1.0,
-                expert_skew: float = 1.0) -> SpaceCosts:
+                expert_skew: float = 1.0, memo: dict | None = None) -> SpaceCosts:
     """Price every strategy and every edge of ``space`` on ``topology``.
 
     ``zero_axes``: the parameters are stored as :func:`zero_placement` over these axes and
@@ -237,13 +237,17 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
     bytes they occupy again while their block's backward runs.
 
     Nodes that share a strategy list (identical layers) and have the same shapes share priced
-    arrays, so pricing cost does not grow with depth.
+    arrays, so pricing cost does not grow with depth. ``memo`` (a dict the caller keeps, empty
+    at first) shares them between calls too: a node's strategy tuple is one object for every
+    node of the same op, arguments, shapes and input candidates (``strategies.space``), in this
+    space and the later ones of the same process, and the arrays are keyed on it and on every
+    other argument of this function they depend on.
     """
     mesh_shape = tuple(space.mesh_shape)
     compute: dict[str, np.ndarray] = {}
     memory: dict[str, np.ndarray] = {}
     edges: dict[tuple[str, int], np.ndarray] = {}
-    cache: dict[Any, np.ndarray] = {}
+    cache = _shared_cache(memo, space, topology, optimizer, zero_axes, gathered_share, expert_skew)
     saved = _saved_for_backward(traced, recompute)
     recomputed: dict[str, np.ndarray] = {}
     tied = {p.node for p in traced.params if p.tied_to is not None}
@@ -274,13 +278,29 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
         memory[name] = cache[mkey]
         for k, (src, idx) in enumerate(ns.inputs):
             val = _val_list(traced.node(src).meta["val"])[idx]
-            ekey = ("e", id(space.nodes[src].strategies), idx, id(ns.strategies), k, tuple(val.shape))
+            ekey = ("e", id(space.nodes[src].strategies), idx, id(ns.strategies), k, tuple(val.shape),
+                    val.element_size())
             if ekey not in cache:
                 cache[ekey] = _edge_matrix(space.nodes[src].strategies, idx, ns.strategies, k,
                                            val, mesh_shape, topology)
             edges[(name, k)] = cache[ekey]
     outputs = _output_costs(traced, space, mesh_shape, topology)
     return SpaceCosts(compute, memory, edges, outputs, recomputed)
+
+
+def _shared_cache(memo: dict | None, space: StrategySpace, topology: Topology, *settings: Any
+                  ) -> dict[Any, np.ndarray]:
+    """The cache of priced arrays for a space on ``topology`` with ``settings``: kept in ``memo``
+    when given. Its keys hold objects' ids (strategy tuples), so ``memo`` keeps every object of
+    its spaces alive while it lives: no later object takes one of those ids."""
+    if memo is None:
+        return {}
+    keep = memo.setdefault("objects", {})
+    for ns in space.nodes.values():
+        keep[id(ns.strategies)] = ns.strategies
+    keep[id(topology)] = topology
+    return memo.setdefault((tuple(space.mesh_shape), tuple(space.dp_axes), id(topology))
+                           + tuple(settings), {})
 
 
 # Ops a fusing compiler (inductor; Megatron-LM's fused kernels) merges with the pointwise ops
@@ -339,16 +359,14 @@ def _edge_matrix(src: Sequence[Strategy], idx: int, dst: Sequence[Strategy], k: 
     """[producer strategy, consumer strategy] resharding seconds; priced once per distinct pair
     of placements (many strategies share an output or input placement)."""
     shape, item = tuple(val.shape), val.element_size()
-    src_p = [s.outputs[idx] for s in src]
-    dst_p = [t.inputs[k] for t in dst]
-    su, si = np.unique(np.array([hash(p) for p in src_p]), return_inverse=True)
-    du, di = np.unique(np.array([hash(p) for p in dst_p]), return_inverse=True)
-    first_src = {h: p for h, p in zip((hash(p) for p in src_p), src_p)}
-    first_dst = {h: p for h, p in zip((hash(p) for p in dst_p), dst_p)}
+    src_u: dict[Any, int] = {}  # distinct placements, in order of first use
+    dst_u: dict[Any, int] = {}
+    si = [src_u.setdefault(s.outputs[idx], len(src_u)) for s in src]
+    di = [dst_u.setdefault(t.inputs[k], len(dst_u)) for t in dst]
     price = _pricer(mesh_shape, topo)
-    small = np.array([[price(first_src[a], first_dst[b], shape, item)
-                       for b in du] for a in su]).reshape(len(su), len(du))
-    return small[np.ix_(si.ravel(), di.ravel())]
+    small = np.array([[price(a, b, shape, item) for b in dst_u] for a in src_u]
+                     ).reshape(len(src_u), len(dst_u))
+    return small[np.ix_(si, di)]
 
 
 def deferred_placement(grad: Placements, param: Placements, dp_axes: Sequence[int]

@@ -39,7 +39,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from autopar._torch_private import tree_flatten, tree_map_only
+from autopar._torch_private import tree_flatten, tree_map_only, tree_unflatten
 
 from autopar import _torch_private as private
 from autopar.capture.joint import (
@@ -52,7 +52,7 @@ from autopar.graph import TracedGraph
 from autopar.capture.layers import WRAP, block_prefix, layer_units
 
 __all__ = ["ForwardGraph", "StageGraph", "capture_stages", "capture_with_forward", "export_forward",
-           "microbatch_inputs", "node_stages", "set_module_attr", "split_stages"]
+           "first_microbatch", "microbatch_inputs", "node_stages", "set_module_attr", "split_stages"]
 
 
 
@@ -83,17 +83,35 @@ def microbatch_inputs(example_inputs: Any, microbatches: int) -> tuple[list[Any]
     chunks: list[list[Any]] = [[] for _ in range(microbatches)]
     for i, x in enumerate(flat):
         if isinstance(x, torch.Tensor):
-            if x.dim() == 0 or x.shape[0] % microbatches:
-                raise ValueError(
-                    f"input {i} has shape {tuple(x.shape)}: its batch dim (dim 0) must divide into "
-                    f"{microbatches} microbatches. Choose Config(microbatch_size=...) dividing the "
-                    f"batch, or a batch divisible by the microbatch count.")
+            _check_divides(i, x, microbatches)
             for j, c in enumerate(x.chunk(microbatches, dim=0)):
                 chunks[j].append(c)
         else:
             for j in range(microbatches):
                 chunks[j].append(x)
     return chunks, spec
+
+
+def first_microbatch(example_inputs: Any, microbatches: int) -> Any:
+    """The first of :func:`microbatch_inputs`' chunks, as the inputs are structured (without
+    making the others: a global batch of thousands of samples has as many chunks at one sample
+    each)."""
+    flat, spec = tree_flatten(example_inputs)
+    first = []
+    for i, x in enumerate(flat):
+        if isinstance(x, torch.Tensor):
+            _check_divides(i, x, microbatches)
+            x = x.narrow(0, 0, x.shape[0] // microbatches)
+        first.append(x)
+    return tree_unflatten(first, spec)
+
+
+def _check_divides(i: int, x: torch.Tensor, microbatches: int) -> None:
+    if x.dim() == 0 or x.shape[0] % microbatches:
+        raise ValueError(
+            f"input {i} has shape {tuple(x.shape)}: its batch dim (dim 0) must divide into "
+            f"{microbatches} microbatches. Choose Config(microbatch_size=...) dividing the "
+            f"batch, or a batch divisible by the microbatch count.")
 
 
 def capture_with_forward(model: nn.Module, example_inputs: Any,

@@ -44,7 +44,8 @@ from autopar.solver.stage_cuts import LayerCost, solve_cuts
 from autopar.strategies.reshard import local_shape
 from autopar.strategies.space import boundary_placements
 from autopar.capture.stages import (
-    ForwardGraph, capture_stages, capture_with_forward, export_forward, microbatch_inputs,
+    ForwardGraph, capture_stages, capture_with_forward, export_forward, first_microbatch,
+    microbatch_inputs,
 )
 
 __all__ = ["batch_size", "boundary_bytes", "build_pipeline_plan", "chosen_comm", "forward_for_plan",
@@ -241,9 +242,7 @@ def _search_point(model: Any, example_inputs: Any, mesh: Mesh, config: Config,
                   cand: Candidate, m: int, cache: dict, infeasible: list) -> list[PipelineSetup]:
     """The setups of one (pp, stage mesh, microbatch count): a cut per schedule and v."""
     if m not in cache:
-        chunks, _ = microbatch_inputs(example_inputs, m)
-        mb = unflatten_inputs(example_inputs, chunks[0])
-        traced, fwd = capture_with_forward(model, mb)
+        traced, fwd = capture_with_forward(model, first_microbatch(example_inputs, m))
         cache[m] = (fwd, traced)
     fwd, traced = cache[m]
     active = sorted(set(fwd.unit_of.values()))  # units holding computation

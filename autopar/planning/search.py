@@ -38,13 +38,13 @@ from autopar.capture.moe import expert_count
 from autopar.capture.layers import (
     block_fingerprint, block_prefix, identical_blocks, is_op, leading_blocks,
 )
-from autopar.planning.pipeline import batch_size, unflatten_inputs
+from autopar.planning.pipeline import batch_size
 from autopar.planning.records import NORMS
 from autopar.planning.candidates import Candidate, ep_degrees
 from autopar.planning.solve import solve_space, unpinned_space
 from autopar.planning.unit_costs import layer_costs
 from autopar.cost_models.experts import ExpertsWork
-from autopar.capture.stages import capture_with_forward, microbatch_inputs
+from autopar.capture.stages import capture_with_forward, first_microbatch
 
 __all__ = ["CP_MAX", "CP_MIN_SEQUENCE", "LayerSolver", "SearchResult", "candidate_setups",
            "cp_degrees", "two_block_copy", "model_flops", "sequence_length",
@@ -107,6 +107,7 @@ class LayerSolver:
         self.solved: dict[tuple[int, int, bool, int], LayerCosts] = {}
         self.spaces: dict[tuple[int, int, int], Any] = {}
         self._shards: dict[int, bool] = {}  # shards_sequence, per microbatch size
+        self._priced: dict = {}  # (prices shared by the spaces: cost_models.sharding.price_space)
         self.seq = sequence_length(example_inputs)
         self.num_experts = expert_count(model)  # (of its MoE layers; 0 without)
         self.trace_s = self.solve_s = 0.0
@@ -129,7 +130,8 @@ class LayerSolver:
                                             self.cost_passes, None,
                                             sequence_parallel=sp if tp > 1 else None,
                                             base_space=self.spaces[(b, tp, cp)],
-                                            gradient_share=0.0 if cp > 1 else 1.0)
+                                            gradient_share=0.0 if cp > 1 else 1.0,
+                                            price_memo=self._priced)
             self.solved[key] = layer_costs(traced, fwd, space, costs, res.choice, self.num_blocks,
                                            self.config.optimizer, (tp if sp else 1) * cp,
                                            self.lead_runs, self.config.expert_load_skew,
@@ -217,8 +219,7 @@ class LayerSolver:
     def _trace(self, b: int) -> tuple[Any, Any]:
         if b not in self.traces:
             t0 = time.perf_counter()
-            chunks, _ = microbatch_inputs(self.example_inputs, self.batch // b)
-            inputs = unflatten_inputs(self.example_inputs, chunks[0])
+            inputs = first_microbatch(self.example_inputs, self.batch // b)
             key = (model_fingerprint(self.model, inputs), self.config.mixed_precision == "bf16")
             if key not in _TRACES:
                 while len(_TRACES) >= _TRACE_CACHE_SIZE:

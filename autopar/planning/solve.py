@@ -47,11 +47,13 @@ def solve_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate
                 cost_passes: Sequence[Callable[..., SpaceCosts]], budget: float | None,
                 fixed: dict[str, tuple[str, ...]] | None = None, activation_scale: int = 1,
                 sequence_parallel: bool | None = None, base_space: StrategySpace | None = None,
-                gradient_share: float = 1.0) -> tuple[StrategySpace, SpaceCosts, IntraOpResult]:
+                gradient_share: float = 1.0, price_memo: dict | None = None
+                ) -> tuple[StrategySpace, SpaceCosts, IntraOpResult]:
     """Strategy space, its prices (:func:`priced_space`, same arguments) and the
     intra-operator ILP's choice within ``budget`` on the logical mesh."""
     space, costs = priced_space(traced, mesh, config, cand, cost_passes, fixed, activation_scale,
-                                sequence_parallel, base_space, gradient_share)
+                                sequence_parallel, base_space, gradient_share,
+                                price_memo=price_memo)
     return space, costs, solve_intra_op(traced, space, costs, budget, config.solver_time_limit_s)
 
 
@@ -59,8 +61,8 @@ def priced_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidat
                  cost_passes: Sequence[Callable[..., SpaceCosts]],
                  fixed: dict[str, tuple[str, ...]] | None = None, activation_scale: int = 1,
                  sequence_parallel: bool | None = None, base_space: StrategySpace | None = None,
-                 gradient_share: float = 1.0, zero_once: bool = False
-                 ) -> tuple[StrategySpace, SpaceCosts]:
+                 gradient_share: float = 1.0, zero_once: bool = False,
+                 price_memo: dict | None = None) -> tuple[StrategySpace, SpaceCosts]:
     """Strategy space and its prices on the logical mesh.
 
     ``fixed`` pins parameters (by name) to a placement, e.g. a tied weight already placed by an
@@ -80,7 +82,8 @@ def priced_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidat
     them placed as the ILP chooses and prices their state as stored by ``zero_placement`` of
     that (:func:`~autopar.cost_models.sharding.price_space`); with sequence parallelism on, the forward's residual
     adds are pinned to ``Shard(1)`` too (:func:`_pin_norms`); recomputation
-    (``config.recompute``) is priced by :func:`~autopar.cost_models.sharding.price_space`.
+    (``config.recompute``) is priced by :func:`~autopar.cost_models.sharding.price_space`,
+    which takes ``price_memo`` (prices shared between the spaces of one model's graph).
     """
     if base_space is None:
         base_space = unpinned_space(traced, cand, config)
@@ -107,7 +110,8 @@ def priced_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidat
     recompute = recompute_nodes(traced, config.recompute or "none")
     share = regathered_share(traced) if config.zero == 3 and not zero_once else 1.0
     costs = run_cost_passes(price_space(traced, space, mesh.topology, config.optimizer, recompute,
-                                        zero_axes, share, config.expert_load_skew),
+                                        zero_axes, share, config.expert_load_skew,
+                                        memo=price_memo),
                             space, mesh.topology, cost_passes)
     if activation_scale != 1:
         # parameters are held once; a gradient coming in from the next stage (a tangent) is

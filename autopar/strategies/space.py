@@ -17,7 +17,6 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
-from autopar._torch_private import tree_flatten
 
 from autopar import _torch_private as private
 from autopar._torch_private import (
@@ -192,9 +191,24 @@ def _mixes_strided(strategy: Strategy) -> bool:
 
 
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    leaves, _ = tree_flatten(node.args)
-    kw = [v for v in node.kwargs.values() if isinstance(v, fx.Node)]
-    return [a for a in leaves if isinstance(a, fx.Node)] + kw
+    """The nodes ``node`` reads, in order: those among its positional arguments (inside lists,
+    tuples and dicts too), then its keyword arguments that are nodes."""
+    out: list[fx.Node] = []
+    _collect_nodes(node.args, out)
+    return out + [v for v in node.kwargs.values() if isinstance(v, fx.Node)]
+
+
+def _collect_nodes(a: Any, out: list[fx.Node]) -> None:
+    # (as pytree's flatten orders the leaves, without its cost: this runs for every node of
+    # every space priced)
+    if isinstance(a, fx.Node):
+        out.append(a)
+    elif isinstance(a, (list, tuple)):
+        for x in a:
+            _collect_nodes(x, out)
+    elif isinstance(a, dict):
+        for x in a.values():
+            _collect_nodes(x, out)
 
 
 def _out_meta(val: Any) -> Any:
@@ -217,6 +231,22 @@ def _replicate_strategy(node: fx.Node, ndim: int) -> Strategy:
     else:
         outs = (rep if isinstance(val, torch.Tensor) else None,)
     return Strategy(outs, tuple(rep for _ in tensor_inputs(node)))
+
+
+# Enumerations shared between the spaces built in one process: the setup search builds one space
+# per microbatch size and (cp, tp) submesh, and many nodes recur in them with the same shapes and
+# input candidates (parameters' chains, nodes whose shapes do not depend on the microbatch).
+# Keyed by everything the enumeration reads (_Builder._enumeration_key), rules included: a rule
+# registered later for an op changes its key. Bounded; the oldest entries go first.
+_ENUMERATED: dict[tuple, tuple[tuple[Strategy, ...], str, tuple]] = {}
+_ENUMERATED_SIZE = 100_000
+
+
+def _tensor_key(val: Any) -> Any:
+    """A node value's metadata as a hashable key (shape, strides, dtype), or its repr."""
+    if isinstance(val, torch.Tensor):
+        return (tuple(val.shape), tuple(val.stride()), val.dtype)
+    return repr(val)
 
 
 class _Builder:
@@ -270,11 +300,48 @@ class _Builder:
         strategies, source = self._enumerate(n, inputs)
         self.nodes[n.name] = NodeSpace(n.name, tuple(strategies), values, source, n.target)
 
-    def _enumerate(self, n: fx.Node, inputs: list[fx.Node]) -> tuple[list[Strategy], str]:
+    def _enumerate(self, n: fx.Node, inputs: list[fx.Node]) -> tuple[Sequence[Strategy], str]:
         if not inputs:
             return [_replicate_strategy(n, len(self.mesh_shape))], "factory"
         if all(d == 1 for d in self.mesh_shape):  # one device: every placement is the whole
             return [_replicate_strategy(n, len(self.mesh_shape))], "one device"
+        key = self._enumeration_key(n)
+        if key in _ENUMERATED:
+            strategies, source, _ = _ENUMERATED[key]
+            return strategies, source  # (the same tuple: prices keyed on it are shared)
+        listed, source = self._ask_rules(n, inputs)
+        strategies = tuple(listed)
+        if source != "fallback-replicate":  # (its warning names the node: asked again)
+            while len(_ENUMERATED) >= _ENUMERATED_SIZE:
+                _ENUMERATED.pop(next(iter(_ENUMERATED)))
+            _ENUMERATED[key] = (strategies, source, (
+                self.prop.op_strategy_funcs.get(n.target),
+                self.prop.op_single_dim_strategy_funcs.get(n.target)))
+        return strategies, source
+
+    def _enumeration_key(self, n: fx.Node) -> tuple:
+        """Everything :meth:`_ask_rules` reads: the op and the rule objects registered for it,
+        every argument (a tensor's shape, strides and dtype with its producer's candidate
+        placements; any other argument by value), the outputs' metadata, the mesh's shape and
+        device type, and the builder's settings."""
+        def arg(a: Any) -> Any:
+            if isinstance(a, fx.Node):
+                return (_tensor_key(a.meta.get("val")), tuple(self.candidates(self.value(a))))
+            if isinstance(a, (list, tuple)):
+                return (type(a).__name__, tuple(arg(x) for x in a))
+            return (type(a).__name__, repr(a))
+
+        val = n.meta.get("val")
+        outs = tuple(_tensor_key(v) for v in val) if isinstance(val, (tuple, list)) else _tensor_key(val)
+        # (rule objects by identity, some are unhashable; each entry holds its rules, so that
+        # no later rule can take the id of one that was replaced)
+        rules = (id(self.prop.op_strategy_funcs.get(n.target)),
+                 id(self.prop.op_single_dim_strategy_funcs.get(n.target)))
+        return (n.target, rules, arg(n.args), tuple((k, arg(v)) for k, v in n.kwargs.items()),
+                outs, self.mesh_shape, getattr(self.mesh, "device_type", None), self.strided_ok,
+                self.unknown_op)
+
+    def _ask_rules(self, n: fx.Node, inputs: list[fx.Node]) -> tuple[list[Strategy], str]:
         op = n.target
         if op in fused.FUSED_OPS:
             try:

@@ -319,3 +319,43 @@ def test_functional_copy_splits_as_a_pointwise_op():
         options = {(s.outputs[0], s.inputs[0], s.inputs[1]) for s in ns.strategies}
         both = (Shard(0), Shard(1))
         assert (both, both, both) in options
+
+
+def test_spaces_built_and_priced_after_others_equal_fresh_ones():
+    # The setup search builds and prices one space per microbatch size and submesh in one
+    # process, sharing DTensor's enumerations (strategies.space) and the priced arrays
+    # (price_space's memo) between them: a space built and priced after another, for another
+    # batch, must equal one built and priced cold, array for array.
+    import numpy as np
+
+    import autopar
+    from autopar.planning.candidates import Candidate
+    from autopar.planning.solve import priced_space
+    from autopar.strategies import space as space_module
+
+    mesh = autopar.Mesh.virtual("h100-dgx", nodes=1, gpus_per_node=4)
+    # (tp=4 splits a batch of 4 evenly, not one of 2: the spaces differ where shapes differ)
+    cand = Candidate((4,), ("tp",), ())
+    small, large = (capture(*build("gpt", layers=2, batch=b, dim=64, heads=4)) for b in (2, 4))
+
+    def priced(traced, memo):
+        return priced_space(traced, mesh, autopar.Config(), cand, (), price_memo=memo)
+
+    space_module._ENUMERATED.clear()
+    cold_space, cold = priced(large, None)
+    space_module._ENUMERATED.clear()
+    memo: dict = {}
+    first, _ = priced(small, memo)
+    warm_space, warm = priced(large, memo)
+    shared = {id(ns.strategies) for ns in first.nodes.values()}
+    reused = [n for n, ns in warm_space.nodes.items()
+              if id(ns.strategies) in shared and ns.source.startswith("dtensor")]
+    assert reused, "no enumeration was shared: the test checks nothing"
+    assert cold_space.nodes.keys() == warm_space.nodes.keys()
+    for name, ns in cold_space.nodes.items():
+        assert ns.strategies == warm_space.nodes[name].strategies, name
+    for kind in ("compute", "memory", "edges"):
+        a, b = getattr(cold, kind), getattr(warm, kind)
+        assert a.keys() == b.keys(), kind
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key], err_msg=f"{kind} {key}")

@@ -169,3 +169,24 @@ def test_a_row_with_every_key_masked_gives_the_kernels_zeros_not_nan():
     got = ring_attention_backward(grad, q, k, v, ring_out, ring_lse, False, None, mask, "")
     for g, w in zip(got, want):
         assert torch.isfinite(g).all() and torch.allclose(g, w, atol=1e-6)
+
+
+def test_a_recomputed_ring_holds_its_workspace_again_in_the_backward(monkeypatch):
+    """With full recomputation the ring's forward runs again in the backward, which holds its
+    blocks in flight and accumulators again there, among the backward's values. With that
+    workspace made huge, the step's peak is where a recomputed copy runs, in the backward, and
+    holds one workspace, not two (each is held while its op runs)."""
+    from autopar.capture.layers import is_backward
+    from autopar.capture.remat import recompute_nodes
+    from autopar.cost_models import liveness
+    from autopar.plan_context import context_of
+
+    plan = _plan(64, "ring", recompute="full")
+    traced = context_of(plan).traced
+    huge = 1e12
+    monkeypatch.setattr(liveness, "ring_workspace_bytes",
+                        lambda target, *args: huge if target is _FWD else 0.0)
+    mem = liveness.step_memory(traced, plan.mesh_shape, plan.nodes, plan.output_placements,
+                               recompute=recompute_nodes(traced, "full"))
+    assert is_backward(traced.node(mem.peak_node)), mem.peak_node
+    assert huge < mem.peak_bytes < 2 * huge
