@@ -267,6 +267,7 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
                 cache[key] = np.array([_compute_time(n, s, mesh_shape, topology, fused,
                                                      expert_skew)
                                        for s in ns.strategies]) * (2.0 if again else 1.0)
+            cache[key].flags.writeable = False  # (shared: docs/cost_passes.md)
         compute[name] = cache[key]
         if again:
             recomputed[name] = recomputed_bytes(n, ns.strategies, mesh_shape)
@@ -275,6 +276,7 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
             cache[mkey] = _memory(n, ns.strategies, mesh_shape, name in params, name in tied,
                                   saved.get(name, ()), optimizer, space.dp_axes,
                                   tuple(zero_axes), gathered_share)
+            cache[mkey].flags.writeable = False
         memory[name] = cache[mkey]
         for k, (src, idx) in enumerate(ns.inputs):
             val = _val_list(traced.node(src).meta["val"])[idx]
@@ -283,6 +285,7 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
             if ekey not in cache:
                 cache[ekey] = _edge_matrix(space.nodes[src].strategies, idx, ns.strategies, k,
                                            val, mesh_shape, topology)
+                cache[ekey].flags.writeable = False
             edges[(name, k)] = cache[ekey]
     outputs = _output_costs(traced, space, mesh_shape, topology)
     return SpaceCosts(compute, memory, edges, outputs, recomputed)

@@ -42,6 +42,21 @@ def test_cost_pass_per_call_changes_the_plan(megatron):
     assert forced.digest() != plan.digest()
 
 
+def test_a_cost_pass_changing_an_array_in_place_is_refused(megatron):
+    # identical layers (and the spaces the search prices one after another) share their priced
+    # arrays: an in-place change would reach other nodes, so the arrays are read-only
+    model, inputs, mesh, _ = megatron
+
+    def in_place(costs, space, topology):
+        for name, ns in space.nodes.items():
+            if ns.source == "param":
+                costs.compute[name] += PENALTY_S
+        return costs
+
+    with pytest.raises(ValueError, match="read-only"):
+        autopar.plan(model, mesh, inputs, config=autopar.Config(tp=2), cost_passes=[in_place])
+
+
 def test_cost_pass_sees_costs_space_and_topology(megatron):
     model, inputs, mesh, plan = megatron
     seen = {}
