@@ -17,7 +17,7 @@ __all__ = [
     "DTensorSpec", "TensorMeta", "OpSchema", "OpSpec", "OpStrategy", "RuntimeSchemaInfo",
     "TupleStrategy", "expand_to_full_mesh_op_strategy", "generate_redistribute_costs",
     "_StridedShard", "FakeTensor", "FakeTensorMode", "OpOverload", "OpOverloadPacket",
-    "TorchDispatchMode", "funcol", "tree_flatten", "tree_map", "tree_map_only", "tree_unflatten",
+    "TorchDispatchMode", "funcol", "tree_flatten", "tree_map", "tree_map_only",
     "SUPPORTED", "TRIED",
     "check_torch_version",
     "RELEASE",
@@ -86,7 +86,7 @@ check_torch_version()
 from torch._ops import OpOverload, OpOverloadPacket  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from torch.utils._pytree import tree_flatten, tree_map, tree_map_only, tree_unflatten  # noqa: E402
+from torch.utils._pytree import tree_flatten, tree_map, tree_map_only  # noqa: E402
 import torch.distributed._functional_collectives as funcol  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: E402

@@ -193,7 +193,8 @@ class _Walk:
             for a, dst, layer in op.regathered:  # (ZeRO-3: passes.recompute's regather)
                 self.read(self.regathered(a, dst, layer), at, True)
             op.copy = self.new_op([self.size[b] for b in op.buffers], at)
-            if op.workspace:
+            if op.workspace:  # (at its first backward reader's step: erring high when that
+                # reader is the ring's backward, whose own workspace comes after it at run time)
                 self.new_op([op.workspace], at)
         return op.copy
 

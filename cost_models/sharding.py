@@ -247,7 +247,8 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
     compute: dict[str, np.ndarray] = {}
     memory: dict[str, np.ndarray] = {}
     edges: dict[tuple[str, int], np.ndarray] = {}
-    cache = _shared_cache(memo, space, topology, optimizer, zero_axes, gathered_share, expert_skew)
+    cache = _shared_cache(memo, space, topology, optimizer, tuple(zero_axes), gathered_share,
+                          expert_skew)
     saved = _saved_for_backward(traced, recompute)
     recomputed: dict[str, np.ndarray] = {}
     tied = {p.node for p in traced.params if p.tied_to is not None}

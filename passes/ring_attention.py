@@ -46,7 +46,6 @@ from autopar.strategies.rules import (CPU_ATTENTION as _FORWARD, CPU_ATTENTION_B
 
 __all__ = ["needs_ring", "ring_attention", "ring_attention_backward", "run_ring"]
 
-aten = torch.ops.aten
 
 
 class _Ring:

@@ -39,7 +39,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from autopar._torch_private import tree_flatten, tree_map_only, tree_unflatten
+from autopar._torch_private import tree_flatten, tree_map_only
 
 from autopar import _torch_private as private
 from autopar.capture.joint import (
@@ -52,7 +52,8 @@ from autopar.graph import TracedGraph
 from autopar.capture.layers import WRAP, block_prefix, layer_units
 
 __all__ = ["ForwardGraph", "StageGraph", "capture_stages", "capture_with_forward", "export_forward",
-           "first_microbatch", "microbatch_inputs", "node_stages", "set_module_attr", "split_stages"]
+           "first_microbatch", "microbatch_inputs", "node_stages", "set_module_attr", "split_stages",
+           "unflatten_inputs"]
 
 
 
@@ -96,14 +97,26 @@ def first_microbatch(example_inputs: Any, microbatches: int) -> Any:
     """The first of :func:`microbatch_inputs`' chunks, as the inputs are structured (without
     making the others: a global batch of thousands of samples has as many chunks at one sample
     each)."""
-    flat, spec = tree_flatten(example_inputs)
+    args, kwargs = normalize_inputs(example_inputs)
+    flat, _ = tree_flatten((args, kwargs))
     first = []
     for i, x in enumerate(flat):
         if isinstance(x, torch.Tensor):
             _check_divides(i, x, microbatches)
             x = x.narrow(0, 0, x.shape[0] // microbatches)
         first.append(x)
-    return tree_unflatten(first, spec)
+    return unflatten_inputs(example_inputs, first)
+
+
+def unflatten_inputs(example_inputs: Any, flat: Sequence[Any]) -> Any:
+    """One microbatch's flattened inputs (a chunk of :func:`microbatch_inputs`) in the form the
+    model is called with: keyword inputs for a dict, positional ones for a tuple or list, the
+    tensor itself for a single tensor."""
+    if isinstance(example_inputs, dict):
+        return dict(zip(example_inputs.keys(), flat))
+    if not isinstance(example_inputs, (tuple, list)):
+        return flat[0]
+    return tuple(flat)
 
 
 def _check_divides(i: int, x: torch.Tensor, microbatches: int) -> None:

@@ -45,13 +45,13 @@ from autopar.strategies.reshard import local_shape
 from autopar.strategies.space import boundary_placements
 from autopar.capture.stages import (
     ForwardGraph, capture_stages, capture_with_forward, export_forward, first_microbatch,
-    microbatch_inputs,
+    microbatch_inputs, unflatten_inputs,
 )
 
 __all__ = ["batch_size", "boundary_bytes", "build_pipeline_plan", "chosen_comm", "forward_for_plan",
            "ModelFacts",
            "PipelineSetup", "search_pipeline",
-           "unflatten_inputs", "unit_costs"]
+           "unit_costs"]
 
 _MAX_MICROBATCH_CANDIDATES = 3
 # Share of a backward that computes weight gradients, for zero-bubble's separate W step: about
@@ -335,14 +335,6 @@ def _expand(stages: tuple[int, ...], active: list[int], n: int) -> tuple[int, ..
 def _stage_of_unit(starts: Sequence[int], n: int) -> tuple[int, ...]:
     bounds = list(starts) + [n]
     return tuple(j for j in range(len(starts)) for _ in range(bounds[j], bounds[j + 1]))
-
-
-def unflatten_inputs(example_inputs: Any, flat: Sequence[Any]) -> Any:
-    if isinstance(example_inputs, dict):
-        return dict(zip(example_inputs.keys(), flat))
-    if not isinstance(example_inputs, (tuple, list)):
-        return flat[0]
-    return tuple(flat)
 
 
 # The stages traced for the last plan made in this process, reused by parallelize (tracing is

@@ -33,7 +33,7 @@ from autopar.graph import TracedGraph
 from autopar.strategies import fused
 from autopar.strategies import rules as _rules  # noqa: F401  (registers autopar's own rules)
 
-__all__ = ["boundary_placements", "build_space", "NodeSpace", "Placements", "representatives", "Strategy",
+__all__ = ["boundary_placements", "build_space", "clear_enumerations", "NodeSpace", "Placements", "representatives", "Strategy",
            "StrategySpace", "tensor_inputs", "Value"]
 
 Placements = tuple[Placement, ...]
@@ -237,9 +237,16 @@ def _replicate_strategy(node: fx.Node, ndim: int) -> Strategy:
 # per microbatch size and (cp, tp) submesh, and many nodes recur in them with the same shapes and
 # input candidates (parameters' chains, nodes whose shapes do not depend on the microbatch).
 # Keyed by everything the enumeration reads (_Builder._enumeration_key), rules included: a rule
-# registered later for an op changes its key. Bounded; the oldest entries go first.
+# registered later for an op changes its key (a rule must depend on its arguments only:
+# docs/adding_an_op.md). Bounded (DeepSeek-V3's search makes about 6,000); the oldest go first.
 _ENUMERATED: dict[tuple, tuple[tuple[Strategy, ...], str, tuple]] = {}
-_ENUMERATED_SIZE = 100_000
+_ENUMERATED_SIZE = 20_000
+
+
+def clear_enumerations() -> None:
+    """Forget the enumerations kept for the process (after changing what a registered rule
+    returns for the same arguments, or to free their memory)."""
+    _ENUMERATED.clear()
 
 
 def _tensor_key(val: Any) -> Any:
@@ -329,6 +336,8 @@ class _Builder:
                 return (_tensor_key(a.meta.get("val")), tuple(self.candidates(self.value(a))))
             if isinstance(a, (list, tuple)):
                 return (type(a).__name__, tuple(arg(x) for x in a))
+            if isinstance(a, dict):
+                return ("dict", tuple((k, arg(v)) for k, v in a.items()))
             return (type(a).__name__, repr(a))
 
         val = n.meta.get("val")
@@ -337,8 +346,10 @@ class _Builder:
         # no later rule can take the id of one that was replaced)
         rules = (id(self.prop.op_strategy_funcs.get(n.target)),
                  id(self.prop.op_single_dim_strategy_funcs.get(n.target)))
+        inputs = tensor_inputs(n)  # (which of them are one node: mul(x, x) is not mul(x, y))
+        same = tuple(inputs.index(a) for a in inputs)
         return (n.target, rules, arg(n.args), tuple((k, arg(v)) for k, v in n.kwargs.items()),
-                outs, self.mesh_shape, getattr(self.mesh, "device_type", None), self.strided_ok,
+                same, outs, self.mesh_shape, getattr(self.mesh, "device_type", None), self.strided_ok,
                 self.unknown_op)
 
     def _ask_rules(self, n: fx.Node, inputs: list[fx.Node]) -> tuple[list[Strategy], str]:

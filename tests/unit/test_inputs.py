@@ -18,7 +18,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 import autopar
 from autopar.capture import capture, prepare_inputs, to_fake
 from autopar.errors import InputMismatchError
-from autopar.capture.stages import capture_stages, capture_with_forward, microbatch_inputs
+from autopar.capture.stages import (capture_stages, capture_with_forward, first_microbatch,
+                                    microbatch_inputs, unflatten_inputs)
 from models import GPT
 
 SIZE = dict(vocab=128, dim=32, heads=2, layers=2, seq=16)
@@ -145,3 +146,23 @@ def test_to_fake_refuses_a_tensor_subclass():
 
     with pytest.raises(InputMismatchError, match="Tagged of shape \\(2,\\).*plain tensors"):
         to_fake((torch.zeros(2).as_subclass(Tagged),), FakeTensorMode())
+
+
+class _Batch(dict):
+    """A dict subclass, as some data loaders return (pytree takes it for one leaf)."""
+
+
+@pytest.mark.parametrize("form", ["tuple", "dict", "dict subclass", "tensor"])
+def test_the_first_microbatch_is_the_first_chunk_of_the_split(form):
+    ids, labels = torch.arange(24).reshape(6, 4), torch.arange(24).reshape(6, 4) + 100
+    inputs = {"tuple": (ids, labels), "dict": {"input_ids": ids, "labels": labels},
+              "dict subclass": _Batch(input_ids=ids, labels=labels), "tensor": ids}[form]
+    chunks, _ = microbatch_inputs(inputs, 3)
+    first, want = first_microbatch(inputs, 3), unflatten_inputs(inputs, chunks[0])
+    assert type(first) is type(want)
+    pairs = zip(first.values(), want.values()) if isinstance(want, dict) else (
+        zip(first, want) if isinstance(want, tuple) else [(first, want)])
+    for got, expected in pairs:
+        assert got.shape[0] == 2 and torch.equal(got, expected)
+    with pytest.raises(ValueError, match="must divide into 4 microbatches"):
+        first_microbatch(inputs, 4)

@@ -331,7 +331,7 @@ def test_spaces_built_and_priced_after_others_equal_fresh_ones():
     import autopar
     from autopar.planning.candidates import Candidate
     from autopar.planning.solve import priced_space
-    from autopar.strategies import space as space_module
+    from autopar.strategies.space import clear_enumerations
 
     mesh = autopar.Mesh.virtual("h100-dgx", nodes=1, gpus_per_node=4)
     # (tp=4 splits a batch of 4 evenly, not one of 2: the spaces differ where shapes differ)
@@ -341,9 +341,9 @@ def test_spaces_built_and_priced_after_others_equal_fresh_ones():
     def priced(traced, memo):
         return priced_space(traced, mesh, autopar.Config(), cand, (), price_memo=memo)
 
-    space_module._ENUMERATED.clear()
+    clear_enumerations()
     cold_space, cold = priced(large, None)
-    space_module._ENUMERATED.clear()
+    clear_enumerations()
     memo: dict = {}
     first, _ = priced(small, memo)
     warm_space, warm = priced(large, memo)

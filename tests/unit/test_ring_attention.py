@@ -12,10 +12,10 @@ import autopar
 from autopar.cost_models.comm import send_recv_time
 from autopar.cost_models.ring import ring_axis, ring_exchanges, ring_seconds, ring_workspace_bytes
 from autopar.cost_models.topology import get_preset
+from autopar.strategies.rules import CPU_ATTENTION, CPU_ATTENTION_BACKWARD
 from models import build
 
-_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+_FWD, _BWD = CPU_ATTENTION, CPU_ATTENTION_BACKWARD
 S2, R = Shard(2), Replicate()
 
 
