@@ -49,13 +49,11 @@ from autopar.capture.stages import StageGraph, set_module_attr
 from autopar.plan import Plan
 from autopar.runtime.faults import collective_failures
 from autopar.runtime.prefetch import GatherAhead, Issue, gathering_stages
-from autopar.planning.candidates import HSDP_AXES
 from autopar.runtime.state import StateDictMixin, model_state
 from autopar.runtime.autograd import (FlatBucket, GradSink, JointFunction, Labelled, LazyCompiled,
                                       split_forward_backward, split_weight_backward)
 from autopar.cost_models.sharding import step_end_buckets, stored_dim
 from autopar.strategies.reshard import local_shape
-from autopar.strategies.space import boundary_placements
 
 __all__ = ["PipelineModule", "StageModule", "SCHEDULE_CLASSES"]
 
@@ -405,26 +403,24 @@ class PipelineModule(StateDictMixin, nn.Module):
         """Local-shaped example inputs/outputs of stage ``j`` (static pipeline metadata; later
         stages' inputs require grad, or earlier stages would silently get no input gradient)."""
         pipe = self.plan.pipeline
-        # (split on the batch over the data axes: dp, or hybrid sharding's two; on the
-        # sequence over cp: the planner's boundary_placements)
-        names = self.plan.axis_names[1:]
-        data = [a for a, n in enumerate(names) if n in ("dp", "ep", *HSDP_AXES)]
-        cp = [a for a, n in enumerate(names) if n == "cp"]
-        mesh_shape = tuple(self._submesh.shape)
+        stage = pipe.stages[j]
         traced = self._traced[j]
         nodes = {n.name: n for n in traced.gm.graph.nodes}
 
-        def boundary(vals: Sequence[Any]) -> tuple[torch.Tensor, ...]:
-            return tuple(torch.empty(local_shape(tuple(v.shape), boundary_placements(
-                v.shape, mesh_shape, data, cp), mesh_shape), dtype=v.dtype,
-                requires_grad=v.dtype.is_floating_point) for v in vals)
+        def example(val: Any, placements: Sequence[str]) -> torch.Tensor:
+            # (where the stage's plan places it: split on the batch over the data axes, on the
+            # sequence over cp, as the planner's boundary_placements)
+            return torch.empty(_local(val.shape, placements, self._submesh), dtype=val.dtype,
+                               requires_grad=val.dtype.is_floating_point)
 
-        ins = (torch.zeros(1, dtype=torch.long),) if j == 0 else boundary(
-            [nodes[n].meta["val"] for n in traced.boundary_inputs])
+        ins = (torch.zeros(1, dtype=torch.long),) if j == 0 else tuple(
+            example(nodes[n].meta["val"], stage.nodes[n].outputs[0])
+            for n in traced.boundary_inputs)
         last = j == len(pipe.stages) - 1
         out_node = next(n for n in traced.gm.graph.nodes if n.op == "output")
-        outs = (torch.empty(()),) if last else boundary(
-            [out_node.args[0][i].meta["val"] for i in traced.boundary_outputs])
+        outs = (torch.empty(()),) if last else tuple(
+            example(out_node.args[0][i].meta["val"], stage.output_placements[i])
+            for i in traced.boundary_outputs)
         return ins, outs
 
     def _load_inputs(self, args: tuple, kwargs: dict) -> None:

@@ -443,10 +443,8 @@ def _solve_lp(red: _Reduced, slack: float | None, time_limit_s: float) -> _LPRes
     """Solve the LP relaxation with :func:`_lp_backend`."""
     solver = pywraplp.Solver.CreateSolver(_lp_backend())
     solver.SuppressOutput()
-    if _lp_backend() == "HIGHS_LP":  # (its banner is printed unless output_flag is off)
-        # HiGHS's presolve doubles its time on these relaxations (the DeepSeek-V3 search's
-        # layer LPs: 2.8 s with it, 1.4 s without, for six; `_presolve` has run before it)
-        solver.SetSolverSpecificParametersAsString("output_flag=false\npresolve=off")
+    if _lp_backend() == "HIGHS_LP":  # (its banner is printed unless this is set)
+        solver.SetSolverSpecificParametersAsString("output_flag=false")
     model = _build(solver, red, slack, integer=False)
     solver.SetTimeLimit(max(1, int(time_limit_s * 1000)))
     if solver.Solve() != pywraplp.Solver.OPTIMAL:
