@@ -5,7 +5,10 @@ time, all at once as a training job's ranks would:
 
 1. **kernels**: every distinct operator of the user's model's joint forward+backward graph
    (``--model``; as captured for planning, whole tensors on one device), each called on inputs of
-   its traced shapes, plus a reference GEMM in fp32 and bf16 and a streaming add;
+   its traced shapes, plus a reference GEMM in fp32 and bf16 and a streaming add; with
+   ``--compiled`` (CUDA), also the model's step under ``torch.compile``, its kernel time split by
+   PyTorch's profiler into GEMM and attention kernels and the rest (inductor's fused kernels,
+   copies, fills), on which the pointwise efficiency is then fitted;
 2. **collectives** (``nproc > 1``): all-reduce, all-gather, reduce-scatter, all-to-all and
    send/recv over all the processes, at message sizes from 4 bytes up.
 
@@ -35,14 +38,15 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from autopar._torch_private import OpOverload, tree_map_only
+from autopar._torch_private import FakeTensor, OpOverload, tree_map_only
 from autopar.cost_models.calibration import (
     CollectiveSample, ComputeFit, KernelSample, fit_compute, fit_link,
 )
 from autopar.cost_models.topology import Topology, custom, get_preset
 
-__all__ = ["CalibrationResult", "calibrate", "model_kernels", "time_kernels", "base_preset_for",
-           "free_port", "report"]
+__all__ = ["CalibrationResult", "CompiledStep", "ATTENTION_KERNEL_WORDS", "GEMM_KERNEL_WORDS",
+           "MATMUL_KERNEL_WORDS", "calibrate", "model_kernels",
+           "time_kernels", "time_compiled_step", "materialize", "base_preset_for", "free_port", "report"]
 
 _CPU_SIZES = (2**2, 2**8, 2**12, 2**16, 2**18, 2**20, 2**22, 2**24)
 _GPU_SIZES = (2**2, 2**12, 2**16, 2**20, 2**24, 2**27, 2**30)
@@ -67,6 +71,7 @@ class CalibrationResult:
     collectives: tuple[CollectiveSample, ...]
     fit: ComputeFit
     failed: tuple[tuple[str, str], ...]
+    compiled: "CompiledStep | None" = None
 
     def timings(self) -> dict[str, Any]:
         """Every timing as plain JSON (``--timings``): to inspect the fit or refit it with
@@ -74,7 +79,26 @@ class CalibrationResult:
         return {"kernels": [k.__dict__ for k in self.kernels],
                 "reference": [k.__dict__ for k in self.reference],
                 "collectives": [c.__dict__ for c in self.collectives],
-                "failed": [list(f) for f in self.failed], "topology": self.topology.to_dict()}
+                "failed": [list(f) for f in self.failed], "topology": self.topology.to_dict(),
+                "compiled": None if self.compiled is None else self.compiled.__dict__}
+
+
+@dataclass(frozen=True)
+class CompiledStep:
+    """Device seconds of one compiled forward and backward step, by kernel kind: GEMM and
+    attention kernels (``matmul_s``) and every other kernel (``other_s``); ``kernels``: the
+    distinct kernels the profiler saw."""
+
+    matmul_s: float
+    other_s: float
+    kernels: int
+
+
+# GEMM and attention kernels by name, as cuBLAS (``nvjet``, ``sm90_xmma_gemm``), CUTLASS, cuDNN
+# and the flash kernels call them on NVIDIA GPUs; every other kernel is inductor's or a copy
+GEMM_KERNEL_WORDS = ("gemm", "nvjet", "xmma", "cutlass")
+ATTENTION_KERNEL_WORDS = ("flash", "fmha", "attention", "cudnn")
+MATMUL_KERNEL_WORDS = GEMM_KERNEL_WORDS + ATTENTION_KERNEL_WORDS
 
 
 def base_preset_for(device: str) -> str:
@@ -99,25 +123,29 @@ def model_kernels(model: torch.nn.Module, inputs: Any, mixed_precision: str | No
                   ) -> list[tuple[KernelSample, fx.Node]]:
     """The distinct operators of ``model``'s joint graph (as :func:`autopar.capture.capture`
     traces it), each as a :class:`KernelSample` without a time (its roofline terms on whole
-    tensors, and how many nodes of the graph run it) and one node to run it from. View-like ops
+    tensors, how many nodes of the graph run it, and its bytes where a compiler fuses it) and
+    one node to run it from. View-like ops
     (free in the cost model) and expert ops (priced apart) are left out."""
     from autopar.capture import capture
-    from autopar.cost_models.sharding import is_free, roofline_terms
+    from autopar.cost_models.sharding import fused_edges, is_free, roofline_terms
     from autopar.strategies.rules import EXPERT_OPS
 
     traced = capture(model, inputs, mixed_precision)
+    fusion = fused_edges(traced)
     found: dict[tuple, list] = {}
     for n in traced.gm.graph.nodes:
         if n.op != "call_function" or is_free(n) or n.target in EXPERT_OPS \
                 or not isinstance(n.target, OpOverload):
             continue
         key = (str(n.target), repr(fx.node.map_arg((n.args, n.kwargs), _signature)))
+        fused = roofline_terms(n, fused=fusion.get(n.name, frozenset()))[1]
         if key in found:
             found[key][1] += 1
+            found[key][3] += fused
             continue
         flops, nbytes, dtype = roofline_terms(n)
-        found[key] = [KernelSample(str(n.target), flops, nbytes, dtype, 0.0), 1, n]
-    return [(replace(k, count=c), n) for k, c, n in found.values()]
+        found[key] = [KernelSample(str(n.target), flops, nbytes, dtype, 0.0), 1, n, fused]
+    return [(replace(k, count=c, fused_bytes=f / c), n) for k, c, n, f in found.values()]
 
 
 def _signature(a: fx.Node) -> Any:
@@ -239,6 +267,7 @@ class _Job:
     mixed_precision: str | None
     quick: bool
     out: str
+    compiled: bool = False
 
 
 def _worker(rank: int, nproc: int, port: int, job: _Job, use_cuda: bool) -> None:
@@ -281,6 +310,11 @@ def _time_model(job: _Job, device: torch.device, reps: int, record: dict) -> Non
     kernels, failed = time_kernels(model, inputs, device, reps, job.mixed_precision)
     record["kernels"] += [k.__dict__ for k in kernels]
     record["failed"] += failed
+    if job.compiled:  # a fresh copy: the one traced and timed op by op is not compiled again
+        del model, inputs
+        with device:
+            model, inputs = load_model(job.model, job.batch, job.seq)
+        record["compiled"] = time_compiled_step(model, inputs, device, job.mixed_precision).__dict__
 
 
 def time_kernels(model: torch.nn.Module, inputs: Any, device: torch.device, reps: int = 7,
@@ -313,6 +347,71 @@ def time_kernels(model: torch.nn.Module, inputs: Any, device: torch.device, reps
     return timed, failed
 
 
+def materialize(model: torch.nn.Module, device: torch.device) -> None:
+    """Give ``model`` real tensors on ``device`` in place of fake ones (a preset is built under
+    ``FakeTensorMode``: a compiled program run on those reads memory that was never allocated):
+    parameters drawn from N(0, 0.02), buffers as :func:`_real` makes them; real ones are moved."""
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and (isinstance(p, FakeTensor) or p.is_meta or p.device != device):
+                fake = isinstance(p, FakeTensor) or p.is_meta
+                real = _real(p, device).mul_(0.02) if fake else p.detach().to(device)
+                module._parameters[name] = torch.nn.Parameter(real, requires_grad=p.requires_grad)
+        for name, b in list(module._buffers.items()):
+            if b is not None and (isinstance(b, FakeTensor) or b.is_meta or b.device != device):
+                fake = isinstance(b, FakeTensor) or b.is_meta
+                module._buffers[name] = _real(b, device) if fake else b.to(device)
+
+
+def time_compiled_step(model: torch.nn.Module, inputs: Any, device: torch.device,
+                       mixed_precision: str | None = None, steps: int = 3) -> CompiledStep:
+    """``model``'s forward and backward under ``torch.compile`` on the CUDA ``device`` (moved
+    there in place), the device time of its kernels per step by kind (:class:`CompiledStep`,
+    :data:`MATMUL_KERNEL_WORDS`) over ``steps`` profiled steps after three warm-ups; every
+    process of the default group at once, the mean over them. Raises ``ValueError`` on a CPU
+    (its compiled kernels carry no such names)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from autopar.capture.joint import LossModule
+
+    if device.type != "cuda":
+        raise ValueError(f"time_compiled_step times CUDA kernels; got device {device}")
+    materialize(model, device)
+    inputs = tree_map_only(torch.Tensor, lambda t: _real(t, device) if isinstance(t, FakeTensor)
+                           or t.is_meta else t.to(device), inputs)
+    compiled = torch.compile(LossModule(model, torch.bfloat16 if mixed_precision == "bf16" else None))
+
+    def step() -> None:
+        if isinstance(inputs, dict):
+            loss = compiled(**inputs)
+        else:
+            loss = compiled(*inputs) if isinstance(inputs, (tuple, list)) else compiled(inputs)
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+
+    for _ in range(3):
+        step()
+    _sync(device)
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        _sync(device)
+    matmul = other = 0.0
+    events = prof.key_averages()
+    for e in events:
+        seconds = e.device_time_total * 1e-6 / steps
+        if any(w in e.key.lower() for w in MATMUL_KERNEL_WORDS):
+            matmul += seconds
+        else:
+            other += seconds
+    out = torch.tensor([matmul, other], dtype=torch.float64, device=device)
+    dist.all_reduce(out)
+    n = dist.get_world_size()
+    return CompiledStep(float(out[0]) / n, float(out[1]) / n, len(events))
+
+
 def free_port() -> int:
     """A free TCP port on this machine's loopback (for a process group's rendezvous)."""
     with socket.socket() as s:
@@ -323,14 +422,17 @@ def free_port() -> int:
 def calibrate(model: str | None = None, batch: int = 8, seq: int = 128, nproc: int | None = None,
               base: str | None = None, name: str | None = None,
               mixed_precision: str | None = None, quick: bool = False,
-              progress: Callable[[str], None] | None = None) -> CalibrationResult:
+              progress: Callable[[str], None] | None = None,
+              compiled: bool = False) -> CalibrationResult:
     """Time kernels and collectives on this machine and fit a topology (see the module's text).
 
     ``model``: ``module:function`` or a preset name (as ``python -m autopar plan`` takes it),
     built with ``batch`` and ``seq``, whose operators are timed; ``None`` times the reference
     kernels alone. ``nproc``: processes (default: the GPUs present, or 2 CPU processes).
     ``base``: the preset whose datasheet figures a GPU keeps (default: by the GPU's name).
-    ``quick``: fewer repetitions and sizes (a smoke test; noisier).
+    ``quick``: fewer repetitions and sizes (a smoke test; noisier). ``compiled``: fit the
+    pointwise efficiency on the model's compiled step (:func:`time_compiled_step`; CUDA and a
+    model needed), for programs that train with ``compile=True``.
     """
     import torch.multiprocessing as mp
 
@@ -340,8 +442,12 @@ def calibrate(model: str | None = None, batch: int = 8, seq: int = 128, nproc: i
     if nproc < 1 or (use_cuda and nproc > torch.cuda.device_count()):
         raise ValueError(f"calibrate: nproc={nproc}; give 1 to the number of GPUs "
                          f"({torch.cuda.device_count() if use_cuda else 'any, on CPU'})")
+    if compiled and (not use_cuda or model is None):
+        raise ValueError(f"calibrate: compiled=True times a model's compiled kernels on CUDA; got "
+                         f"model={model!r} on {'CUDA' if use_cuda else 'a CPU'}: give a model and "
+                         f"run it on a GPU, or leave compiled off")
     base_topo = get_preset(base or base_preset_for("cuda" if use_cuda else "cpu"))
-    job = _Job(model, batch, seq, mixed_precision, quick, "")
+    job = _Job(model, batch, seq, mixed_precision, quick, "", compiled)
     with tempfile.TemporaryDirectory() as tmp:
         job = replace(job, out=str(Path(tmp) / "timings.json"))
         say(f"timing on {nproc} {'GPU' if use_cuda else 'CPU'} process(es)"
@@ -356,6 +462,7 @@ def _fit(record: dict, base: Topology, nproc: int, use_cuda: bool, name: str | N
     reference = [KernelSample(**k) for k in record["reference"]]
     kernels = [KernelSample(**k) for k in record["kernels"]]
     collectives = tuple(CollectiveSample(**c) for c in record["collectives"])
+    compiled = CompiledStep(**record["compiled"]) if record.get("compiled") else None
     peaks = bandwidth = None
     if not use_cuda:  # no datasheet: the best rates measured (reference GEMMs or the model's)
         rates: dict[str, float] = {}
@@ -369,7 +476,8 @@ def _fit(record: dict, base: Topology, nproc: int, use_cuda: bool, name: str | N
         bandwidth = max([k.bytes / k.seconds for k in reference if k.flops <= 0]
                         + [sum(k.bytes * k.count for k in streams)
                            / sum(k.seconds * k.count for k in streams)])
-    fit = fit_compute(kernels or reference, base, peaks, bandwidth)
+    fit = fit_compute(kernels or reference, base, peaks, bandwidth,
+                      fused_seconds=compiled.other_s if compiled else None)
     fields: dict[str, Any] = dict(peak_flops=fit.peak_flops, mem_bandwidth_Bps=fit.mem_bandwidth_Bps,
                                   matmul_efficiency=fit.matmul_efficiency,
                                   pointwise_efficiency=fit.pointwise_efficiency)
@@ -384,11 +492,12 @@ def _fit(record: dict, base: Topology, nproc: int, use_cuda: bool, name: str | N
     device = torch.cuda.get_device_name(0) if use_cuda else f"CPU ({os.cpu_count()} cores)"
     notes = (f"calibrated {time.strftime('%Y-%m-%d')} on {device}, {nproc} process(es), torch "
              f"{torch.__version__}: {len(kernels)} operators of {model or 'no model'} and "
-             f"{len(reference)} reference kernels timed, {len(collectives)} collectives; from "
+             f"{len(reference)} reference kernels timed, {len(collectives)} collectives"
+             f"{'; pointwise fitted on the compiled step' if compiled else ''}; from "
              f"{base.name}" + (f"; held at 1: {', '.join(fit.clamped)}" if fit.clamped else ""))
     topo = custom(name or f"calibrated-{base.name}", base=base, notes=notes, **fields)
     return CalibrationResult(topo, base, tuple(kernels), tuple(reference), collectives, fit,
-                             tuple(tuple(f) for f in record["failed"]))
+                             tuple(tuple(f) for f in record["failed"]), compiled)
 
 
 def report(result: CalibrationResult) -> str:
@@ -407,6 +516,11 @@ def report(result: CalibrationResult) -> str:
         if ks:
             rows.append([label, len(ks), *(step_seconds(ks, t) * 1e3
                                            for t in (None, result.topology, result.base))])
+    if result.compiled is not None:  # what the pointwise efficiency was fitted on
+        ops = [k for k in result.kernels if k.flops <= 0]
+        rows.append(["compiled step: kernels outside GEMMs and attention", result.compiled.kernels,
+                     result.compiled.other_s * 1e3,
+                     *(step_seconds(ops, t) * 1e3 for t in (result.topology, result.base))])
     for c in _few(result.collectives):
         rows.append([f"{c.kind} {c.nbytes:,} B", c.ranks, c.seconds * 1e3,
                      *(collective_time(c.kind, c.nbytes, c.ranks, t.intra_node) * 1e3

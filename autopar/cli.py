@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--mixed-precision", choices=("fp32", "bf16"), default=None,
                    help="capture the model under bf16 autocast, as it will train")
     c.add_argument("--quick", action="store_true", help="fewer repetitions and sizes (noisier)")
+    c.add_argument("--compiled", action="store_true",
+                   help="fit the pointwise efficiency on the model's torch.compile step (CUDA), "
+                        "for training with compile=True")
     c.add_argument("--timings", type=Path, default=None,
                    help="also write every timing (kernels, collectives) to this JSON file")
     return parser
@@ -184,7 +187,7 @@ def _calibrate(args: argparse.Namespace) -> None:
     try:
         result = calibrate(args.model, args.batch, args.seq, nproc=args.nproc, base=args.base,
                            name=args.name, mixed_precision=args.mixed_precision,
-                           quick=args.quick, progress=say)
+                           quick=args.quick, progress=say, compiled=args.compiled)
     except ValueError as e:  # a bad --base / --nproc, an unknown GPU, timings no fit explains
         raise SystemExit(f"calibrate: {e}") from e
     args.out.write_text(json.dumps(result.topology.to_dict(), indent=1) + "\n")

@@ -19,12 +19,14 @@ Runs in one process (an NCCL process group of one rank, made here when the scrip
    (:func:`autopar.calibrate.time_kernels`, :func:`autopar.cost_models.calibration.fit_compute`):
    every distinct operator of the 1B model's bf16 joint graph timed on this GPU, the preset's
    matmul and pointwise efficiencies fitted to them; measured against the preset's and the
-   calibrated topology's times.
+   calibrated topology's times; and the pointwise efficiency fitted again on the compiled
+   step's kernels outside GEMMs and attention (``calibrate --compiled``).
 4. **1B step**: a GPT of 1.03B parameters (dim 2560, 12 layers, 20 heads, vocab 32768, seq 2048,
    batch 4) planned by autopar for this GPU with bf16 autocast and compiled; its measured step
    (forward and backward, median of 10 after 3 warm-ups) and peak memory (with AdamW states)
    against the plan's prediction (and, after part 3, the prediction of the same model planned on
-   the calibrated topology), and the same model under ``torch.compile`` as a baseline.
+   the calibrated topology), and the same model under ``torch.compile`` as a baseline; each
+   step's kernel time by kind (GEMMs, attention, inductor's fused kernels) from the profiler.
 
 Every part records its error instead of its figures when it fails, so one broken part does not
 hide the others; the exit status is 1 when any part failed or any check missed its tolerance.
@@ -50,7 +52,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from runtime_vs_torch import make_batch, make_model  # noqa: E402
 
 import autopar  # noqa: E402
-from autopar.calibrate import base_preset_for, free_port, time_kernels  # noqa: E402
+from autopar.calibrate import (ATTENTION_KERNEL_WORDS, GEMM_KERNEL_WORDS,  # noqa: E402
+                               base_preset_for, free_port, time_compiled_step, time_kernels)
 from autopar.cost_models.calibration import fit_compute, step_seconds  # noqa: E402
 from autopar.cost_models.compute import op_time  # noqa: E402
 from autopar.cost_models.topology import Topology, custom, get_preset  # noqa: E402
@@ -234,6 +237,14 @@ def calibration(size: dict, topo_name: str) -> list[dict]:
     topo = CALIBRATED["topology"] = custom(
         f"calibrated-{base.name}", base=base, matmul_efficiency=fit.matmul_efficiency,
         pointwise_efficiency=fit.pointwise_efficiency)
+    compiled_fit = None
+    if DEVICE == "cuda":  # the pointwise efficiency fitted on the compiled step's fused kernels
+        step = time_compiled_step(make_model(size), make_batch(size), torch.device(DEVICE), "bf16")
+        compiled_fit = fit_compute(timed, base, fused_seconds=step.other_s)
+        CALIBRATED["compiled"] = custom(
+            f"calibrated-compiled-{base.name}", base=base,
+            matmul_efficiency=compiled_fit.matmul_efficiency,
+            pointwise_efficiency=compiled_fit.pointwise_efficiency)
     rows = []
     for label, ks in (("matmuls", [k for k in timed if k.flops > 0]),
                       ("other ops", [k for k in timed if k.flops <= 0])):
@@ -243,6 +254,10 @@ def calibration(size: dict, topo_name: str) -> list[dict]:
     rows.append({"kernels": "fitted", "matmul_efficiency": fit.matmul_efficiency,
                  "pointwise_efficiency": fit.pointwise_efficiency, "held_at_1": fit.clamped,
                  "not_timed": [name for name, _ in failed]})
+    if compiled_fit is not None:
+        rows.append({"kernels": "compiled step outside GEMMs/attention", "distinct": step.kernels,
+                     "measured_ms": step.other_s * 1e3, "matmul_ms": step.matmul_s * 1e3,
+                     "pointwise_efficiency": compiled_fit.pointwise_efficiency})
     return rows
 
 
@@ -268,6 +283,34 @@ def _timed_steps(step: Callable[[], Any], opt: torch.optim.Optimizer, repeats: i
     return statistics.median(times), peak
 
 
+# Kernel names by kind (autopar.calibrate's words; inductor's generated kernels start "triton_").
+KERNEL_KINDS = (("attention", ATTENTION_KERNEL_WORDS), ("gemm", GEMM_KERNEL_WORDS),
+                ("triton (fused by inductor)", ("triton",)))
+
+
+def kernel_breakdown(step: Callable[[], Any], opt: torch.optim.Optimizer, steps: int = 3) -> dict:
+    """The device time of ``step``'s kernels per step, by kind (``KERNEL_KINDS``, the rest as
+    "other"), from PyTorch's profiler over ``steps`` steps; the error's text if it fails."""
+    if DEVICE != "cuda":
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step()
+                opt.zero_grad(set_to_none=False)
+            _sync()
+        out: dict[str, float] = {}
+        for e in prof.key_averages():
+            t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)
+            name = e.key.lower()
+            kind = next((k for k, keys in KERNEL_KINDS if any(w in name for w in keys)), "other")
+            out[kind] = out.get(kind, 0.0) + t / 1e3 / steps
+        return out
+    except Exception as e:  # a measurement beside the step's: reported, the step still stands
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 def big_step(size: dict, mesh: autopar.Mesh, repeats: int) -> list[dict]:
     """Part 3: the compiled bf16 step of a 1B GPT, measured against the plan's prediction."""
     ids, tgt = _batch(size)
@@ -278,19 +321,23 @@ def big_step(size: dict, mesh: autopar.Mesh, repeats: int) -> list[dict]:
     setup_s = time.perf_counter() - t0
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-5, foreach=True)
     measured, peak = _timed_steps(lambda: pm.step(ids, tgt), opt, repeats)
+    kernel_ms = kernel_breakdown(lambda: pm.step(ids, tgt), opt)
     pred = pm.plan.predicted
     n_params = sum(p.numel() for p in pm.parameters())
-    calibrated = None
-    if "topology" in CALIBRATED:  # the same model planned on part 3's topology (no devices)
-        vmesh = autopar.Mesh.virtual(CALIBRATED["topology"], nodes=1, gpus_per_node=1)
-        calibrated = autopar.plan(make_model(size), vmesh, make_batch(size), config=autopar.Config(
+    calibrated = {}
+    for key, topo in CALIBRATED.items():  # the same model planned on part 3's topologies
+        vmesh = autopar.Mesh.virtual(topo, nodes=1, gpus_per_node=1)
+        calibrated[key] = autopar.plan(make_model(size), vmesh, make_batch(size), config=autopar.Config(
             mixed_precision="bf16")).predicted["step_time_s"]
     rows.append({"variant": "autopar (compiled)", "params": n_params, "measured_s": measured,
-                 "predicted_s": pred["step_time_s"], "predicted_s_calibrated": calibrated,
+                 "predicted_s": pred["step_time_s"],
+                 "predicted_s_calibrated": calibrated.get("topology"),
+                 "predicted_s_calibrated_compiled": calibrated.get("compiled"),
                  "peak_GiB": peak / 2**30,
                  "predicted_peak_GiB": pred["peak_memory_bytes"] / 2**30, "setup_s": setup_s,
                  "techniques": dict(pm.plan.techniques),
-                 "model_tflops": (pred.get("model_flops") or 0) / measured / 1e12})
+                 "model_tflops": (pred.get("model_flops") or 0) / measured / 1e12,
+                 "kernel_ms_per_step": kernel_ms})
     pm = opt = None  # (freed before the baseline's model is built)
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
@@ -305,7 +352,7 @@ def big_step(size: dict, mesh: autopar.Mesh, repeats: int) -> list[dict]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
     measured, peak = _timed_steps(eager_step, opt, repeats)
     rows.append({"variant": "torch.compile", "params": n_params, "measured_s": measured,
-                 "peak_GiB": peak / 2**30})
+                 "peak_GiB": peak / 2**30, "kernel_ms_per_step": kernel_breakdown(eager_step, opt)})
     return rows
 
 

@@ -193,7 +193,10 @@ def facts() -> dict[str, Any]:
 
 def predicted(row: dict, topo: Any) -> float:
     """The cost model's seconds for one row (:func:`autopar.cost_models.compute.op_time`; a
-    GEMM's peak by :func:`~autopar.cost_models.compute.matmul_peak` on its operands' layout)."""
+    GEMM's peak by :func:`~autopar.cost_models.compute.matmul_peak` on its operands' layout;
+    attention by :func:`~autopar.cost_models.attention.attention_seconds` where the topology
+    has measured rates, which for a preset's own sweep reproduces its rows by construction)."""
+    from autopar.cost_models.attention import AttentionCall, attention_seconds
     from autopar.cost_models.compute import matmul_peak, op_time
 
     if row["kind"] == "gemm":
@@ -204,8 +207,10 @@ def predicted(row: dict, topo: Any) -> float:
         a, b = (a.t() if layout[0] == "T" else a), (b.t() if layout[1] == "T" else b)
         peak = matmul_peak(torch.ops.aten.mm.default, [a, b, torch.empty(m, n, device="meta", dtype=dtype)])
         return op_time(row["flops"], row["bytes"], topo, peak)
-    if row["kind"] == "sdpa":
-        return op_time(row["flops"], row["bytes"], topo, "bf16")
+    if row["kind"] == "sdpa":  # at the topology's measured attention rates, if it has them
+        call = AttentionCall(row["direction"], row["causal"], row["seq"], row["seq"], row["head_dim"])
+        fused = attention_seconds(call, row["flops"], row["bytes"], "bf16", topo)
+        return op_time(row["flops"], row["bytes"], topo, "bf16") if fused is None else fused
     return op_time(0, row["bytes"], topo, row["dtype"], is_matmul=False)
 
 

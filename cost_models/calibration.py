@@ -30,22 +30,28 @@ from typing import Sequence
 
 import numpy as np
 
+from autopar.cost_models.attention import ATTENTION_KERNELS
 from autopar.cost_models.compute import op_time
 from autopar.cost_models.topology import AxisLink, Topology, custom
 
 __all__ = ["KernelSample", "CollectiveSample", "ComputeFit", "fit_compute", "fit_link",
-           "ring_terms", "predicted_kernel_time", "step_seconds", "LAUNCH_BOUND_S"]
+           "ring_terms", "predicted_kernel_time", "step_seconds", "LAUNCH_BOUND_S", "is_attention"]
 
 # A GPU kernel call shorter than this is timed at the host's launch rate, not the GPU's: on an
 # H200 (benchmarks/data/h200_kernel_sweep.json) back-to-back GEMMs of any size below it took
 # 13-23 us a call, varying 2x between two runs; the roofline does not price launches.
 LAUNCH_BOUND_S = 40e-6
 
+_ATTENTION_NAMES = frozenset(str(op) for op in ATTENTION_KERNELS)  # (KernelSample.name: str(op))
+
 
 @dataclass(frozen=True)
 class KernelSample:
     """One kernel timed on the device: its roofline terms as the cost model counts them, the
-    measured seconds of one call, and how many times a step runs it (``count``)."""
+    measured seconds of one call, and how many times a step runs it (``count``);
+    ``fused_bytes``: its bytes as the planner prices them in its graph (the traffic a fusing
+    compiler removes left out, ``cost_models.sharding.fused_edges``; the mean over the nodes it
+    stands for), ``None`` when not counted (then ``bytes``)."""
 
     name: str
     flops: float
@@ -53,6 +59,7 @@ class KernelSample:
     dtype: str  # "fp32" or "bf16": the matmul peak it runs at
     seconds: float
     count: int = 1
+    fused_bytes: float | None = None  # per call, the traffic left where a compiler fuses it
 
 
 @dataclass(frozen=True)
@@ -94,24 +101,45 @@ def step_seconds(kernels: Sequence[KernelSample], topology: Topology | None = No
     return sum(predicted_kernel_time(k, topology) * k.count for k in kernels)
 
 
+def is_attention(k: KernelSample) -> bool:
+    """Whether ``k`` is a fused attention kernel (:data:`ATTENTION_KERNELS`), which a topology
+    with measured attention rates prices apart from the matmuls."""
+    return k.name in _ATTENTION_NAMES
+
+
 def fit_compute(kernels: Sequence[KernelSample], base: Topology,
                 peaks: dict[str, float] | None = None,
-                bandwidth_Bps: float | None = None) -> ComputeFit:
+                bandwidth_Bps: float | None = None,
+                fused_seconds: float | None = None) -> ComputeFit:
     """Fit the two efficiencies of ``base`` to ``kernels`` (see the module's text).
 
     ``peaks`` / ``bandwidth_Bps``: measured best rates that replace the base's peaks and memory
-    bandwidth (a CPU's); ``None`` keeps the base's (a GPU's datasheet). Raises ``ValueError``
-    when there is no kernel of either kind to fit on.
+    bandwidth (a CPU's); ``None`` keeps the base's (a GPU's datasheet). ``fused_seconds``: the
+    seconds a step of the compiled program spends outside its GEMM and attention kernels
+    (``autopar.calibrate.time_compiled_step``): the pointwise efficiency is then fitted on it,
+    the ops' bytes as the planner prices them (``KernelSample.fused_bytes``: fused traffic left
+    out) over the time of the kernels the compiler fused them into, instead of on the ops timed
+    one by one. When
+    ``base`` has measured attention rates, attention kernels are left out of the matmul fit
+    (they are priced by those rates). Raises ``ValueError`` when there is no kernel of either
+    kind to fit on.
     """
     pointwise = [k for k in kernels if k.flops <= 0 and k.bytes > 0]
-    matmuls = [k for k in kernels if k.flops > 0]
+    matmuls = [k for k in kernels if k.flops > 0
+               and not (base.attention_efficiency and is_attention(k))]
     if not pointwise or not matmuls:
         raise ValueError(f"fit_compute needs kernels with FLOPs (matmuls) and without (pointwise); "
                          f"got {len(matmuls)} and {len(pointwise)} of {len(kernels)}")
     peak = dict(base.peak_flops) | dict(peaks or {})
     bandwidth = float(bandwidth_Bps or base.mem_bandwidth_Bps)
     clamped = []
-    e_p = sum(k.bytes * k.count for k in pointwise) / bandwidth / step_seconds(pointwise)
+    if fused_seconds is not None and not fused_seconds > 0:
+        raise ValueError(f"fit_compute: fused_seconds must be > 0, got {fused_seconds!r}")
+    if fused_seconds is None:
+        e_p = sum(k.bytes * k.count for k in pointwise) / bandwidth / step_seconds(pointwise)
+    else:  # the bytes the planner prices a compiled step's ops with
+        moved = sum((k.bytes if k.fused_bytes is None else k.fused_bytes) * k.count for k in pointwise)
+        e_p = moved / bandwidth / fused_seconds
     if e_p > 1.0:
         clamped.append("pointwise_efficiency")
         e_p = 1.0

@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
+from autopar.cost_models.attention import ATTENTION_KERNELS, attention_call, attention_seconds
 from autopar.cost_models.comm import axis_collective_time, axis_strides
 from autopar.cost_models.compute import flops_of_node, matmul_peak, op_time
 from autopar.cost_models.experts import experts_comm_time, experts_node_work
@@ -37,7 +38,7 @@ from autopar.strategies.space import (
 
 __all__ = ["REGATHERED_LAYERS", "SpaceCosts", "StepEndBucket", "alias_root", "deferred_gradient_matrix",
            "deferred_placement", "is_free", "price_space",
-           "roofline_terms",
+           "fused_edges", "roofline_terms",
            "recomputed_bytes", "reshard_time", "state_bytes_per_element", "step_end_buckets",
            "stored_dim", "stored_placement", "zero_placement"]
 
@@ -134,7 +135,17 @@ def _compute_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: To
         return _experts_time(n, s, mesh_shape, topo, skew)
     flops, nbytes, dtype = roofline_terms(n, s.inputs, s.outputs, mesh_shape, fused)
     seconds = op_time(flops, nbytes, topo, dtype, is_matmul=flops > 0)
-    if ring_axis(n.target, s.inputs) is not None:  # (ring attention: the kernel on one block)
+    ring = ring_axis(n.target, s.inputs) is not None
+    if n.target in ATTENTION_KERNELS:  # a fused kernel at its measured rate, where measured
+        q = ATTENTION_KERNELS[n.target][1]
+        q_shape, k_shape = (local_shape(a.meta["val"].shape, p, mesh_shape)
+                            for a, p in zip(tensor_inputs(n)[q:q + 2], s.inputs[q:q + 2]))
+        call = attention_call(n.target, n.args, n.kwargs, q_shape, k_shape)
+        if ring:  # (the ring's kernel runs whole blocks: ring_seconds halves the diagonal one)
+            call.causal = False
+        fused_s = attention_seconds(call, flops, nbytes, dtype, topo)
+        seconds = seconds if fused_s is None else fused_s
+    if ring:  # (ring attention: the kernel on one block)
         args = tensor_inputs(n)
         return ring_seconds(n.target, s.inputs, [tuple(a.meta["val"].shape) for a in args],
                             args[0].meta["val"].element_size(), mesh_shape, topo, seconds,
@@ -253,7 +264,7 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
     recomputed: dict[str, np.ndarray] = {}
     tied = {p.node for p in traced.params if p.tied_to is not None}
     params = {p.node for p in traced.params}
-    fusion = _fused_edges(traced)
+    fusion = fused_edges(traced)
     for name, ns in space.nodes.items():
         n = traced.node(name)
         sig = _signature(n)
@@ -320,7 +331,7 @@ def _fusible(n: fx.Node) -> bool:
     return is_op(n, _FUSIBLE) or torch.Tag.pointwise in getattr(n.target, "tags", ())
 
 
-def _fused_edges(traced: TracedGraph) -> dict[str, frozenset]:
+def fused_edges(traced: TracedGraph) -> dict[str, frozenset]:
     """Memory traffic a fusing compiler removes: per node, the names of the inputs it reads from
     a fused producer (``""`` stands for its own output, when every reader fuses it). A value
     passes between two fusible ops without a round trip to memory when its producer has that

@@ -29,6 +29,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from autopar.cost_models.attention import H100_SDPA, H200_SDPA, check_rows
+from autopar.cost_models.nccl_curves import H100_NODE_ALL_REDUCE_US, busbw_points
+
 __all__ = [
     "COLLECTIVE_KINDS",
     "AxisLink",
@@ -95,12 +98,16 @@ class AxisLink:
         bandwidth_by_kind: bus bandwidths of the collective kinds (:data:`COLLECTIVE_KINDS`)
             that differ from ``bandwidth_Bps`` (gloo's reduce-scatter on a CPU, NCCL's NVLS
             all-reduce), as ``{kind: bytes/s}`` or pairs; empty: one bandwidth for all.
+        busbw_by_size: measured bus bandwidths by message size of some kinds, ``{kind:
+            ((bytes, bytes/s), ...)}`` or pairs (:mod:`autopar.cost_models.nccl_curves`); a kind
+            listed is priced by them (:meth:`busbw_at`), not by the alpha-beta line.
     """
 
     bandwidth_Bps: float
     latency_s: float
     launch_s: float
     bandwidth_by_kind: tuple[tuple[str, float], ...] = ()
+    busbw_by_size: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
 
     def __post_init__(self) -> None:
         _check_positive("AxisLink", "bandwidth_Bps", self.bandwidth_Bps)
@@ -114,6 +121,15 @@ class AxisLink:
             _check_positive("AxisLink", f"bandwidth_by_kind[{kind!r}]", value)
         object.__setattr__(self, "bandwidth_by_kind",
                            tuple(sorted((k, float(v)) for k, v in pairs.items())))
+        curves = {}
+        for kind, points in dict(self.busbw_by_size).items():
+            pts = tuple(sorted((float(b), float(v)) for b, v in points))
+            if kind not in COLLECTIVE_KINDS or len(pts) < 2 or any(b <= 0 or v <= 0 for b, v in pts):
+                raise ValueError(f"AxisLink.busbw_by_size[{kind!r}]: a collective kind of "
+                                 f"{list(COLLECTIVE_KINDS)} with two or more (bytes > 0, bytes/s > 0) "
+                                 f"points is required, got {points!r}")
+            curves[kind] = pts
+        object.__setattr__(self, "busbw_by_size", tuple(sorted(curves.items())))
 
     def bandwidth_for(self, kind: str) -> float:
         """The bus bandwidth of collective ``kind``: its own, or ``bandwidth_Bps``."""
@@ -122,8 +138,26 @@ class AxisLink:
                 return value
         return self.bandwidth_Bps
 
+    def busbw_at(self, kind: str, nbytes: float) -> float | None:
+        """The measured bus bandwidth of ``kind`` at ``nbytes`` (``None`` when not measured):
+        interpolated linearly in log2 of the size between measured sizes; below the smallest,
+        its time held (the latency floor: the bandwidth falls with the size); above the largest,
+        its bandwidth."""
+        for k, pts in self.busbw_by_size:
+            if k != kind:
+                continue
+            if nbytes <= pts[0][0]:
+                return pts[0][1] * nbytes / pts[0][0]
+            for (b0, v0), (b1, v1) in zip(pts, pts[1:]):
+                if nbytes <= b1:
+                    w = math.log2(nbytes / b0) / math.log2(b1 / b0)
+                    return v0 + (v1 - v0) * w
+            return pts[-1][1]
+        return None
+
     def to_dict(self) -> dict[str, Any]:
-        """Plain-JSON form of this link (``bandwidth_by_kind`` only when it has entries)."""
+        """Plain-JSON form of this link (``bandwidth_by_kind`` and ``busbw_by_size`` only when
+        they have entries)."""
         out: dict[str, Any] = {
             "bandwidth_Bps": float(self.bandwidth_Bps),
             "latency_s": float(self.latency_s),
@@ -131,6 +165,8 @@ class AxisLink:
         }
         if self.bandwidth_by_kind:
             out["bandwidth_by_kind"] = dict(self.bandwidth_by_kind)
+        if self.busbw_by_size:
+            out["busbw_by_size"] = {k: [list(p) for p in pts] for k, pts in self.busbw_by_size}
         return out
 
     @classmethod
@@ -138,13 +174,15 @@ class AxisLink:
         """Inverse of :meth:`to_dict`; raises ``ValueError`` on missing or unknown keys."""
         if not isinstance(data, Mapping):
             raise ValueError(f"AxisLink.from_dict expects a mapping, got {type(data).__name__}")
-        _check_keys("AxisLink", {"bandwidth_by_kind": {}, **data},
+        _check_keys("AxisLink", {"bandwidth_by_kind": {}, "busbw_by_size": {}, **data},
                     {f.name for f in dataclasses.fields(cls)})
         return cls(
             bandwidth_Bps=float(data["bandwidth_Bps"]),
             latency_s=float(data["latency_s"]),
             launch_s=float(data["launch_s"]),
             bandwidth_by_kind=tuple(dict(data.get("bandwidth_by_kind", {})).items()),
+            busbw_by_size=tuple((k, tuple(tuple(p) for p in v))
+                                for k, v in dict(data.get("busbw_by_size", {})).items()),
         )
 
 
@@ -187,6 +225,9 @@ class Topology:
         pointwise_efficiency: fraction of ``mem_bandwidth_Bps`` a streaming kernel reaches.
         device_type: torch device type of the devices, ``"cuda"`` or ``"cpu"``
             (:data:`DEVICE_TYPES`); a virtual mesh built from this topology uses it.
+        attention_efficiency: measured rates of the fused attention kernel, rows
+            ``(direction, causal, head_dim, seq, efficiency)``
+            (:mod:`autopar.cost_models.attention`); empty: attention priced as a matmul.
         notes: free text (hardware description); not compared, not hashed.
     """
 
@@ -200,6 +241,7 @@ class Topology:
     matmul_efficiency: float
     pointwise_efficiency: float
     device_type: str = "cuda"
+    attention_efficiency: tuple = ()
     notes: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -234,6 +276,7 @@ class Topology:
             _check_positive("Topology", name, value)
             if value > 1.0:
                 raise ValueError(f"Topology.{name} must be in (0, 1], got {value!r}")
+        object.__setattr__(self, "attention_efficiency", check_rows(self.attention_efficiency))
         if self.device_type not in DEVICE_TYPES:
             raise ValueError(
                 f"Topology.device_type must be one of {list(DEVICE_TYPES)}, "
@@ -253,6 +296,7 @@ class Topology:
                 self.matmul_efficiency,
                 self.pointwise_efficiency,
                 self.device_type,
+                self.attention_efficiency,
             )
         )
 
@@ -297,6 +341,7 @@ class Topology:
             "matmul_efficiency": float(self.matmul_efficiency),
             "pointwise_efficiency": float(self.pointwise_efficiency),
             "device_type": self.device_type,
+            "attention_efficiency": [list(row) for row in self.attention_efficiency],
             "notes": self.notes,
         }
 
@@ -311,7 +356,8 @@ class Topology:
             raise ValueError(f"Topology.from_dict expects a mapping, got {type(data).__name__}")
         expected = {f.name for f in dataclasses.fields(cls)}
         legacy_device = "cpu" if str(data.get("name", "")).startswith("cpu") else "cuda"
-        _check_keys("Topology", {"notes": "", "device_type": legacy_device, **data}, expected)
+        _check_keys("Topology", {"notes": "", "device_type": legacy_device,
+                                 "attention_efficiency": (), **data}, expected)
         return cls(
             name=str(data["name"]),
             peak_flops=dict(data["peak_flops"]),
@@ -323,6 +369,7 @@ class Topology:
             matmul_efficiency=float(data["matmul_efficiency"]),
             pointwise_efficiency=float(data["pointwise_efficiency"]),
             device_type=str(data.get("device_type", legacy_device)),
+            attention_efficiency=tuple(tuple(r) for r in data.get("attention_efficiency", ())),
             notes=str(data.get("notes", "")),
         )
 
@@ -494,6 +541,10 @@ def custom(name: str, *, base: str | Topology | None = None, **fields: Any) -> T
 #  [STREAM] Streaming-kernel efficiency. STREAM-style copy/triad kernels (McCalpin 1995) do not
 #          reach nominal HBM bandwidth; 0.85 is an ASSUMED round value, not a measurement, and the
 #          per-preset calibration pass is expected to replace it.
+#  [DGXC]  NVIDIA/dgxc-benchmarking nccl/README.md: all_reduce_perf on one 8x H100 node, 8 B to
+#          16 GiB (cost_models/nccl_curves.py).
+#  [SWEEP] attention: torch 2.11's bf16 scaled_dot_product_attention timed by
+#          benchmarks/kernel_sweep.py on one H100 and one H200 (cost_models/attention.py).
 #  [LOCAL] cpu-gloo: measured once on this 2-core CPU machine with 4 gloo ranks under torchrun
 #          (OMP_NUM_THREADS=1): fp32 1024^3 matmul 29-31 GFLOP/s per rank, bf16 matmul 0.4-0.9
 #          GFLOP/s (no native bf16 GEMM on this CPU), out-of-place add 8 GB/s per rank with 4 ranks
@@ -505,6 +556,9 @@ def custom(name: str, *, base: str | Topology | None = None, **fields: Any) -> T
 _NCCL_LAUNCH_S = 6.6e-6
 _NVLINK_HOP_S = 0.6e-6
 _NET_HOP_S = 2.7e-6
+
+# NCCL's all-reduce inside an 8-GPU NVLink4/NVSwitch node, by message size [DGXC].
+_H100_NODE_CURVES = (("all_reduce", busbw_points(H100_NODE_ALL_REDUCE_US, 8)),)
 
 # One table: each record is the whole preset (figures, efficiencies, device type).
 _BUILTIN_PRESETS: tuple[Topology, ...] = (
@@ -536,8 +590,9 @@ _BUILTIN_PRESETS: tuple[Topology, ...] = (
         mem_bandwidth_Bps=3.35e12,  # [H100D]
         memory_bytes=80 * _GiB,  # [H100D]
         # NVLink4: 450 GB/s per direction line rate; ring busbw ~370 GB/s for any collective
-        # [NT] (NVLS all_reduce reaches ~480 but is not modelled: conservative for all_reduce).
-        intra_node=AxisLink(370e9, latency_s=_NVLINK_HOP_S, launch_s=_NCCL_LAUNCH_S),
+        # [NT]; all_reduce by the measured sweep [DGXC] (NVLS: ~480 GB/s at 4 GiB and up).
+        intra_node=AxisLink(370e9, latency_s=_NVLINK_HOP_S, launch_s=_NCCL_LAUNCH_S,
+                            busbw_by_size=_H100_NODE_CURVES),
         # 8x 400 Gb/s NDR, one rail per GPU = 50 GB/s line rate; measured 46-48 GB/s per NIC
         # [NT].
         inter_node=AxisLink(bandwidth_Bps=47e9, latency_s=_NET_HOP_S, launch_s=_NCCL_LAUNCH_S),
@@ -545,6 +600,7 @@ _BUILTIN_PRESETS: tuple[Topology, ...] = (
         matmul_efficiency=0.801,  # [MAMF] H100 SXM 792.1 / 989
         pointwise_efficiency=0.85,  # [STREAM] assumed
         device_type="cuda",
+        attention_efficiency=H100_SDPA,  # [SWEEP] measured on one H100
         notes="DGX H100: NVLink4/NVSwitch gen3, 8x NDR 400 Gb/s per node",
     ),
     Topology(
@@ -553,8 +609,10 @@ _BUILTIN_PRESETS: tuple[Topology, ...] = (
         peak_flops={"fp32": 67e12, "bf16": 989e12, "bf16_unaligned": 134e12},
         mem_bandwidth_Bps=4.8e12,  # [H200D]
         memory_bytes=141e9,  # [H200D] "141 GB"
-        # Same NVLink4 fabric as DGX H100: ring busbw ~370 GB/s [NT] (#272's 475 GB/s is NVLS).
-        intra_node=AxisLink(370e9, latency_s=_NVLINK_HOP_S, launch_s=_NCCL_LAUNCH_S),
+        # Same NVLink4 fabric as DGX H100: ring busbw ~370 GB/s [NT]; all_reduce by the H100
+        # node's sweep [DGXC] (#272's 475 GB/s on 8 H200s is the same NVLS peak).
+        intra_node=AxisLink(370e9, latency_s=_NVLINK_HOP_S, launch_s=_NCCL_LAUNCH_S,
+                            busbw_by_size=_H100_NODE_CURVES),
         # DGX H200 ships the same 8x NDR 400 Gb/s rails as DGX H100 [NT].
         inter_node=AxisLink(bandwidth_Bps=47e9, latency_s=_NET_HOP_S, launch_s=_NCCL_LAUNCH_S),
         gpus_per_node=8,
@@ -563,6 +621,7 @@ _BUILTIN_PRESETS: tuple[Topology, ...] = (
         matmul_efficiency=0.801,
         pointwise_efficiency=0.85,  # [STREAM] assumed
         device_type="cuda",
+        attention_efficiency=H200_SDPA,  # [SWEEP] measured on one H200
         notes="DGX H200: H100 compute with 141 GB HBM3e at 4.8 TB/s, NVLink4, 8x NDR 400 Gb/s",
     ),
     Topology(

@@ -312,7 +312,7 @@ class _Builder:
             return [_replicate_strategy(n, len(self.mesh_shape))], "factory"
         if all(d == 1 for d in self.mesh_shape):  # one device: every placement is the whole
             return [_replicate_strategy(n, len(self.mesh_shape))], "one device"
-        key = self._enumeration_key(n)
+        key = self._enumeration_key(n, inputs)
         if key in _ENUMERATED:
             strategies, source, _ = _ENUMERATED[key]
             return strategies, source  # (the same tuple: prices keyed on it are shared)
@@ -326,11 +326,11 @@ class _Builder:
                 self.prop.op_single_dim_strategy_funcs.get(n.target)))
         return strategies, source
 
-    def _enumeration_key(self, n: fx.Node) -> tuple:
+    def _enumeration_key(self, n: fx.Node, inputs: list[fx.Node]) -> tuple:
         """Everything :meth:`_ask_rules` reads: the op and the rule objects registered for it,
         every argument (a tensor's shape, strides and dtype with its producer's candidate
         placements; any other argument by value), the outputs' metadata, the mesh's shape and
-        device type, and the builder's settings."""
+        device type, and the builder's settings. ``inputs``: ``tensor_inputs(n)``."""
         def arg(a: Any) -> Any:
             if isinstance(a, fx.Node):
                 return (_tensor_key(a.meta.get("val")), tuple(self.candidates(self.value(a))))
@@ -346,7 +346,7 @@ class _Builder:
         # no later rule can take the id of one that was replaced)
         rules = (id(self.prop.op_strategy_funcs.get(n.target)),
                  id(self.prop.op_single_dim_strategy_funcs.get(n.target)))
-        inputs = tensor_inputs(n)  # (which of them are one node: mul(x, x) is not mul(x, y))
+        # (which inputs are one node: mul(x, x) is not mul(x, y))
         same = tuple(inputs.index(a) for a in inputs)
         return (n.target, rules, arg(n.args), tuple((k, arg(v)) for k, v in n.kwargs.items()),
                 same, outs, self.mesh_shape, getattr(self.mesh, "device_type", None), self.strided_ok,

@@ -63,6 +63,31 @@ def test_fit_compute_holds_an_efficiency_above_the_datasheet_at_one_and_says_so(
         fit_compute([k for k in fast if k.flops == 0], base)
 
 
+def test_fit_compute_on_a_compiled_step_and_attention_left_to_measured_rates():
+    base = get_preset("h100-dgx")
+    truth = custom("truth", base=base, matmul_efficiency=0.62, pointwise_efficiency=0.71)
+    kernels = _kernels(truth, noise=0.0)
+    # the compiled program ran the pointwise ops' bytes in 80% of the time the ops took alone
+    fused = 0.8 * sum(k.seconds * k.count for k in kernels if k.flops == 0)
+    assert fit_compute(kernels, base, fused_seconds=fused).pointwise_efficiency == \
+        pytest.approx(0.71 / 0.8, rel=1e-9)
+    with pytest.raises(ValueError, match="fused_seconds"):
+        fit_compute(kernels, base, fused_seconds=0.0)
+    # the bytes the planner prices a compiled step with (half, fused), where they were counted
+    halved = [KernelSample(k.name, k.flops, k.bytes, k.dtype, k.seconds, k.count, k.bytes / 2)
+              for k in kernels]
+    assert fit_compute(halved, base, fused_seconds=fused).pointwise_efficiency == \
+        pytest.approx(0.71 / 0.8 / 2, rel=1e-9)
+    assert fit_compute(halved, base).pointwise_efficiency == pytest.approx(0.71, rel=1e-9)
+    # an attention kernel three times slower than a matmul of its FLOPs: left out of the matmul
+    # fit where the base prices attention by its own rates, pulling the efficiency down elsewhere
+    sdpa = KernelSample("aten._scaled_dot_product_flash_attention.default", 1e12, 1e8, "bf16",
+                        3e12 / (base.peak_flops["bf16"] * 0.62), count=4)
+    assert fit_compute(kernels + [sdpa], base).matmul_efficiency == pytest.approx(0.62, rel=1e-6)
+    no_rates = custom("no-rates", base=base, attention_efficiency=())
+    assert fit_compute(kernels + [sdpa], no_rates).matmul_efficiency < 0.5
+
+
 def test_fit_link_recovers_launch_latency_and_a_bandwidth_per_kind():
     # reduce-scatter at a third of the others' bandwidth, as gloo's on a CPU
     truth = AxisLink(bandwidth_Bps=2.5e9, latency_s=1.5e-4, launch_s=3e-4,
@@ -141,3 +166,44 @@ def test_calibrate_command_writes_a_topology_the_planner_takes(tmp_path, capsys,
     model, inputs = load_model("mymodel:make", 4, 16)
     plan = autopar.plan(model, autopar.Mesh.virtual(str(out), gpus_per_node=2), inputs)
     assert plan.predicted["step_time_s"] > 0 and plan.topology == topo.name
+
+
+def test_a_model_built_under_fake_tensor_mode_is_given_real_weights_to_compile():
+    # the compiled-step timing (calibrate --compiled) runs the model: a preset's fake weights
+    # would be read as memory never allocated (an illegal address on a GPU)
+    import torch
+
+    from autopar._torch_private import FakeTensor, FakeTensorMode
+    from autopar.calibrate import materialize
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16))
+        model.register_buffer("scale", torch.ones(16))
+    model[1].weight.requires_grad_(False)
+    materialize(model, torch.device("cpu"))
+    tensors = [*model.parameters(), *model.buffers()]
+    assert tensors and not any(isinstance(t, FakeTensor) for t in tensors)
+    assert isinstance(model[0].weight, torch.nn.Parameter) and not model[1].weight.requires_grad
+    assert 0 < float(model[0].weight.detach().std()) < 0.05  # N(0, 0.02), not N(0, 1)
+    out = model(torch.randn(4, 8)) * model.scale
+    assert torch.isfinite(out).all()
+
+
+def test_model_kernels_count_the_bytes_a_compiler_fuses_away():
+    import torch
+
+    from autopar.calibrate import model_kernels
+
+    class Chain(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(64, 64))
+
+        def forward(self, x):  # a matmul, then a chain of pointwise ops: gelu(x @ w) * 2 + 1
+            return (torch.nn.functional.gelu(x @ self.w) * 2 + 1).sum()
+
+    kernels = [k for k, _ in model_kernels(Chain(), (torch.randn(32, 64),))]
+    pointwise = [k for k in kernels if k.flops == 0]
+    assert all(k.fused_bytes is not None and k.fused_bytes <= k.bytes for k in kernels)
+    # the chain's intermediate values stay in registers: fewer bytes in all
+    assert sum(k.fused_bytes * k.count for k in pointwise) < sum(k.bytes * k.count for k in pointwise)

@@ -2,8 +2,9 @@
 
 ``benchmarks/data/h200_kernel_sweep.json`` holds 1,336 kernel times measured by
 ``benchmarks/kernel_sweep.py`` on an H200 (torch 2.11, 2026-11-27). Nothing in the cost model
-was fitted on them: the h200-dgx preset's peaks are datasheet figures and its matmul efficiency
-the H100's published best-shape GEMM figure.
+was fitted on its GEMMs: the h200-dgx preset's peaks are datasheet figures and its matmul
+efficiency the H100's published best-shape GEMM figure. Its attention rows are the preset's
+measured attention rates (cost_models/attention.py; tests/unit/test_attention_pricing.py).
 """
 
 from __future__ import annotations
