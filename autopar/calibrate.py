@@ -350,13 +350,18 @@ def time_kernels(model: torch.nn.Module, inputs: Any, device: torch.device, reps
 def materialize(model: torch.nn.Module, device: torch.device) -> None:
     """Give ``model`` real tensors on ``device`` in place of fake ones (a preset is built under
     ``FakeTensorMode``: a compiled program run on those reads memory that was never allocated):
-    parameters drawn from N(0, 0.02), buffers as :func:`_real` makes them; real ones are moved."""
+    parameters drawn from N(0, 0.02), buffers as :func:`_real` makes them; real ones are moved.
+    A parameter shared by several modules (tied embeddings) stays one parameter."""
+    made: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
-            if p is not None and (isinstance(p, FakeTensor) or p.is_meta or p.device != device):
+            if p is not None and id(p) in made:
+                module._parameters[name] = made[id(p)]
+            elif p is not None and (isinstance(p, FakeTensor) or p.is_meta or p.device != device):
                 fake = isinstance(p, FakeTensor) or p.is_meta
                 real = _real(p, device).mul_(0.02) if fake else p.detach().to(device)
-                module._parameters[name] = torch.nn.Parameter(real, requires_grad=p.requires_grad)
+                made[id(p)] = module._parameters[name] = torch.nn.Parameter(
+                    real, requires_grad=p.requires_grad)
         for name, b in list(module._buffers.items()):
             if b is not None and (isinstance(b, FakeTensor) or b.is_meta or b.device != device):
                 fake = isinstance(b, FakeTensor) or b.is_meta
@@ -399,10 +404,12 @@ def time_compiled_step(model: torch.nn.Module, inputs: Any, device: torch.device
             step()
         _sync(device)
     matmul = other = 0.0
-    events = prof.key_averages()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]  # (kernels, copies)
     for e in events:
         seconds = e.device_time_total * 1e-6 / steps
-        if any(w in e.key.lower() for w in MATMUL_KERNEL_WORDS):
+        name = e.key.lower()
+        # (inductor's kernels are named after the ops they fuse: "triton_..._attention_" is one)
+        if not name.startswith("triton") and any(w in name for w in MATMUL_KERNEL_WORDS):
             matmul += seconds
         else:
             other += seconds
@@ -505,19 +512,22 @@ def report(result: CalibrationResult) -> str:
     calibrated topology's prediction and the base preset's."""
     from tabulate import tabulate
 
-    from autopar.cost_models.calibration import LAUNCH_BOUND_S, step_seconds
+    from autopar.cost_models.calibration import LAUNCH_BOUND_S, is_attention, step_seconds
     from autopar.cost_models.comm import collective_time
 
     rows = []
-    groups = {"matmuls": [k for k in result.kernels if k.flops > 0],
+    groups = {"matmuls": [k for k in result.kernels if k.flops > 0 and not is_attention(k)],
+              "attention": [k for k in result.kernels if is_attention(k)],
               "other ops": [k for k in result.kernels if k.flops <= 0],
               "reference": list(result.reference)}
     for label, ks in groups.items():
-        if ks:
-            rows.append([label, len(ks), *(step_seconds(ks, t) * 1e3
-                                           for t in (None, result.topology, result.base))])
+        if ks:  # (attention on a topology with measured rates: not priced sample by sample)
+            rows.append([label, len(ks), step_seconds(ks) * 1e3, *(
+                float("nan") if label == "attention" and t.attention_efficiency
+                else step_seconds(ks, t) * 1e3 for t in (result.topology, result.base))])
     if result.compiled is not None:  # what the pointwise efficiency was fitted on
-        ops = [k for k in result.kernels if k.flops <= 0]
+        ops = [replace(k, bytes=k.bytes if k.fused_bytes is None else k.fused_bytes)
+               for k in result.kernels if k.flops <= 0]
         rows.append(["compiled step: kernels outside GEMMs and attention", result.compiled.kernels,
                      result.compiled.other_s * 1e3,
                      *(step_seconds(ops, t) * 1e3 for t in (result.topology, result.base))])

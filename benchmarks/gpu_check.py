@@ -54,7 +54,7 @@ from runtime_vs_torch import make_batch, make_model  # noqa: E402
 import autopar  # noqa: E402
 from autopar.calibrate import (ATTENTION_KERNEL_WORDS, GEMM_KERNEL_WORDS,  # noqa: E402
                                base_preset_for, free_port, time_compiled_step, time_kernels)
-from autopar.cost_models.calibration import fit_compute, step_seconds  # noqa: E402
+from autopar.cost_models.calibration import fit_compute, is_attention, step_seconds  # noqa: E402
 from autopar.cost_models.compute import op_time  # noqa: E402
 from autopar.cost_models.topology import Topology, custom, get_preset  # noqa: E402
 from autopar.numerics import gradient_error, gradient_floor  # noqa: E402
@@ -246,11 +246,13 @@ def calibration(size: dict, topo_name: str) -> list[dict]:
             matmul_efficiency=compiled_fit.matmul_efficiency,
             pointwise_efficiency=compiled_fit.pointwise_efficiency)
     rows = []
-    for label, ks in (("matmuls", [k for k in timed if k.flops > 0]),
+    for label, ks in (("matmuls", [k for k in timed if k.flops > 0 and not is_attention(k)]),
+                      ("attention", [k for k in timed if is_attention(k)]),  # (None: priced by rates)
                       ("other ops", [k for k in timed if k.flops <= 0])):
+        priced = not (ks and is_attention(ks[0]) and base.attention_efficiency)
         rows.append({"kernels": label, "distinct": len(ks), "measured_ms": step_seconds(ks) * 1e3,
-                     f"{base.name}_ms": step_seconds(ks, base) * 1e3,
-                     "calibrated_ms": step_seconds(ks, topo) * 1e3})
+                     f"{base.name}_ms": step_seconds(ks, base) * 1e3 if priced else None,
+                     "calibrated_ms": step_seconds(ks, topo) * 1e3 if priced else None})
     rows.append({"kernels": "fitted", "matmul_efficiency": fit.matmul_efficiency,
                  "pointwise_efficiency": fit.pointwise_efficiency, "held_at_1": fit.clamped,
                  "not_timed": [name for name, _ in failed]})
@@ -284,8 +286,8 @@ def _timed_steps(step: Callable[[], Any], opt: torch.optim.Optimizer, repeats: i
 
 
 # Kernel names by kind (autopar.calibrate's words; inductor's generated kernels start "triton_").
-KERNEL_KINDS = (("attention", ATTENTION_KERNEL_WORDS), ("gemm", GEMM_KERNEL_WORDS),
-                ("triton (fused by inductor)", ("triton",)))
+KERNEL_KINDS = (("triton (fused by inductor)", ("triton",)), ("attention", ATTENTION_KERNEL_WORDS),
+                ("gemm", GEMM_KERNEL_WORDS))
 
 
 def kernel_breakdown(step: Callable[[], Any], opt: torch.optim.Optimizer, steps: int = 3) -> dict:

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import bisect
 import math
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
 
 __all__ = ["ATTENTION_KERNELS", "TILE", "AttentionCall", "attention_call", "attention_seconds",
-           "causal_fraction", "check_rows", "rows_from_table", "H100_SDPA", "H200_SDPA"]
+           "causal_fraction", "check_rows", "efficiency", "rows_from_table", "H100_SDPA",
+           "H100_SDPA_TABLE", "H200_SDPA", "H200_SDPA_TABLE"]
 
 aten = torch.ops.aten
 
@@ -144,14 +146,16 @@ def efficiency(rows: Sequence[Row], direction: str, causal: bool, head_dim: int,
     return _interp(at_seq, head_dim)
 
 
+@dataclass(frozen=True)
 class AttentionCall:
-    """One fused attention node as the pricing sees it: direction, mask and local sizes."""
+    """One fused attention node as the pricing sees it: direction ("fwd" or "bwd"), whether it
+    asks for the causal mask, and its local query and key lengths and head dim."""
 
-    __slots__ = ("direction", "causal", "s_q", "s_k", "head_dim")
-
-    def __init__(self, direction: str, causal: bool, s_q: int, s_k: int, head_dim: int) -> None:
-        self.direction, self.causal = direction, causal
-        self.s_q, self.s_k, self.head_dim = s_q, s_k, head_dim
+    direction: str
+    causal: bool
+    s_q: int
+    s_k: int
+    head_dim: int
 
 
 def attention_call(target: Any, args: Sequence[Any], kwargs: Mapping[str, Any],

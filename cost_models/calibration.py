@@ -119,7 +119,8 @@ def fit_compute(kernels: Sequence[KernelSample], base: Topology,
     (``autopar.calibrate.time_compiled_step``): the pointwise efficiency is then fitted on it,
     the ops' bytes as the planner prices them (``KernelSample.fused_bytes``: fused traffic left
     out) over the time of the kernels the compiler fused them into, instead of on the ops timed
-    one by one. When
+    one by one (an op that could not be timed alone is missing from the bytes but not from the
+    compiled step's time: it biases the efficiency low). When
     ``base`` has measured attention rates, attention kernels are left out of the matmul fit
     (they are priced by those rates). Raises ``ValueError`` when there is no kernel of either
     kind to fit on.
@@ -129,7 +130,9 @@ def fit_compute(kernels: Sequence[KernelSample], base: Topology,
                and not (base.attention_efficiency and is_attention(k))]
     if not pointwise or not matmuls:
         raise ValueError(f"fit_compute needs kernels with FLOPs (matmuls) and without (pointwise); "
-                         f"got {len(matmuls)} and {len(pointwise)} of {len(kernels)}")
+                         f"got {len(matmuls)} and {len(pointwise)} of {len(kernels)}"
+                         + (" (attention kernels are not matmuls here: the base prices them by "
+                            "its measured rates)" if base.attention_efficiency else ""))
     peak = dict(base.peak_flops) | dict(peaks or {})
     bandwidth = float(bandwidth_Bps or base.mem_bandwidth_Bps)
     clamped = []

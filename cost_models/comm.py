@@ -52,14 +52,14 @@ def all_reduce_time(nbytes: float, n: int, link: AxisLink) -> float:
     """Ring all-reduce of an ``nbytes`` buffer over ``n`` ranks.
 
     ``launch + 2(n-1) * latency + 2(n-1)/n * nbytes / bw``; 0 when ``n == 1`` or nothing moves.
-    A link with a measured all-reduce curve (``AxisLink.busbw_by_size``, measured on 8 ranks)
-    gives ``2(n-1)/n * nbytes / busbw(nbytes)`` instead: nccl-tests' bus bandwidth is meant to
-    hold for any rank count, so fewer ranks take the same curve.
+    A link with an all-reduce curve measured on ``n`` ranks (``AxisLink.busbw_by_size``) gives
+    ``2(n-1)/n * nbytes / busbw(nbytes)`` instead (other rank counts keep the line: NVLS and
+    the latency floor of fewer ranks are not measured).
     """
     _check(nbytes, n)
     if n == 1 or nbytes == 0:
         return 0.0
-    measured = link.busbw_at("all_reduce", nbytes)  # [NCCLT] time = factor * S / busbw(S)
+    measured = link.busbw_at("all_reduce", nbytes, n)  # [NCCLT] time = factor * S / busbw(S)
     if measured is not None:
         return 2 * (n - 1) / n * nbytes / measured
     # [THAKUR] ring all-reduce = reduce-scatter + all-gather: 2(p-1) steps of n/p bytes each;

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -142,7 +142,7 @@ def _compute_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: To
                             for a, p in zip(tensor_inputs(n)[q:q + 2], s.inputs[q:q + 2]))
         call = attention_call(n.target, n.args, n.kwargs, q_shape, k_shape)
         if ring:  # (the ring's kernel runs whole blocks: ring_seconds halves the diagonal one)
-            call.causal = False
+            call = replace(call, causal=False)
         fused_s = attention_seconds(call, flops, nbytes, dtype, topo)
         seconds = seconds if fused_s is None else fused_s
     if ring:  # (ring attention: the kernel on one block)

@@ -98,16 +98,17 @@ class AxisLink:
         bandwidth_by_kind: bus bandwidths of the collective kinds (:data:`COLLECTIVE_KINDS`)
             that differ from ``bandwidth_Bps`` (gloo's reduce-scatter on a CPU, NCCL's NVLS
             all-reduce), as ``{kind: bytes/s}`` or pairs; empty: one bandwidth for all.
-        busbw_by_size: measured bus bandwidths by message size of some kinds, ``{kind:
-            ((bytes, bytes/s), ...)}`` or pairs (:mod:`autopar.cost_models.nccl_curves`); a kind
-            listed is priced by them (:meth:`busbw_at`), not by the alpha-beta line.
+        busbw_by_size: measured bus bandwidths by message size, ``(kind, ranks, ((bytes,
+            bytes/s), ...))`` entries (:mod:`autopar.cost_models.nccl_curves`): collective
+            ``kind`` over ``ranks`` ranks is priced by them (:meth:`busbw_at`), not by the
+            alpha-beta line; other rank counts keep the line.
     """
 
     bandwidth_Bps: float
     latency_s: float
     launch_s: float
     bandwidth_by_kind: tuple[tuple[str, float], ...] = ()
-    busbw_by_size: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = ()
+    busbw_by_size: tuple[tuple[str, int, tuple[tuple[float, float], ...]], ...] = ()
 
     def __post_init__(self) -> None:
         _check_positive("AxisLink", "bandwidth_Bps", self.bandwidth_Bps)
@@ -121,15 +122,8 @@ class AxisLink:
             _check_positive("AxisLink", f"bandwidth_by_kind[{kind!r}]", value)
         object.__setattr__(self, "bandwidth_by_kind",
                            tuple(sorted((k, float(v)) for k, v in pairs.items())))
-        curves = {}
-        for kind, points in dict(self.busbw_by_size).items():
-            pts = tuple(sorted((float(b), float(v)) for b, v in points))
-            if kind not in COLLECTIVE_KINDS or len(pts) < 2 or any(b <= 0 or v <= 0 for b, v in pts):
-                raise ValueError(f"AxisLink.busbw_by_size[{kind!r}]: a collective kind of "
-                                 f"{list(COLLECTIVE_KINDS)} with two or more (bytes > 0, bytes/s > 0) "
-                                 f"points is required, got {points!r}")
-            curves[kind] = pts
-        object.__setattr__(self, "busbw_by_size", tuple(sorted(curves.items())))
+        object.__setattr__(self, "busbw_by_size",
+                           tuple(sorted(_checked_curve(e) for e in self.busbw_by_size)))
 
     def bandwidth_for(self, kind: str) -> float:
         """The bus bandwidth of collective ``kind``: its own, or ``bandwidth_Bps``."""
@@ -138,13 +132,13 @@ class AxisLink:
                 return value
         return self.bandwidth_Bps
 
-    def busbw_at(self, kind: str, nbytes: float) -> float | None:
-        """The measured bus bandwidth of ``kind`` at ``nbytes`` (``None`` when not measured):
-        interpolated linearly in log2 of the size between measured sizes; below the smallest,
-        its time held (the latency floor: the bandwidth falls with the size); above the largest,
-        its bandwidth."""
-        for k, pts in self.busbw_by_size:
-            if k != kind:
+    def busbw_at(self, kind: str, nbytes: float, ranks: int) -> float | None:
+        """The measured bus bandwidth of ``kind`` over ``ranks`` ranks at ``nbytes`` (``None``
+        when not measured): interpolated linearly in log2 of the size between measured sizes;
+        below the smallest, its time held (the latency floor: the bandwidth falls with the
+        size); above the largest, its bandwidth."""
+        for k, n, pts in self.busbw_by_size:
+            if k != kind or n != ranks:
                 continue
             if nbytes <= pts[0][0]:
                 return pts[0][1] * nbytes / pts[0][0]
@@ -166,7 +160,7 @@ class AxisLink:
         if self.bandwidth_by_kind:
             out["bandwidth_by_kind"] = dict(self.bandwidth_by_kind)
         if self.busbw_by_size:
-            out["busbw_by_size"] = {k: [list(p) for p in pts] for k, pts in self.busbw_by_size}
+            out["busbw_by_size"] = [[k, n, [list(p) for p in pts]] for k, n, pts in self.busbw_by_size]
         return out
 
     @classmethod
@@ -174,16 +168,31 @@ class AxisLink:
         """Inverse of :meth:`to_dict`; raises ``ValueError`` on missing or unknown keys."""
         if not isinstance(data, Mapping):
             raise ValueError(f"AxisLink.from_dict expects a mapping, got {type(data).__name__}")
-        _check_keys("AxisLink", {"bandwidth_by_kind": {}, "busbw_by_size": {}, **data},
+        _check_keys("AxisLink", {"bandwidth_by_kind": {}, "busbw_by_size": [], **data},
                     {f.name for f in dataclasses.fields(cls)})
         return cls(
             bandwidth_Bps=float(data["bandwidth_Bps"]),
             latency_s=float(data["latency_s"]),
             launch_s=float(data["launch_s"]),
             bandwidth_by_kind=tuple(dict(data.get("bandwidth_by_kind", {})).items()),
-            busbw_by_size=tuple((k, tuple(tuple(p) for p in v))
-                                for k, v in dict(data.get("busbw_by_size", {})).items()),
+            busbw_by_size=tuple(tuple(e) for e in data.get("busbw_by_size", [])),
         )
+
+
+def _checked_curve(entry: Any) -> tuple[str, int, tuple[tuple[float, float], ...]]:
+    """One ``AxisLink.busbw_by_size`` entry, checked and with its points sorted by size."""
+    try:
+        kind, ranks, points = entry
+        pts = tuple(sorted((float(b), float(v)) for b, v in points))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"AxisLink.busbw_by_size entry {entry!r}: (kind, ranks, ((bytes, "
+                         f"bytes/s), ...)) is required ({e})") from e
+    if kind not in COLLECTIVE_KINDS or not isinstance(ranks, int) or ranks < 2 or len(pts) < 2 \
+            or any(b <= 0 or v <= 0 for b, v in pts):
+        raise ValueError(f"AxisLink.busbw_by_size entry {entry!r}: the kind must be one of "
+                         f"{list(COLLECTIVE_KINDS)}, ranks an int >= 2, and two or more points "
+                         f"(bytes > 0, bytes/s > 0) given")
+    return kind, ranks, pts
 
 
 def _check_keys(owner: str, data: Mapping[str, Any], expected: set[str]) -> None:
@@ -329,7 +338,9 @@ class Topology:
         return self.inter_node
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain-JSON form (``json.dumps`` works on it); inverse of :meth:`from_dict`."""
+        """Plain-JSON form (``json.dumps`` works on it); inverse of :meth:`from_dict`.
+        ``attention_efficiency`` only when it has rows (a file without it loads in releases
+        before it)."""
         return {
             "name": self.name,
             "peak_flops": dict(self.peak_flops),
@@ -341,9 +352,9 @@ class Topology:
             "matmul_efficiency": float(self.matmul_efficiency),
             "pointwise_efficiency": float(self.pointwise_efficiency),
             "device_type": self.device_type,
-            "attention_efficiency": [list(row) for row in self.attention_efficiency],
             "notes": self.notes,
-        }
+        } | ({"attention_efficiency": [list(row) for row in self.attention_efficiency]}
+             if self.attention_efficiency else {})
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Topology":
@@ -558,7 +569,7 @@ _NVLINK_HOP_S = 0.6e-6
 _NET_HOP_S = 2.7e-6
 
 # NCCL's all-reduce inside an 8-GPU NVLink4/NVSwitch node, by message size [DGXC].
-_H100_NODE_CURVES = (("all_reduce", busbw_points(H100_NODE_ALL_REDUCE_US, 8)),)
+_H100_NODE_CURVES = (("all_reduce", 8, busbw_points(H100_NODE_ALL_REDUCE_US, 8)),)
 
 # One table: each record is the whole preset (figures, efficiencies, device type).
 _BUILTIN_PRESETS: tuple[Topology, ...] = (

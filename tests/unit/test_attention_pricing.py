@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
 
 from autopar.capture import capture
 from autopar.cost_models.attention import (ATTENTION_KERNELS, AttentionCall, attention_seconds,
@@ -66,6 +67,8 @@ def test_topology_json_keeps_the_rates_and_old_json_loads_without_them():
     old = topo.to_dict()
     del old["attention_efficiency"]
     assert Topology.from_dict(old).attention_efficiency == ()
+    # a topology without rates writes no key: its file loads where the field does not exist
+    assert "attention_efficiency" not in get_preset("a100-dgx").to_dict()
 
 
 class _CausalAttention(nn.Module):
@@ -80,11 +83,12 @@ class _CausalAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True).float().square().mean()
 
 
-def test_a_traced_attention_is_priced_at_the_rates_of_its_local_shapes():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_traced_attention_is_priced_at_the_rates_of_its_local_shapes(tp):
     b, s, heads, head_dim = 2, 1024, 4, 64
     model = _CausalAttention(heads, heads * head_dim).to(torch.bfloat16)
     traced = capture(model, (torch.randn(b, s, heads * head_dim, dtype=torch.bfloat16),))
-    with planning_device_mesh((1,), ("tp",)) as dm:
+    with planning_device_mesh((tp,), ("tp",)) as dm:
         space = build_space(traced, dm, ("tp",))
     nodes = {n.target: n.name for n in traced.gm.graph.nodes if n.target in ATTENTION_KERNELS}
     assert len(nodes) == 2  # the forward and its backward
@@ -93,11 +97,14 @@ def test_a_traced_attention_is_priced_at_the_rates_of_its_local_shapes():
     fused, as_matmul = (price_space(traced, space, t).compute for t in (h100, no_rates))
     peak = h100.peak_flops_for("bf16")
     for target, name in nodes.items():
-        direction = ATTENTION_KERNELS[target][0]
-        flops = (4 if direction == "fwd" else 10) * b * heads * s * s * head_dim
+        direction, query, _ = ATTENTION_KERNELS[target]
+        # the strategy splitting the heads over tp (the only one when tp = 1: replicated)
+        (i,) = [i for i, st in enumerate(space.nodes[name].strategies)
+                if st.inputs[query] == ((Shard(1),) if tp > 1 else (Replicate(),))]
+        flops = (4 if direction == "fwd" else 10) * b * (heads // tp) * s * s * head_dim
         n_blocks = math.ceil(s / 128)
         executed = flops * (n_blocks + 1) / (2 * n_blocks)
         rate = peak * efficiency(h100.attention_efficiency, direction, True, head_dim, s)
-        assert float(fused[name][0]) == pytest.approx(executed / rate, rel=1e-6), name
-        assert float(as_matmul[name][0]) == pytest.approx(flops / (peak * h100.matmul_efficiency),
+        assert float(fused[name][i]) == pytest.approx(executed / rate, rel=1e-6), name
+        assert float(as_matmul[name][i]) == pytest.approx(flops / (peak * h100.matmul_efficiency),
                                                           rel=1e-6), name

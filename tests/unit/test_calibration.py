@@ -177,15 +177,18 @@ def test_a_model_built_under_fake_tensor_mode_is_given_real_weights_to_compile()
     from autopar.calibrate import materialize
 
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16))
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16),
+                                    torch.nn.Linear(16, 16))
         model.register_buffer("scale", torch.ones(16))
     model[1].weight.requires_grad_(False)
+    model[2].bias = model[1].bias  # tied, as an LM head and its embedding are
     materialize(model, torch.device("cpu"))
+    assert model[2].bias is model[1].bias
     tensors = [*model.parameters(), *model.buffers()]
     assert tensors and not any(isinstance(t, FakeTensor) for t in tensors)
     assert isinstance(model[0].weight, torch.nn.Parameter) and not model[1].weight.requires_grad
     assert 0 < float(model[0].weight.detach().std()) < 0.05  # N(0, 0.02), not N(0, 1)
-    out = model(torch.randn(4, 8)) * model.scale
+    out = model[1](model[0](torch.randn(4, 8))) * model.scale
     assert torch.isfinite(out).all()
 
 
@@ -207,3 +210,10 @@ def test_model_kernels_count_the_bytes_a_compiler_fuses_away():
     assert all(k.fused_bytes is not None and k.fused_bytes <= k.bytes for k in kernels)
     # the chain's intermediate values stay in registers: fewer bytes in all
     assert sum(k.fused_bytes * k.count for k in pointwise) < sum(k.bytes * k.count for k in pointwise)
+
+
+def test_the_compiled_calibration_asks_for_a_model_and_a_gpu():
+    from autopar.calibrate import calibrate
+
+    with pytest.raises(ValueError, match="compiled=True"):
+        calibrate(None, compiled=True)

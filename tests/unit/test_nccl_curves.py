@@ -30,17 +30,20 @@ def test_the_curve_is_the_published_sweep_and_prices_its_sizes():
 
 
 def test_between_and_beyond_the_measured_sizes():
-    link = AxisLink(100e9, 1e-6, 5e-6, busbw_by_size={"all_reduce": ((1024, 1e9), (4096, 3e9))})
-    assert link.busbw_at("all_reduce", 2048) == pytest.approx(2e9)  # log2 midway
-    assert link.busbw_at("all_reduce", 2**30) == 3e9  # the largest's bandwidth
+    link = AxisLink(100e9, 1e-6, 5e-6, busbw_by_size=(("all_reduce", 8, ((1024, 1e9), (4096, 3e9))),))
+    assert link.busbw_at("all_reduce", 2048, 8) == pytest.approx(2e9)  # log2 midway
+    assert link.busbw_at("all_reduce", 2**30, 8) == 3e9  # the largest's bandwidth
     # below the smallest size the time stays at its time (a latency floor)
     assert all_reduce_time(256, 8, link) == pytest.approx(all_reduce_time(1024, 8, link))
-    assert link.busbw_at("all_gather", 2048) is None
-    # a kind without a curve keeps the alpha-beta line
+    assert link.busbw_at("all_gather", 2048, 8) is None
+    # a kind, or a rank count, without a curve keeps the alpha-beta line
     plain = AxisLink(100e9, 1e-6, 5e-6)
     assert all_gather_time(2**20, 8, link) == all_gather_time(2**20, 8, plain)
-    with pytest.raises(ValueError, match="busbw_by_size"):
-        AxisLink(1e9, 0, 0, busbw_by_size={"all_reduce": ((1024, 1e9),)})
+    assert all_reduce_time(2**20, 4, link) == all_reduce_time(2**20, 4, plain)
+    for bad in ((("all_reduce", 8, ((1024, 1e9),)),), (("all_reduce", 8, ((1024, None), (2, 1))),),
+                (("all_reduce", 1, ((1024, 1e9), (2048, 1e9))),), (("all_reduce", ((1, 1),)),)):
+        with pytest.raises(ValueError, match="busbw_by_size"):
+            AxisLink(1e9, 0, 0, busbw_by_size=bad)
 
 
 def test_nvls_is_faster_than_the_ring_for_large_all_reduces_and_slower_in_the_middle():
