@@ -47,7 +47,7 @@ def parse_mesh(text: str, gpus_per_node: int) -> tuple[int, int]:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``plan``, ``simulate`` and ``calibrate``. ``--hardware`` offers the presets
     registered when it is built (:func:`autopar.cost_models.register_topology` adds more)."""
-    from autopar.config import CP_ATTENTION, ZERO_STAGES
+    from autopar.config import CP_ATTENTION, CP_LAYOUTS, ZERO_STAGES
     from autopar.cost_models.topology import preset_names
 
     parser = argparse.ArgumentParser(prog="python -m autopar", description=__doc__,
@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp-attention", choices=CP_ATTENTION, default=None,
                    help="attention over cp: keys and values gathered, or passed around a ring "
                         "(default: the cheaper per attention)")
+    p.add_argument("--cp-layout", choices=CP_LAYOUTS, default=None,
+                   help="positions per cp rank: chunk pairs that balance causal attention, or "
+                        "contiguous blocks (default: balanced where the sequence divides)")
     p.add_argument("--expert-load-skew", type=float, default=1.0,
                    help="MoE routing skew the cost model assumes: the busiest rank's rows over "
                         "the mean (default 1.0, uniform)")
@@ -142,7 +145,7 @@ def _plan(args: argparse.Namespace) -> Any:
     except ValueError as e:
         raise SystemExit(str(e)) from e
     config = autopar.Config(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
-                            cp_attention=args.cp_attention,
+                            cp_attention=args.cp_attention, cp_layout=args.cp_layout,
                             expert_load_skew=args.expert_load_skew,
                             microbatch_size=args.microbatch_size,
                             recompute=args.recompute, zero=args.zero, dp_shard=args.dp_shard,

@@ -8,13 +8,14 @@ from typing import Any
 
 from autopar.cost_models.pipeline import SCHEDULES
 
-__all__ = ["CP_ATTENTION", "Config", "ZERO_STAGES"]
+__all__ = ["CP_ATTENTION", "CP_LAYOUTS", "Config", "ZERO_STAGES"]
 
 _UNKNOWN_OP = ("replicate", "error")
 _RECOMPUTE = ("none", "selective", "full")
 # context parallelism's two forms of attention (autopar.strategies.rules): keys and values
 # all-gathered over cp, or passed around its ranks (ring attention)
 CP_ATTENTION = ("gather", "ring")
+CP_LAYOUTS = ("balanced", "contiguous")
 # ZeRO stages (Rajbhandari et al., SC'20, sec. 5): 1 and 2 run one program (see Config.zero)
 ZERO_STAGES = (0, 1, 2, 3)
 
@@ -38,6 +39,11 @@ class Config:
             passed from rank to rank in blocks while each block's attention computes, merged by
             their log-sum-exps: ring attention, ``autopar.passes.ring_attention``), or ``None``:
             the planner prices both per attention and takes the cheaper.
+        cp_layout: which positions each cp rank holds: ``"balanced"`` (the sequence cut into
+            2 x cp chunks, rank r holding chunks r and 2cp-1-r, so that causal attention's work
+            is the same on every rank: Megatron-LM's and torchtitan's split;
+            ``autopar.sequence_layout``), ``"contiguous"`` (rank r holding the r-th of cp
+            blocks), or ``None``: balanced where the sequence divides by 2 x cp.
         ep: expert-parallel degree of mixture-of-experts layers: each layer's experts split
             over ``ep`` of the data-parallel ranks (ep divides dp, as Megatron-LM and
             torchtitan fold it), the (token, choice) pairs sent to their experts' ranks and
@@ -100,6 +106,7 @@ class Config:
     pp: int | None = None
     cp: int | None = None
     cp_attention: str | None = None
+    cp_layout: str | None = None
     ep: int | None = None
     expert_load_skew: float = 1.0
     memory_bytes: float | None = None
@@ -131,6 +138,9 @@ class Config:
         if self.cp_attention is not None and self.cp_attention not in CP_ATTENTION:
             raise ValueError(f"Config.cp_attention={self.cp_attention!r}: use one of "
                              f"{CP_ATTENTION}, or None to let the planner choose.")
+        if self.cp_layout is not None and self.cp_layout not in CP_LAYOUTS:
+            raise ValueError(f"Config.cp_layout={self.cp_layout!r}: use one of {CP_LAYOUTS}, or "
+                             f"None for the balanced one where the sequence divides.")
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise ValueError(f"Config.schedule={self.schedule!r}: use one of {SCHEDULES}, or None "
                              f"to let the search choose.")

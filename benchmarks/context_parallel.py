@@ -1,6 +1,6 @@
 """autopar's context parallelism: measured step against its prediction, and PyTorch's own.
 
-    python benchmarks/context_parallel.py [--procs 2 4] [--repeats 10] [--no-compile] [--json out.json]
+    python benchmarks/context_parallel.py [--procs 2 4] [--repeats 10] [--no-compile] [--size long] [--json out.json]
 
 starts one ``torchrun`` job per process count (CPU processes, gloo) and, on the GPT-2-style
 model of ``runtime_vs_torch.py`` (:class:`BenchGPT`) at a long sequence for its size (dim 256,
@@ -10,8 +10,10 @@ one dim, where the plan cannot keep the sequence split, docs/architecture.md), t
 
 - autopar ``Config(cp=n, dp=1, tp=1, pp=1)`` in both forms of attention over cp
   (``cp_attention``): the keys and values all-gathered, or passed around the ring (ring
-  attention, ``autopar.passes.ring_attention``), eager and compiled; the plan's predicted step
-  on the ``cpu-gloo`` preset next to the measured one, and the bytes sent against the plan's;
+  attention, ``autopar.passes.ring_attention``), eager and compiled, the sequence held in the
+  balanced chunk pairs (``cp_layout``, the default), and the ring once more with contiguous
+  blocks (eager); the plan's predicted step on the ``cpu-gloo`` preset next to the measured
+  one, and the bytes sent against the plan's;
 - PyTorch's ``context_parallel`` (``torch.distributed.tensor.experimental``) on the same model
   and batch, where it runs; where it does not, the table gives what stopped it.
 
@@ -39,20 +41,25 @@ from runtime_vs_torch import (  # noqa: E402
 )
 
 SIZES = {"default": dict(dim=256, heads=4, layers=2, seq=2048, batch=1, vocab=1024),
+         # attention the larger part of the step (where the causal work's balance shows)
+         "long": dict(dim=128, heads=2, layers=1, seq=8192, batch=1, vocab=1024),
          "tiny": dict(dim=32, heads=2, layers=2, seq=32, batch=2, vocab=64)}
 
 
-def autopar_row(size: dict, form: str, compile: bool, repeats: int, warmup: int) -> dict:
-    """autopar's cp plan in attention ``form`` on this job: measured and predicted step,
-    collectives."""
+def autopar_row(size: dict, form: str, compile: bool, repeats: int, warmup: int,
+                layout: str = "balanced") -> dict:
+    """autopar's cp plan in attention ``form`` and sequence ``layout`` on this job: measured
+    and predicted step, collectives."""
     n = dist.get_world_size()
     batch = make_batch(size)
     mesh = autopar.Mesh.from_torchrun(topology="cpu-gloo")
     pm = autopar.parallelize(make_model(size), mesh, batch, compile=compile, plan_cache=False,
-                             config=autopar.Config(cp=n, dp=1, tp=1, pp=1, cp_attention=form))
+                             config=autopar.Config(cp=n, dp=1, tp=1, pp=1, cp_attention=form,
+                                                   cp_layout=layout))
     res = measure({"autopar": (pm.step, list(pm.parameters()))}, batch, repeats, warmup)["autopar"]
     plan = pm.plan
-    return {"procs": n, "form": form, "mode": "compiled" if compile else "eager",
+    assert plan.techniques["cp_layout"] == layout, plan.techniques
+    return {"procs": n, "form": form, "layout": layout, "mode": "compiled" if compile else "eager",
             "degrees": plan.degrees,
             "measured_s": res["median_s"], "predicted_s": plan.predicted["step_time_s"],
             "times": res["times"], "counts": res["counts"], "bytes": res["bytes"],
@@ -99,13 +106,15 @@ def worker(args: argparse.Namespace) -> None:
     size = SIZES[args.size]
     rows = [autopar_row(size, form, c, args.repeats, args.warmup) for form in ("gather", "ring")
             for c in ([False, True] if args.compile else [False])]
+    rows.append(autopar_row(size, "ring", False, args.repeats, args.warmup, layout="contiguous"))
     theirs = torch_row(size, args.repeats, args.warmup)
     if dist.get_rank() == 0:
-        table = [[r["procs"], r["form"], r["mode"], f"{r['measured_s'] * 1e3:.1f}",
+        table = [[r["procs"], r["form"], r["layout"], r["mode"], f"{r['measured_s'] * 1e3:.1f}",
                   f"{r['predicted_s'] * 1e3:.1f}", f"{r['measured_s'] / r['predicted_s']:.2f}",
                   sum(r["bytes"].values()), sum(r["plan_bytes"].values())] for r in rows]
         print(f"BenchGPT {size}, {rows[0]['procs']} processes (gloo), median of {args.repeats}")
-        print(tabulate(table, headers=["procs", "form", "autopar", "measured ms", "predicted ms",
+        print(tabulate(table, headers=["procs", "form", "layout", "autopar", "measured ms",
+                                       "predicted ms",
                                        "measured / predicted", "bytes", "plan bytes"]))
         ran = theirs.get("measured_s")
         print("torch context_parallel:", theirs.get("why") or

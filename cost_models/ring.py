@@ -5,7 +5,10 @@ each rank's keys), each taking ``t_block``, the kernel's time at the local shape
 gathered form's kernel (queries against every key) is priced at once. Under a causal mask the
 op skips the blocks above the diagonal and the kernel computes half of the diagonal block; the
 last rank of the contiguous split skips none, so its time is the node's: its first block (the
-diagonal) takes ``t_first = t_block / 2`` (``t_block`` without a causal mask). Each block's
+diagonal) takes ``t_first = t_block / 2`` (``t_block`` without a causal mask). With the
+balanced split (``autopar.sequence_layout``: rank r holds chunks r and 2n-1-r) every step of
+every rank computes half a block: ``t_first`` and each ``t_block`` are half the kernel's time
+on a block. Each block's
 exchange is issued before its kernel and waited for after it, so a step lasts as long as the
 longer of the two (Liu et al., 2023, sec. 3: the exchange hides behind the blockwise compute
 when the block is long enough):
@@ -76,12 +79,16 @@ def ring_exchanges(target: Any, placements: Sequence[Sequence[Any]], shapes: Seq
 
 def ring_seconds(target: Any, placements: Sequence[Sequence[Any]], shapes: Sequence[tuple],
                  itemsize: int, mesh_shape: Sequence[int], topology: Topology,
-                 block_s: float, causal: bool = False) -> float:
+                 block_s: float, causal: bool = False, balanced: bool = False) -> float:
     """Seconds of one ring-attention node on a rank (see the module docstring), ``block_s``
-    the kernel's time on one block (its local shapes), ``causal``: the node's ``is_causal``."""
+    the kernel's time on one block (its local shapes), ``causal``: the node's ``is_causal``,
+    ``balanced``: the sequence held in chunk pairs (``autopar.sequence_layout``), where every
+    step of a causal node computes half a block."""
     axis = ring_axis(target, placements)
     n = mesh_shape[axis]
-    first = block_s / 2 if causal else block_s
+    if causal and balanced:
+        block_s = block_s / 2
+    first = block_s / 2 if causal and not balanced else block_s
     if n == 1:
         return first
     kv, dkv = _block_bytes(target, placements, shapes, itemsize, mesh_shape)

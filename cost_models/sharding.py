@@ -128,14 +128,16 @@ def _meta_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
 
 
 def _compute_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: Topology,
-                  fused: frozenset = frozenset(), skew: float = 1.0) -> float:
+                  fused: frozenset = frozenset(), skew: float = 1.0,
+                  balanced_axis: int | None = None) -> float:
     if is_op(n, _FREE):
         return 0.0
     if n.target in EXPERT_OPS:
         return _experts_time(n, s, mesh_shape, topo, skew)
     flops, nbytes, dtype = roofline_terms(n, s.inputs, s.outputs, mesh_shape, fused)
     seconds = op_time(flops, nbytes, topo, dtype, is_matmul=flops > 0)
-    ring = ring_axis(n.target, s.inputs) is not None
+    ring_on = ring_axis(n.target, s.inputs)
+    ring = ring_on is not None
     if n.target in ATTENTION_KERNELS:  # a fused kernel at its measured rate, where measured
         q = ATTENTION_KERNELS[n.target][1]
         q_shape, k_shape = (local_shape(a.meta["val"].shape, p, mesh_shape)
@@ -149,7 +151,7 @@ def _compute_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: To
         args = tensor_inputs(n)
         return ring_seconds(n.target, s.inputs, [tuple(a.meta["val"].shape) for a in args],
                             args[0].meta["val"].element_size(), mesh_shape, topo, seconds,
-                            attention_is_causal(n.target, n.args))
+                            attention_is_causal(n.target, n.args), ring_on == balanced_axis)
     return seconds
 
 
@@ -229,7 +231,8 @@ def _numel(shape: Sequence[int]) -> int:
 def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
                 optimizer: str = "adam", recompute: frozenset[str] = frozenset(),
                 zero_axes: Sequence[int] = (), gathered_share: float = 1.0,
-                expert_skew: float = 1.0, memo: dict | None = None) -> SpaceCosts:
+                expert_skew: float = 1.0, memo: dict | None = None,
+                balanced_axis: int | None = None) -> SpaceCosts:
     """Price every strategy and every edge of ``space`` on ``topology``.
 
     ``zero_axes``: the parameters are stored as :func:`zero_placement` over these axes and
@@ -242,6 +245,8 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
     alike; the plan's peak is the liveness walk, ``cost_models.liveness``).
 
     ``expert_skew``: the load skew of MoE experts split over ranks (``cost_models.experts``).
+    ``balanced_axis``: the cp axis whose sequence is held in chunk pairs
+    (``autopar.sequence_layout``), where causal ring attention computes half a block a step.
 
     ``recompute``: forward nodes recomputed in the backward (``passes.recompute``); their compute
     is paid twice, their outputs are not saved (their inputs are), and ``recomputed`` holds the
@@ -259,7 +264,7 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
     memory: dict[str, np.ndarray] = {}
     edges: dict[tuple[str, int], np.ndarray] = {}
     cache = _shared_cache(memo, space, topology, optimizer, tuple(zero_axes), gathered_share,
-                          expert_skew)
+                          expert_skew, balanced_axis)
     saved = _saved_for_backward(traced, recompute)
     recomputed: dict[str, np.ndarray] = {}
     tied = {p.node for p in traced.params if p.tied_to is not None}
@@ -277,7 +282,7 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
             else:
                 # a recomputed node runs twice: forward, and again before its backward
                 cache[key] = np.array([_compute_time(n, s, mesh_shape, topology, fused,
-                                                     expert_skew)
+                                                     expert_skew, balanced_axis)
                                        for s in ns.strategies]) * (2.0 if again else 1.0)
             cache[key].flags.writeable = False  # (shared: docs/cost_passes.md)
         compute[name] = cache[key]

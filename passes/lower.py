@@ -37,6 +37,7 @@ from autopar.capture.remat import REGATHER, TAG, marked
 from autopar.passes.recompute import recompute_pass
 from autopar.passes import experts as expert_ops, ring_attention, seq_attention
 from autopar.plan import Plan
+from autopar.sequence_layout import SequenceLayout, layout_of_plan
 from autopar.strategies import fused
 from autopar.strategies.reshard import local_shape, reshard_steps
 
@@ -48,22 +49,36 @@ def placements_of(text: Sequence[str]) -> tuple:
     return tuple(from_str(t) for t in text)
 
 
-def reshard(x: DTensor, dst: tuple, mesh: Any) -> DTensor:
-    """Move ``x`` to ``dst`` placements with the planned single-axis steps."""
+def reshard(x: DTensor, dst: tuple, mesh: Any, layout: SequenceLayout | None = None) -> DTensor:
+    """Move ``x`` to ``dst`` placements with the planned single-axis steps; with a balanced cp
+    ``layout``, a dim split on the cp axis is arranged before the split and restored after the
+    gather (:mod:`autopar.sequence_layout`)."""
     shape = tuple(x.shape)
     for step in reshard_steps(tuple(x.placements), dst, shape, x.element_size(), tuple(mesh.shape)):
-        if step.kind == "local" and isinstance(step.after[step.axis], Partial) and \
-                not isinstance(x.placements[step.axis], Partial):
-            # Replicate -> Partial is refused by DTensor.redistribute: do it locally
-            local = private.redistribute_local(x.to_local(), x._spec, _spec_like(x, step.after))
-            x = DTensor.from_local(local, mesh, step.after, run_check=False, shape=x.shape, stride=x.stride())
-        elif step.kind == "all_gather" and isinstance(x.placements[step.axis], _StridedShard):
-            x = _gather_strided(x, step.axis, step.after, mesh)
-        elif step.kind == "local" and isinstance(step.after[step.axis], _StridedShard) and \
-                isinstance(x.placements[step.axis], Replicate):
-            x = _slice_strided(x, step.axis, step.after, mesh)
-        else:
-            x = x.redistribute(mesh, step.after)
+        before = x.placements[step.axis]
+        moves = layout is not None and step.axis == layout.axis and before != step.after[step.axis]
+        if moves and layout.follows(step.after[step.axis], shape):
+            x = layout.arrange(x, step.after[step.axis])
+        x = _step(x, step, mesh)
+        if moves and layout.follows(before, shape):
+            x = layout.restore(x, before)
+    return x
+
+
+def _step(x: DTensor, step: Any, mesh: Any) -> DTensor:
+    """One single-axis step of :func:`reshard`."""
+    if step.kind == "local" and isinstance(step.after[step.axis], Partial) and \
+            not isinstance(x.placements[step.axis], Partial):
+        # Replicate -> Partial is refused by DTensor.redistribute: do it locally
+        local = private.redistribute_local(x.to_local(), x._spec, _spec_like(x, step.after))
+        x = DTensor.from_local(local, mesh, step.after, run_check=False, shape=x.shape, stride=x.stride())
+    elif step.kind == "all_gather" and isinstance(x.placements[step.axis], _StridedShard):
+        x = _gather_strided(x, step.axis, step.after, mesh)
+    elif step.kind == "local" and isinstance(step.after[step.axis], _StridedShard) and \
+            isinstance(x.placements[step.axis], Replicate):
+        x = _slice_strided(x, step.axis, step.after, mesh)
+    else:
+        x = x.redistribute(mesh, step.after)
     return x
 
 
@@ -115,6 +130,7 @@ class _Interpreter:
         self.prefetch = prefetch | regather  # the chains whose gathers are marked
         self.layer = ""  # the layer of the node being lowered (which a ZeRO-3 gather serves)
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.layout = layout_of_plan(plan)  # the sequence's chunk pairs over cp, if balanced
 
     def run(self, *locals_: torch.Tensor) -> list[torch.Tensor | None]:
         moved: dict[tuple, DTensor] = {}
@@ -169,7 +185,7 @@ class _Interpreter:
         key = (a.name, dst)
         if key not in moved:
             with marked(REGATHER, self.layer if a.name in self.prefetch else None):  # ZeRO's copy
-                moved[key] = reshard(env[a.name], dst, self.mesh)
+                moved[key] = reshard(env[a.name], dst, self.mesh, self.layout)
         return moved[key]
 
     def _regathered(self, a: fx.Node, dst: tuple, env: dict, moved: dict) -> DTensor:
@@ -187,7 +203,7 @@ class _Interpreter:
                 value = moved[("backward", a.name)]
             else:
                 value = moved[("backward", a.name)] = self._call(a, env, moved, backward=True)
-            moved[key] = reshard(value, dst, self.mesh)
+            moved[key] = reshard(value, dst, self.mesh, self.layout)
         return moved[key]
 
     def _call(self, n: fx.Node, env: dict, moved: dict, backward: bool | None = None) -> Any:
@@ -215,15 +231,15 @@ class _Interpreter:
                                         self.mesh)
         if ring_attention.needs_ring(n.target, [placements_of(p) for p in choice.inputs]):
             return ring_attention.run_ring(n, args, kwargs, [placements_of(o) for o in choice.outputs],
-                                           self.mesh)
+                                           self.mesh, self.layout)
         if seq_attention.needs_local(n.target, [placements_of(p) for p in choice.inputs], n.args):
             return seq_attention.run_local(n, args, kwargs, [placements_of(o) for o in choice.outputs],
-                                           self.mesh)
+                                           self.mesh, self.layout)
         if not tensor_inputs or not private.has_rule(n.target):
             # factory ops and ops without a rule: the plan replicates them; run on full tensors
             return _run_replicated(n, args, kwargs, self.mesh)
         if n.target in _VIEWS:
-            return _local_view(n, args[0], placements_of(choice.outputs[0]), self.mesh)
+            return _local_view(n, args[0], placements_of(choice.outputs[0]), self.mesh, self.layout)
         if n.target is torch.ops.aten.expand.default and _strided(choice.outputs[0]):
             return _local_expand(n, args[0], placements_of(choice.outputs[0]), self.mesh)
         if n.target in _NEW_FACTORIES:
@@ -259,7 +275,7 @@ class _Interpreter:
                     f"{tuple(o.placements)}, the plan as {p}; moved to the plan's placement with "
                     f"{[s.kind for s in steps]}, which the plan's collectives do not count. "
                     f"Please report this with the model.", RuntimeWarning, stacklevel=2)
-                fixed[i] = reshard(o, dst, self.mesh)
+                fixed[i] = reshard(o, dst, self.mesh, self.layout)
         if not isinstance(out, (tuple, list)):
             return fixed[0]
         return out if all(a is b for a, b in zip(fixed, outs)) else type(out)(fixed)
@@ -335,7 +351,8 @@ def _local_expand(n: fx.Node, x: DTensor, out_placements: tuple, mesh: Any) -> D
                               run_check=False, shape=out.shape, stride=out.stride())
 
 
-def _local_view(n: fx.Node, x: DTensor, out_placements: tuple, mesh: Any) -> DTensor:
+def _local_view(n: fx.Node, x: DTensor, out_placements: tuple, mesh: Any,
+                layout: SequenceLayout | None = None) -> DTensor:
     """A view executed on the local shard with the planned output placement.
 
     The strategy came from DTensor's own view rule when planning; at run time DTensor's dispatch
@@ -344,6 +361,9 @@ def _local_view(n: fx.Node, x: DTensor, out_placements: tuple, mesh: Any) -> DTe
     placement; ``reshape`` copies only if the local layout cannot be viewed (after a reshard).
     """
     out = n.meta["val"]
+    if layout is not None:  # a dim split on cp keeps its chunk pairs if both sides divide
+        layout.follows(x.placements[layout.axis], x.shape)
+        layout.follows(out_placements[layout.axis], out.shape)
     shape = local_shape(out.shape, out_placements, tuple(mesh.shape))
     local = torch.ops.aten.reshape.default(x.to_local(), list(shape))
     return DTensor.from_local(local, mesh, out_placements, run_check=False,

@@ -13,9 +13,11 @@ own block of keys and values; at step ``t`` it holds block ``(r - t) mod n``, st
 to rank ``r + 1`` (and receiving the next from ``r - 1``), runs the kernel on its queries
 against the block, and merges the block's output into its running one by their log-sum-exps
 (``lse = logaddexp(lse, lse_t)``; ``out = out * exp(lse_old - lse) + out_t * exp(lse_t - lse)``,
-in float32). A causal node skips the blocks after the rank's own (their scores are all masked)
-and runs the kernel's own causal mask on the diagonal block, where queries and keys start at
-the same position. ``n - 1`` sends and receives of the stacked keys and values per rank.
+in float32). A causal node runs the kernel's own causal mask on the diagonal block (the rank's
+own positions, ascending, for queries and keys) and of every other block only what the mask
+keeps (:class:`RingStep`): with contiguous blocks, the blocks before the rank's own whole and
+none after; with the balanced chunk pairs (``autopar.sequence_layout``), half of every block.
+``n - 1`` sends and receives of the stacked keys and values per rank.
 
 Backward (``autopar::ring_attention_backward``): the same ring; with the whole row's output and
 log-sum-exp, the kernel's backward on a block gives that block's exact share of every gradient
@@ -41,10 +43,11 @@ from torch.distributed.tensor import DTensor
 
 from autopar.comm_ops import group_rank_size, register_op_with_collectives
 from autopar.cost_models.ring import ring_axis
+from autopar.sequence_layout import SequenceLayout
 from autopar.strategies.rules import (CPU_ATTENTION as _FORWARD, CPU_ATTENTION_BACKWARD as _BACKWARD,
                                       SEQ_DIM, attention_is_causal)
 
-__all__ = ["needs_ring", "ring_attention", "ring_attention_backward", "run_ring"]
+__all__ = ["RingStep", "needs_ring", "ring_attention", "ring_attention_backward", "run_ring"]
 
 
 
@@ -75,9 +78,44 @@ class _Ring:
         return got
 
 
-def _block_mask(mask: torch.Tensor | None, block: int, size: int) -> torch.Tensor | None:
-    """The key columns of block ``block`` (of ``size`` keys) of a mask whose columns are whole."""
-    return None if mask is None else mask[..., block * size:(block + 1) * size]
+class RingStep:
+    """What a rank computes on the block of keys that rank ``src`` started with: its query rows
+    ``rows`` against the block's keys ``keys`` (slices of the local sequence, ``None`` for the
+    step skipped), with the kernel's own causal mask or not, and the block's key columns of a
+    mask whose columns are whole.
+
+    Contiguous split: block ``src`` holds positions ``[src * size, (src + 1) * size)``; under a
+    causal mask the blocks after the rank's own are skipped and the diagonal one is causal.
+    Balanced split (``autopar.sequence_layout``: rank r holds chunks r and 2n-1-r, each half
+    a block, ascending): under a causal mask the diagonal block is causal as a whole; a block of
+    an earlier rank is seen whole by every query, but only through its first chunk (its second
+    is after both of the rank's); a later rank's block is seen whole by the rank's second chunk
+    only (its first is before both of that block's). Every step computes half a block."""
+
+    def __init__(self, src: int, me: int, n: int, size: int, causal: bool, balanced: bool) -> None:
+        whole, half = slice(0, size), size // 2
+        self.src, self.n, self.size, self.balanced = src, n, size, balanced
+        self.rows, self.keys, self.causal = whole, whole, causal and src == me
+        if causal and src != me:
+            if not balanced:
+                self.rows = None if src > me else whole
+            elif src < me:
+                self.keys = slice(0, half)
+            else:
+                self.rows = slice(half, size)
+
+    def mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The mask's block: the step's key columns (and query rows, when it has them)."""
+        if mask is None:
+            return None
+        if self.balanced:
+            h = self.size // 2
+            first, second = self.src * h, (2 * self.n - 1 - self.src) * h
+            cols = torch.cat([mask[..., first:first + h], mask[..., second:second + h]], -1)
+        else:
+            cols = mask[..., self.src * self.size:(self.src + 1) * self.size]
+        cols = cols[..., self.keys]
+        return cols[..., self.rows, :] if cols.shape[-2] > 1 else cols
 
 
 def _masked_rows(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
@@ -100,7 +138,7 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lse_t: torch.T
 
 
 def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                    scale: float | None, mask: torch.Tensor | None, group: str
+                    scale: float | None, mask: torch.Tensor | None, group: str, balanced: bool
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rank's rows of attention and their log-sum-exp (see the module docstring)."""
     ring = _Ring(group)
@@ -110,18 +148,19 @@ def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
     layout = None  # the kernel's outputs on the rank's own block: the strides to return in
     for t in range(ring.size):
-        src = (ring.me - t) % ring.size
+        step = RingStep((ring.me - t) % ring.size, ring.me, ring.size, size, causal, balanced)
         pending = ring.start(kv) if t < ring.size - 1 else None
-        if not (causal and src > ring.me):
-            m = _block_mask(mask, src, size)
-            o, lse_t = _FORWARD(q, kv[0], kv[1], 0.0, causal and src == ring.me, attn_mask=m,
-                                scale=scale)
+        if step.rows is not None:
+            rows, keys = step.rows, step.keys
+            m = step.mask(mask)
+            o, lse_t = _FORWARD(q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], 0.0,
+                                step.causal, attn_mask=m, scale=scale)
             layout = layout or (o, lse_t)
             lse_t = lse_t.float()
             dead = _masked_rows(m, lse_t)
             if dead is not None:
                 lse_t = lse_t.masked_fill(dead, float("-inf"))
-            out, lse = _merge(out, lse, o, lse_t)
+            out[..., rows, :], lse[..., rows] = _merge(out[..., rows, :], lse[..., rows], o, lse_t)
         if pending is not None:
             kv = _Ring.finish(pending)
     # a row with every key masked: output 0 and log-sum-exp 0, as the kernel gives it (with
@@ -135,15 +174,15 @@ ring_attention = torch.library.custom_op("autopar::ring_attention", mutates_args
 
 @ring_attention.register_fake
 def _ring_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                         scale: float | None, mask: torch.Tensor | None, group: str
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+                         scale: float | None, mask: torch.Tensor | None, group: str,
+                         balanced: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return _FORWARD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)  # (its layouts)
 
 
 def _ring_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                              v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, causal: bool,
-                             scale: float | None, mask: torch.Tensor | None, group: str
-                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             scale: float | None, mask: torch.Tensor | None, group: str,
+                             balanced: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of the rank's queries, keys and values (see the module docstring)."""
     ring = _Ring(group)
     kv = torch.stack([k, v])
@@ -152,19 +191,21 @@ def _ring_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     incoming = None  # the keys' and values' gradients of the block held, on their way here
     layout = None  # the kernel's gradients of the rank's own block: the strides to return in
     for t in range(ring.size):
-        src = (ring.me - t) % ring.size
+        step = RingStep((ring.me - t) % ring.size, ring.me, ring.size, size, causal, balanced)
         pending = ring.start(kv) if t < ring.size - 1 else None
         share = None
-        if not (causal and src > ring.me):
-            share = _BACKWARD(grad, q, kv[0], kv[1], out, lse, 0.0, causal and src == ring.me,
-                              attn_mask=_block_mask(mask, src, size), scale=scale)
+        if step.rows is not None:
+            rows, keys = step.rows, step.keys
+            share = _BACKWARD(grad[..., rows, :], q[..., rows, :], kv[0][..., keys, :],
+                              kv[1][..., keys, :], out[..., rows, :], lse[..., rows], 0.0,
+                              step.causal, attn_mask=step.mask(mask), scale=scale)
         dkv = (_Ring.finish(incoming) if incoming is not None
                else torch.zeros(kv.shape, dtype=torch.float32, device=kv.device))
         if share is not None:
             layout = layout or share
-            dq += share[0]
-            dkv[0] += share[1]
-            dkv[1] += share[2]
+            dq[..., rows, :] += share[0]
+            dkv[0][..., keys, :] += share[1]
+            dkv[1][..., keys, :] += share[2]
         incoming = ring.start(dkv)
         if pending is not None:
             kv = _Ring.finish(pending)
@@ -180,7 +221,8 @@ ring_attention_backward = torch.library.custom_op(
 def _ring_attention_backward_fake(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                                   v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                                   causal: bool, scale: float | None, mask: torch.Tensor | None,
-                                  group: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                  group: str, balanced: bool
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _BACKWARD(grad, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
 
 
@@ -199,12 +241,15 @@ def needs_ring(target: Any, in_placements: Sequence[tuple]) -> bool:
 _TENSORS = {_FORWARD: 3, _BACKWARD: 6}
 
 
-def run_ring(n: Any, args: tuple, kwargs: dict, out_placements: Sequence[tuple], mesh: Any
-             ) -> tuple[DTensor, ...]:
+def run_ring(n: Any, args: tuple, kwargs: dict, out_placements: Sequence[tuple], mesh: Any,
+             layout: SequenceLayout | None = None) -> tuple[DTensor, ...]:
     """Run the node as ring attention on the ring of its keys' sharded axis; the planned
-    DTensors."""
+    DTensors. ``layout``: the plan's balanced cp layout, if any (each block a chunk pair)."""
     tensors = [a for a in args if isinstance(a, DTensor)]
     axis = ring_axis(n.target, [t.placements for t in tensors])
+    keys = tensors[1 if n.target is _FORWARD else 2]  # (forward: q, k, v; backward: grad, q, k)
+    balanced = (layout is not None and layout.axis == axis
+                and layout.follows(keys.placements[axis], keys.shape))
     group = mesh.get_group(axis).group_name
     causal = attention_is_causal(n.target, args)
     mask = kwargs.get("attn_mask")
@@ -217,7 +262,7 @@ def run_ring(n: Any, args: tuple, kwargs: dict, out_placements: Sequence[tuple],
         mask = mask.to(dtype)
     local = [a.to_local() for a in args[:_TENSORS[n.target]]]
     op = ring_attention if n.target is _FORWARD else ring_attention_backward
-    outs = op(*local, causal, kwargs.get("scale"), mask, group)
+    outs = op(*local, causal, kwargs.get("scale"), mask, group, balanced)
     vals = n.meta["val"]
     return tuple(DTensor.from_local(o, mesh, p, run_check=False, shape=v.shape, stride=v.stride())
                  for o, p, v in zip(outs, out_placements, vals))

@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor, Shard
 
+from autopar.sequence_layout import SequenceLayout
 from autopar.strategies.rules import (ATTENTION_CAUSAL_ARG, SEQ_DIM, SEQUENCE_ATTENTION_QUERY,
                                       attention_is_causal)
 
@@ -60,15 +61,19 @@ def _additive(allowed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 
 def run_local(n: fx.Node, args: tuple, kwargs: dict, out_placements: Sequence[tuple],
-              mesh: Any) -> tuple[DTensor, ...]:
-    """Run the node on local blocks with an explicit causal mask; the planned DTensors."""
+              mesh: Any, layout: SequenceLayout | None = None) -> tuple[DTensor, ...]:
+    """Run the node on local blocks with an explicit causal mask; the planned DTensors. With a
+    balanced cp ``layout``, the rank's queries are its chunk pair (their positions from it)."""
     q = args[_QUERY[n.target]]
     k = args[_QUERY[n.target] + 1]
     start, size = query_offset(q.shape[SEQ_DIM], q.placements, mesh)
     keys = k.shape[SEQ_DIM]
     local = [a.to_local() if isinstance(a, DTensor) else a for a in args]
     query = local[_QUERY[n.target]]
-    rows = torch.arange(start, start + size, device=query.device)
+    if layout is not None and layout.follows(q.placements[layout.axis], q.shape):
+        rows = layout.positions(q.shape[SEQ_DIM], start, size, device=query.device)
+    else:
+        rows = torch.arange(start, start + size, device=query.device)
     mask = _additive(torch.arange(keys, device=query.device)[None, :] <= rows[:, None], query)
     given = kwargs.get("attn_mask")
     if given is not None:  # (the kernel takes an additive mask of the queries' dtype)

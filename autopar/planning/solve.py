@@ -10,6 +10,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
+from autopar._torch_private import _StridedShard
 from autopar.config import Config
 from autopar.cost_models.passes import run_cost_passes
 from autopar.cost_models.sharding import (REGATHERED_LAYERS, SpaceCosts, deferred_gradient_matrix, price_space,
@@ -24,9 +25,7 @@ from autopar.cost_models.liveness import StageRun
 from autopar.cost_models.experts import expert_weight_params
 from autopar.solver.ilp import InfeasibleMemoryError, format_bytes
 from autopar.solver.intra_op import IntraOpResult, ilp_groups, solve_intra_op
-from autopar.planning.records import (
-    NORMS,
-)
+from autopar.planning.records import NORMS, cp_layout, graph_sequence_length
 from autopar.plan_context import ExplainContext, attach, context_of
 from autopar.capture.layers import is_backward, is_op
 from autopar.capture.remat import recompute_nodes
@@ -103,7 +102,7 @@ def priced_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidat
     for axis in range(len(cand.shape)):
         if axis in cand.cp_axes:
             _pin_attention(traced, space, axis, form=config.cp_attention)
-            _sequence_only(traced, space, axis)
+            _sequence_only(traced, space, axis, balanced_axis(traced, config, cand) == axis)
         else:
             _pin_attention(traced, space, axis, sequence=False)
         _pin_experts(traced, space, axis, axis in cand.ep_axes)
@@ -111,7 +110,8 @@ def priced_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidat
     share = regathered_share(traced) if config.zero == 3 and not zero_once else 1.0
     costs = run_cost_passes(price_space(traced, space, mesh.topology, config.optimizer, recompute,
                                         zero_axes, share, config.expert_load_skew,
-                                        memo=price_memo),
+                                        memo=price_memo, balanced_axis=balanced_axis(
+                                            traced, config, cand)),
                             space, mesh.topology, cost_passes)
     if activation_scale != 1:
         # parameters are held once; a gradient coming in from the next stage (a tangent) is
@@ -122,6 +122,14 @@ def priced_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidat
     if gradient_share != 1.0 and gradient_axes(cand):
         costs = _deferred_gradients(traced, space, costs, mesh, cand, gradient_share)
     return space, _with_recompute_peak(traced, costs)
+
+
+def balanced_axis(traced: TracedGraph, config: Config, cand: Candidate) -> int | None:
+    """The cp axis of ``cand`` when the plan will hold its sequence in chunk pairs
+    (:func:`~autopar.planning.records.cp_layout`), else ``None``."""
+    if cp_layout(traced, config, cand)["cp_layout"] != "balanced":
+        return None
+    return cand.names.index("cp")
 
 
 def regathered_share(traced: TracedGraph) -> float:
@@ -290,20 +298,28 @@ def _shapes(val: Any) -> list[tuple[int, ...] | None]:
     return [tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in vals]
 
 
-def _sequence_only(traced: TracedGraph, space: StrategySpace, axis: int) -> None:
+def _sequence_only(traced: TracedGraph, space: StrategySpace, axis: int,
+                   balanced: bool = False) -> None:
     """Context parallelism: on the cp ``axis``, keep the strategies that shard only dims as
     long as the sequence (or nothing: replicated, partial). The cp axis splits the sequence;
     splitting a hidden or head dim over it too would be tensor parallelism on the wrong axis,
     and those strategies multiply the (cp, tp) ILP's size several times over (20,087 against
-    2,813 strategies for a Llama-7B layer on (cp=4, tp=2) at 32K tokens). A node left with none
-    keeps all of its own."""
-    shapes = [i.shape for i in traced.inputs if len(i.shape) >= 2]
-    if not shapes:
+    2,813 strategies for a Llama-7B layer on (cp=4, tp=2) at 32K tokens). Parameters stay whole
+    on it (a parameter dim as long as the sequence is not the sequence: the balanced layout of
+    ``autopar.sequence_layout`` arranges only the sequence). ``balanced``: the plan holds the
+    sequence in chunk pairs, which a dim split on an axis before cp too (nested inside that
+    axis's blocks) cannot follow: such strategies are dropped. A node left with none keeps all
+    of its own."""
+    seq = graph_sequence_length(traced)
+    if seq is None:
         return
-    seq = shapes[0][1]
+    params = {p.node for p in traced.params}
 
     def ok(pl: Any, shape: tuple[int, ...] | None) -> bool:
         p = pl[axis]
+        if balanced and isinstance(p, (Shard, _StridedShard)) and any(
+                isinstance(q, (Shard, _StridedShard)) and q.dim == p.dim for q in pl[:axis]):
+            return False
         return not isinstance(p, Shard) or (shape is not None and p.dim < len(shape)
                                             and shape[p.dim] == seq)
 
@@ -314,7 +330,10 @@ def _sequence_only(traced: TracedGraph, space: StrategySpace, axis: int) -> None
         ins = [_shapes(traced.node(v[0]).meta.get("val"))[v[1]] for v in ns.inputs]
         keep = tuple(s for s in ns.strategies
                      if all(o is None or ok(o, sh) for o, sh in zip(s.outputs, outs))
-                     and all(ok(i, sh) for i, sh in zip(s.inputs, ins)))
+                     and all(ok(i, sh) for i, sh in zip(s.inputs, ins))
+                     and (name not in params or not any(
+                         o is not None and isinstance(o[axis], (Shard, _StridedShard))
+                         for o in s.outputs)))
         if keep:
             space.nodes[name] = dataclasses.replace(ns, strategies=keep)
 

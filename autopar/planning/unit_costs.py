@@ -21,6 +21,7 @@ from autopar.cost_models.experts import (
 from autopar.cost_models.sharding import alias_root, recomputed_bytes, state_bytes_per_element
 from autopar.cost_models.training_step import RECOMPUTE, LayerCosts, UnitCosts
 from autopar.planning.pipeline import chosen_comm
+from autopar.planning.records import graph_sequence_length
 from autopar.strategies.rules import EXPERT_OPS
 from autopar.strategies.reshard import local_shape
 from autopar.strategies.space import tensor_inputs
@@ -49,7 +50,7 @@ def layer_costs(traced: Any, fwd: Any, space: Any, costs: Any, choice: dict[str,
                 xwf=ExpertsWork(0.0, 0.0, 0.0), xwb=ExpertsWork(0.0, 0.0, 0.0), xfs=0.0)
            for _ in units]
     tied_state, tied_elems = _add_state(traced, costs, choice, unit_of, backward, optimizer, acc)
-    params, seq = {p.node for p in traced.params}, _seq_len(traced)
+    params, seq = {p.node for p in traced.params}, graph_sequence_length(traced)
     chains = regathered_nodes(traced)
     for n in nodes:
         if n.name in choice and n.name not in params:
@@ -219,11 +220,6 @@ def _recompute_peaks(traced: Any, space: Any, choice: dict[str, int],
                 acc[unit_of[name]] = acc.get(unit_of[name], 0.0) + float(nbytes)
         out[policy] = acc
     return out
-
-
-def _seq_len(traced: Any) -> int | None:
-    shapes = [i.shape for i in traced.inputs if len(i.shape) >= 2]
-    return shapes[0][1] if shapes else None
 
 
 def _is_attention_core(n: Any, seq: int | None) -> bool:

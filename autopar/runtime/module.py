@@ -22,6 +22,7 @@ from autopar._torch_private import tree_flatten
 from autopar.errors import InputMismatchError
 from autopar.graph import TracedGraph
 from autopar.plan import Plan
+from autopar.sequence_layout import layout_of_plan
 from autopar.passes.gather_buffers import compilable, gather_into_buffers
 from autopar.passes.lower import placements_of
 from autopar.capture.stages import set_module_attr
@@ -41,6 +42,7 @@ class ParallelModule(StateDictMixin, nn.Module):
         self.plan = plan
         self.device_mesh = mesh
         self._traced = traced
+        self._layout = layout_of_plan(plan)
         self._program = local_program
         # what step() runs (passes.gather_buffers, made on first use); forward() splits
         # _program itself
@@ -82,6 +84,8 @@ class ParallelModule(StateDictMixin, nn.Module):
                 raise InputMismatchError(
                     f"input {info.index} is {got}; the plan was made for {info.shape} "
                     f"{info.dtype}. Re-plan with example inputs of this shape (the global batch).")
+            if self._layout is not None:  # the sequence in the chunk pairs of the cp ranks
+                x = self._layout.arrange_input(x, placements_of(placements))
             dt = distribute_tensor(x, self.device_mesh, placements_of(placements), src_data_rank=None)
             out.append(dt.to_local())
         return out

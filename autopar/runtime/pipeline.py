@@ -46,6 +46,7 @@ from autopar.graph import TracedGraph
 from autopar.passes.gather_buffers import all_gather_into_buffer
 from autopar.passes.lower import placements_of
 from autopar.capture.stages import StageGraph, set_module_attr
+from autopar.sequence_layout import SequenceLayout, layout_of_plan
 from autopar.plan import Plan
 from autopar.runtime.faults import collective_failures
 from autopar.runtime.prefetch import GatherAhead, Issue, gathering_stages
@@ -220,6 +221,7 @@ class PipelineModule(StateDictMixin, nn.Module):
         if pipe is None:
             raise PlanError("PipelineModule needs a plan with a pipeline; use ParallelModule.")
         self.plan, self.device_mesh = plan, device_mesh
+        layout_of_plan(plan)  # (checks that every stage holds the sequence as the plan does)
         self._timeout_s = timeout_s
         # seconds of each start-up phase (autopar.parallelize fills it; compile_s: the stages'
         # graphs, compiled on the first step)
@@ -442,9 +444,10 @@ class PipelineModule(StateDictMixin, nn.Module):
         for j in self._stage_modules:
             infos = self._traced[j].inputs
             placements = pipe.stages[j].inputs
+            layout = layout_of_plan(pipe.stages[j])  # (the sequence's chunk pairs over cp)
             self._feeder.inputs[j] = [
-                [distribute_tensor(chunk[info.index], self._submesh, placements_of(pl),
-                                   src_data_rank=None).to_local()
+                [distribute_tensor(_arranged(chunk[info.index], layout, placements_of(pl)),
+                                   self._submesh, placements_of(pl), src_data_rank=None).to_local()
                  for info, pl in zip(infos, placements)]
                 for chunk in chunks]
             self._feeder.next[j] = 0
@@ -531,3 +534,9 @@ class PipelineModule(StateDictMixin, nn.Module):
         """Not available for a pipelined plan: a pipeline runs forward and backward together."""
         raise PlanError("a pipelined plan runs forward and backward together: call "
                         "pmodel.step(*inputs), which returns the loss and fills p.grad.")
+
+
+def _arranged(x: torch.Tensor, layout: SequenceLayout | None, placements: tuple) -> torch.Tensor:
+    """An input of a stage in the order its split over cp needs (as it is without a balanced
+    layout)."""
+    return x if layout is None else layout.arrange_input(x, placements)

@@ -15,6 +15,8 @@ import pytest
 from collective_bytes import routing_independent
 from conftest import BF16_TOL, FP32_TOL, assert_matches_one_process, run_worker
 
+from autopar.sequence_layout import SequenceLayout
+
 MODELS = ("mlp", "gpt", "gpt2", "llama")
 MESHES = {2: ("tp=2", "dp=2", ""), 4: ("tp=4", "dp=2,tp=2", "")}
 
@@ -73,13 +75,15 @@ ZERO3_CURVE = "gpt:dp=2,zero=3,curve=1,dim=256,heads=4,layers=4,batch=8,seq=64"
 COMPILED = {2: ["mlp:tp=2,compile=1", "mlp:dp=2,compile=1"], 4: ["mlp:dp=2,tp=2,compile=1"]}
 # Context parallelism (the sequence split over cp), in both forms of attention: the keys and
 # values gathered over cp before the rank's queries attend to them, or passed around the cp
-# ranks block by block (ring attention, passes.ring_attention): cp=2 on the GPT on 2 processes,
-# cp=2 x tp=2 on 4; for the default suite's time, Llama (RoPE, an explicit causal mask) with
+# ranks block by block (ring attention, passes.ring_attention), the sequence held in the
+# balanced chunk pairs (autopar.sequence_layout; once in contiguous blocks): cp=2 on the GPT on
+# 2 processes, cp=2 x tp=2 on 4; for the default suite's time, Llama (RoPE, an explicit causal mask) with
 # cp=2, cp=4, cp=2 x dp=2 (the ring's with ZeRO-3), pp=2 x cp=2, and the ring with selective
 # recomputation and with bf16, in test_slow.py.
 _CP = "dim=64,heads=4,layers=2,batch=4,seq=64"
 _G, _R = "cp_attention=gather", "cp_attention=ring"
-CONTEXT = {2: [f"gpt:cp=2,{_G},{_CP}", f"gpt:cp=2,{_R},memory=1,{_CP}"],
+CONTEXT = {2: [f"gpt:cp=2,{_G},{_CP}", f"gpt:cp=2,{_R},memory=1,{_CP}",
+               f"gpt:cp=2,{_R},cp_layout=contiguous,{_CP}"],
            4: [f"gpt:cp=2,tp=2,{form},{_CP}" for form in (_G, _R)]}
 CONTEXT_SLOW = {2: [f"llama:cp=2,{_G}", f"llama:cp=2,{_R}", f"gpt:cp=2,{_R},recompute=selective,{_CP}",
                     f"gpt:cp=2,{_R},mixed_precision=bf16,{_CP}"],
@@ -360,6 +364,13 @@ def check_context_parallel(check: str, r: dict, cp: int) -> None:
     assert r["degrees"]["cp"] == cp, (check, r["degrees"])
     form = "ring" if _R in check else "gather"
     assert r["techniques"]["cp_attention"] == form, (check, r["techniques"])
+    layout = "contiguous" if "cp_layout=contiguous" in check else "balanced"
+    assert r["techniques"]["cp_layout"] == layout, (check, r["techniques"])
+    if "cp_held_row" in r:  # rank 0's positions: chunks 0 and 2cp-1 (balanced), or block 0
+        whole, seq = r["cp_whole_row"], len(r["cp_whole_row"])
+        held = SequenceLayout(0, cp).positions(seq, 0, seq // cp).tolist() \
+            if layout == "balanced" else list(range(seq // cp))
+        assert r["cp_held_row"] == [whole[p] for p in held], (check, r["cp_held_row"])
     # (the collectives are [kind, phase, bytes, the node reading it]: the ring's, attention)
     ring = {c[1] for c in r["collectives"] if c[0] == "send" and "attention" in c[3]}
     assert ring == ({"forward", "backward"} if form == "ring" else set()), (check, ring)

@@ -40,7 +40,7 @@ from models import build  # noqa: E402
 _MODEL_KEYS = {"dim", "batch", "seq", "layers", "heads", "d_in", "d_hidden", "d_out", "explicit",
                "tied"}
 _RUN_KEYS = {"compile", "memory", "curve"}
-_TEXT_KEYS = {"schedule", "recompute", "mixed_precision", "cp_attention"}
+_TEXT_KEYS = {"schedule", "recompute", "mixed_precision", "cp_attention", "cp_layout"}
 
 
 def _parse(check: str) -> tuple[str, dict, dict, str]:
@@ -143,7 +143,19 @@ def run_check(check: str) -> dict:
         "grad_buckets": [list(b) for b in plan.grad_buckets],
         "param_bytes": [p.numel() * p.element_size() for p in ref.parameters()],
         "n_params": len(list(pm.named_parameters())), "ref_n_params": len(ref_grads),
-    }
+    } | _cp_held(pm, inputs)
+
+
+def _cp_held(pm, inputs) -> dict:
+    """With a cp axis: the first input's first row, whole and as rank 0 holds it (which
+    positions the plan's layout gave rank 0)."""
+    if pm.plan.degrees.get("cp", 1) == 1:
+        return {}
+    args, kwargs = (inputs, {}) if not isinstance(inputs, dict) else ((), inputs)
+    flat = [x for x in list(args) + list(kwargs.values()) if isinstance(x, torch.Tensor)]
+    local = pm._local_inputs(args, kwargs)
+    first = next(i for i, x in enumerate(flat) if x.dim() >= 2)
+    return {"cp_whole_row": flat[first][0].tolist(), "cp_held_row": local[first][0].tolist()}
 
 
 def _max_over_ranks(x: float) -> float:

@@ -112,6 +112,18 @@ def test_a_causal_ring_is_priced_at_its_last_rank_which_skips_nothing_but_half_a
         pytest.approx((n - 0.5) * slow)
 
 
+def test_a_balanced_causal_ring_is_priced_at_half_a_block_a_step():
+    """With the balanced chunk pairs every rank computes half a block at each of its n steps
+    (tests/unit/test_sequence_layout.py counts them): n/2 blocks against the contiguous last
+    rank's n - 1/2; without a causal mask the layout changes nothing."""
+    topo = get_preset("h100-dgx")
+    shapes, n = [(1, 8, 8192, 128)] * 3, 4
+    slow = 10 * send_recv_time(2 * 8 * (8192 // n) * 128 * 2, topo.intra_node)
+    args = (_FWD, [(S2,)] * 3, shapes, 2, (n,), topo, slow)
+    assert ring_seconds(*args, causal=True, balanced=True) == pytest.approx(n * slow / 2)
+    assert ring_seconds(*args, causal=False, balanced=True) == ring_seconds(*args)
+
+
 def test_ring_workspace_counts_the_blocks_in_flight_and_the_float32_accumulators():
     """bf16 [1, 8, 4096, 128] over cp=4: a rank's block of keys is 1 MiB elements (2 MiB). The
     forward holds the stacked keys and values of the block it computes on and of the one
@@ -163,10 +175,10 @@ def test_a_row_with_every_key_masked_gives_the_kernels_zeros_not_nan():
     mask = torch.zeros(1, 1, 4, 4)
     mask[..., 1, :] = float("-inf")  # query row 1 sees no key
     out, lse = _FWD(q, k, v, 0.0, False, attn_mask=mask)
-    ring_out, ring_lse = ring_attention(q, k, v, False, None, mask, "")
+    ring_out, ring_lse = ring_attention(q, k, v, False, None, mask, "", False)
     assert torch.equal(ring_lse, lse) and torch.allclose(ring_out, out)
     want = _BWD(grad, q, k, v, out, lse, 0.0, False, attn_mask=mask)
-    got = ring_attention_backward(grad, q, k, v, ring_out, ring_lse, False, None, mask, "")
+    got = ring_attention_backward(grad, q, k, v, ring_out, ring_lse, False, None, mask, "", False)
     for g, w in zip(got, want):
         assert torch.isfinite(g).all() and torch.allclose(g, w, atol=1e-6)
 
