@@ -7,11 +7,12 @@ rank ``r`` chunks ``r`` and ``2n - 1 - r``: every rank then holds one early and 
 and each does the same work (Megatron-LM's ``get_batch_on_this_cp_rank``; torchtitan's
 ``_HeadTailLoadBalancer``).
 
-How autopar holds it: a value sharded on the cp axis on a dim of the sequence's length holds,
-as its DTensor, the sequence in *arranged* order, the chunks ``0, 2n-1, 1, 2n-2, ...``, so that
-DTensor's contiguous split of it gives rank ``r`` its pair. Every op that DTensor's rules keep
-sharded on that dim computes each position independently of where it sits (pointwise, matmul
-rows, norms over another dim, the loss's sum), so it gives the same values in any order; the
+How autopar holds it: a value split on the cp axis holds, as its DTensor, that dim in
+*arranged* order, the chunks ``0, 2n-1, 1, 2n-2, ...``, so that DTensor's contiguous split of
+it gives rank ``r`` its pair (every dim split there, not only the sequence's: see
+:class:`SequenceLayout`). Every op that DTensor's rules keep split on that dim computes each position independently of where it sits (pointwise, matmul
+rows, norms over another dim, the loss's sum), so it gives the same values in any order
+(random ops aside: a dropout mask drawn for arranged positions is another draw); the
 moves in and out of a split on the cp axis (:func:`autopar.passes.lower.reshard`) arrange a
 value before it is split and restore the natural order after it is gathered, and the ops that
 depend on where a position is (attention's causal mask: ``passes.seq_attention`` and
@@ -57,14 +58,21 @@ class SequenceLayout:
         n = self.ranks
         return [c for r in range(n) for c in (r, 2 * n - 1 - r)]
 
+    def divides(self, placement: Any, shape: Sequence[int]) -> bool:
+        """Whether a value of ``shape`` placed ``placement`` on the cp axis can be held
+        arranged: not split there, or its dim (each part of a strided split) cut into the
+        ``2 * ranks`` chunks."""
+        if not isinstance(placement, (Shard, _StridedShard)):
+            return True
+        parts = _parts(placement)
+        return shape[placement.dim] % (parts * 2 * self.ranks) == 0
+
     def follows(self, placement: Any, shape: Sequence[int]) -> bool:
         """Whether a value of ``shape`` placed ``placement`` on the cp axis is held arranged
-        (split there); an error if its dim (or each part of a strided split) does not divide
-        into the ``2 * ranks`` chunks."""
+        (split there); an error if it cannot be (:meth:`divides`)."""
         if not isinstance(placement, (Shard, _StridedShard)):
             return False
-        length = shape[placement.dim] // _parts(placement)
-        if shape[placement.dim] % _parts(placement) or length % (2 * self.ranks):
+        if not self.divides(placement, shape):
             raise NotImplementedError(
                 f"the balanced cp layout cuts a dim split over cp into 2 x cp = "
                 f"{2 * self.ranks} chunks; dim {placement.dim} of a value of shape "

@@ -268,6 +268,14 @@ class _Interpreter:
                 fixed[i] = DTensor.from_local(o, self.mesh, placements_of(p), run_check=False)
             elif isinstance(o, DTensor) and p is not None and tuple(o.placements) != placements_of(p):
                 dst = placements_of(p)
+                if self.layout is not None and o.placements[self.layout.axis] != dst[self.layout.axis]:
+                    # DTensor's own moves on cp did not arrange: the values would be wrong
+                    raise NotImplementedError(
+                        f"lowering {n.name} ({n.target}): DTensor placed output {i} as "
+                        f"{tuple(o.placements)} on its own, the plan as {p}, and the plan holds "
+                        f"the sequence in balanced chunk pairs over cp, which DTensor's moves do "
+                        f"not follow. Use Config(cp_layout='contiguous'), and please report this "
+                        f"with the model.")
                 steps = reshard_steps(tuple(o.placements), dst, tuple(o.shape), o.element_size(),
                                       tuple(self.mesh.shape))
                 warnings.warn(

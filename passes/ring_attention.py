@@ -146,7 +146,7 @@ def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     size = k.shape[SEQ_DIM]
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-    layout = None  # the kernel's outputs on the rank's own block: the strides to return in
+    like = None  # the kernel's outputs on the rank's own block: the strides to return in
     for t in range(ring.size):
         step = RingStep((ring.me - t) % ring.size, ring.me, ring.size, size, causal, balanced)
         pending = ring.start(kv) if t < ring.size - 1 else None
@@ -155,7 +155,7 @@ def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
             m = step.mask(mask)
             o, lse_t = _FORWARD(q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], 0.0,
                                 step.causal, attn_mask=m, scale=scale)
-            layout = layout or (o, lse_t)
+            like = like or (o, lse_t)
             lse_t = lse_t.float()
             dead = _masked_rows(m, lse_t)
             if dead is not None:
@@ -166,7 +166,7 @@ def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     # a row with every key masked: output 0 and log-sum-exp 0, as the kernel gives it (with
     # -inf, the backward's exp(score - lse) would be NaN)
     lse = lse.masked_fill(torch.isneginf(lse), 0.0)
-    return torch.empty_like(layout[0]).copy_(out), torch.empty_like(layout[1]).copy_(lse)
+    return torch.empty_like(like[0]).copy_(out), torch.empty_like(like[1]).copy_(lse)
 
 
 ring_attention = torch.library.custom_op("autopar::ring_attention", mutates_args=())(_ring_attention)
@@ -189,7 +189,7 @@ def _ring_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tenso
     size = k.shape[SEQ_DIM]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     incoming = None  # the keys' and values' gradients of the block held, on their way here
-    layout = None  # the kernel's gradients of the rank's own block: the strides to return in
+    like = None  # the kernel's gradients of the rank's own block: the strides to return in
     for t in range(ring.size):
         step = RingStep((ring.me - t) % ring.size, ring.me, ring.size, size, causal, balanced)
         pending = ring.start(kv) if t < ring.size - 1 else None
@@ -202,7 +202,7 @@ def _ring_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         dkv = (_Ring.finish(incoming) if incoming is not None
                else torch.zeros(kv.shape, dtype=torch.float32, device=kv.device))
         if share is not None:
-            layout = layout or share
+            like = like or share
             dq[..., rows, :] += share[0]
             dkv[0][..., keys, :] += share[1]
             dkv[1][..., keys, :] += share[2]
@@ -210,7 +210,7 @@ def _ring_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         if pending is not None:
             kv = _Ring.finish(pending)
     dkv = _Ring.finish(incoming)
-    return tuple(torch.empty_like(like).copy_(g) for like, g in zip(layout, (dq, dkv[0], dkv[1])))
+    return tuple(torch.empty_like(t).copy_(g) for t, g in zip(like, (dq, dkv[0], dkv[1])))
 
 
 ring_attention_backward = torch.library.custom_op(

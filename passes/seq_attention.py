@@ -70,7 +70,8 @@ def run_local(n: fx.Node, args: tuple, kwargs: dict, out_placements: Sequence[tu
     keys = k.shape[SEQ_DIM]
     local = [a.to_local() if isinstance(a, DTensor) else a for a in args]
     query = local[_QUERY[n.target]]
-    if layout is not None and layout.follows(q.placements[layout.axis], q.shape):
+    if layout is not None and layout.follows(q.placements[layout.axis], q.shape) and \
+            q.placements[layout.axis].dim == SEQ_DIM:
         rows = layout.positions(q.shape[SEQ_DIM], start, size, device=query.device)
     else:
         rows = torch.arange(start, start + size, device=query.device)

@@ -39,6 +39,7 @@ from autopar.planning.candidates import Candidate, mesh_candidates
 from autopar.planning.collectives import step_end_reductions
 from autopar.planning.solve import solve_candidate, solve_space
 from autopar.planning.records import param_shards
+from autopar.planning.sequence import common_cp_layout
 from autopar.planning.stage_reuse import renamed_stage_plan, stage_key
 from autopar.solver.stage_cuts import LayerCost, solve_cuts
 from autopar.strategies.reshard import local_shape
@@ -445,6 +446,7 @@ def build_pipeline_plan(model: Any, example_inputs: Any, facts: ModelFacts, mesh
         for p in traced.params:
             placed.setdefault(fwd.canonical.get(p.name, p.name), plan.params[p.name])
         plans.append(plan)
+    plans = common_cp_layout(plans, config)
     rank = _rank_memory(plans, setup, setup.pp)
     if budget is not None and max(rank) > budget * (1 + 1e-9):
         r = max(range(setup.pp), key=rank.__getitem__)

@@ -12,14 +12,14 @@ from autopar._torch_private import OpOverload
 
 from autopar.capture.layers import aten_ops, is_op, module_paths, node_phase
 from autopar.config import Config
-from autopar.errors import PlanError
 from autopar.cost_models.sharding import stored_placement
 from autopar.graph import TracedGraph
 from autopar.capture.remat import recompute_nodes
 from autopar.plan import NodePlan
+from autopar.planning.sequence import cp_layout
 from autopar.strategies.rules import SEQ_DIM, SEQUENCE_ATTENTION_QUERY
 
-__all__ = ["NORMS", "applied_techniques", "cp_attention_form", "cp_layout", "graph_sequence_length", "describe_nodes", "local_elements", "param_shards",
+__all__ = ["NORMS", "applied_techniques", "cp_attention_form", "describe_nodes", "local_elements", "param_shards",
            "precision", "stored_params"]
 
 # the normalisation ops sequence parallelism shards (as solve.pin_norms pins them)
@@ -98,34 +98,7 @@ def applied_techniques(traced: TracedGraph, config: Config, cand: Any,
             "sequence_parallel": _sequence_sharded(
         traced, cand, nodes), "mixed_precision": precision(traced, config),
             "cp_attention": cp_attention_form(traced, cand, nodes),
-            **cp_layout(traced, config, cand)}, notes
-
-
-def graph_sequence_length(traced: TracedGraph) -> int | None:
-    """The sequence length cp splits: dim 1 of the first input with two dims or more, on a
-    pipeline stage without such an input of its first activation from the previous stage
-    (``[batch, seq, ...]``); ``None`` without either."""
-    shapes = [tuple(i.shape) for i in traced.inputs] + \
-        [tuple(traced.node(b).meta["val"].shape) for b in traced.boundary_inputs]
-    shapes = [s for s in shapes if len(s) >= 2]
-    return shapes[0][1] if shapes else None
-
-
-def cp_layout(traced: TracedGraph, config: Config, cand: Any) -> dict[str, Any]:
-    """The plan's ``cp_layout``, as :func:`autopar.sequence_layout.layout_of_plan` reads it: ``"balanced"`` where there is a
-    cp axis, ``Config.cp_layout`` does not say ``"contiguous"`` and the sequence divides by
-    2 x cp; else ``"contiguous"``. Asking for ``"balanced"`` where the sequence does not divide
-    is an error."""
-    if "cp" not in cand.names or config.cp_layout == "contiguous":
-        return {"cp_layout": "contiguous"}
-    cp, seq = cand.shape[cand.names.index("cp")], graph_sequence_length(traced)
-    if seq is None or seq % (2 * cp):
-        if config.cp_layout == "balanced":
-            raise PlanError(f"Config(cp_layout='balanced') cuts the sequence into 2 x cp = "
-                            f"{2 * cp} chunks; the inputs' sequence ({seq}) does not divide. Use a "
-                            f"sequence length divisible by {2 * cp}, or cp_layout='contiguous'.")
-        return {"cp_layout": "contiguous"}
-    return {"cp_layout": "balanced"}
+            **cp_layout(traced, config, cand, nodes)}, notes
 
 
 def cp_attention_form(traced: TracedGraph, cand: Any, nodes: dict[str, NodePlan]) -> str:

@@ -25,7 +25,8 @@ from autopar.cost_models.liveness import StageRun
 from autopar.cost_models.experts import expert_weight_params
 from autopar.solver.ilp import InfeasibleMemoryError, format_bytes
 from autopar.solver.intra_op import IntraOpResult, ilp_groups, solve_intra_op
-from autopar.planning.records import NORMS, cp_layout, graph_sequence_length
+from autopar.planning.records import NORMS
+from autopar.planning.sequence import cp_layout, graph_sequence_length
 from autopar.plan_context import ExplainContext, attach, context_of
 from autopar.capture.layers import is_backward, is_op
 from autopar.capture.remat import recompute_nodes
@@ -99,19 +100,13 @@ def priced_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidat
         sequence_parallel = config.sequence_parallel
     if sequence_parallel is not None and "tp" in cand.names:
         _pin_norms(traced, space, cand.names.index("tp"), sequence_parallel)
-    for axis in range(len(cand.shape)):
-        if axis in cand.cp_axes:
-            _pin_attention(traced, space, axis, form=config.cp_attention)
-            _sequence_only(traced, space, axis, balanced_axis(traced, config, cand) == axis)
-        else:
-            _pin_attention(traced, space, axis, sequence=False)
-        _pin_experts(traced, space, axis, axis in cand.ep_axes)
+    balanced = balanced_axis(traced, config, cand)
+    _pin_axes(traced, space, config, cand, balanced)
     recompute = recompute_nodes(traced, config.recompute or "none")
     share = regathered_share(traced) if config.zero == 3 and not zero_once else 1.0
     costs = run_cost_passes(price_space(traced, space, mesh.topology, config.optimizer, recompute,
                                         zero_axes, share, config.expert_load_skew,
-                                        memo=price_memo, balanced_axis=balanced_axis(
-                                            traced, config, cand)),
+                                        memo=price_memo, balanced_axis=balanced),
                             space, mesh.topology, cost_passes)
     if activation_scale != 1:
         # parameters are held once; a gradient coming in from the next stage (a tangent) is
@@ -124,9 +119,22 @@ def priced_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidat
     return space, _with_recompute_peak(traced, costs)
 
 
+def _pin_axes(traced: TracedGraph, space: StrategySpace, config: Config, cand: Candidate,
+              balanced: int | None) -> None:
+    """Per mesh axis: attention on the sequence over cp only, the cp axis splitting only the
+    sequence (``balanced``: the cp axis held in chunk pairs, or ``None``), experts over ep."""
+    for axis in range(len(cand.shape)):
+        if axis in cand.cp_axes:
+            _pin_attention(traced, space, axis, form=config.cp_attention)
+            _sequence_only(traced, space, axis, balanced == axis)
+        else:
+            _pin_attention(traced, space, axis, sequence=False)
+        _pin_experts(traced, space, axis, axis in cand.ep_axes)
+
+
 def balanced_axis(traced: TracedGraph, config: Config, cand: Candidate) -> int | None:
     """The cp axis of ``cand`` when the plan will hold its sequence in chunk pairs
-    (:func:`~autopar.planning.records.cp_layout`), else ``None``."""
+    (:func:`~autopar.planning.sequence.cp_layout`, before solving), else ``None``."""
     if cp_layout(traced, config, cand)["cp_layout"] != "balanced":
         return None
     return cand.names.index("cp")
@@ -320,8 +328,10 @@ def _sequence_only(traced: TracedGraph, space: StrategySpace, axis: int,
         if balanced and isinstance(p, (Shard, _StridedShard)) and any(
                 isinstance(q, (Shard, _StridedShard)) and q.dim == p.dim for q in pl[:axis]):
             return False
-        return not isinstance(p, Shard) or (shape is not None and p.dim < len(shape)
-                                            and shape[p.dim] == seq)
+        if not isinstance(p, (Shard, _StridedShard)):
+            return True  # (a strided split: each of its parts as long as the sequence)
+        return shape is not None and p.dim < len(shape) and \
+            shape[p.dim] == seq * getattr(p, "split_factor", 1)
 
     for name, ns in space.nodes.items():
         if len(ns.strategies) <= 1:

@@ -21,7 +21,7 @@ from autopar.cost_models.experts import (
 from autopar.cost_models.sharding import alias_root, recomputed_bytes, state_bytes_per_element
 from autopar.cost_models.training_step import RECOMPUTE, LayerCosts, UnitCosts
 from autopar.planning.pipeline import chosen_comm
-from autopar.planning.records import graph_sequence_length
+from autopar.planning.sequence import graph_sequence_length
 from autopar.strategies.rules import EXPERT_OPS
 from autopar.strategies.reshard import local_shape
 from autopar.strategies.space import tensor_inputs

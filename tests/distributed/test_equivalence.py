@@ -134,7 +134,7 @@ def _checks(n: int) -> list[str]:
     checks = [f"{m}:{mesh}" for m, mesh in _pairs(n)] + (MEGATRON[n] if n == 2 else []) + TECHNIQUES[n] \
         + COMPILED[n] + CONTEXT[n]
     checks += [DATA_PARALLEL[n], SEQUENCE_PARALLEL, *BF16, BF16_CURVE, ZERO3_CURVE, "errors",
-               "self_check", *EXAMPLES, *MOE, *EXPERT_PARALLEL[2]] \
+               "self_check", "cp_moves", *EXAMPLES, *MOE, *EXPERT_PARALLEL[2]] \
         if n == 2 else []
     return checks
 
@@ -231,6 +231,19 @@ def test_the_comparison_sees_every_rank_and_small_gradients(world):
         assert_matches_one_process(r, FP32_TOL, autograd=False)
 
 
+def test_the_balanced_cp_layout_moves_keep_every_value_and_give_each_rank_its_pair(world):
+    """reshard with the balanced layout on 2 processes: after a split into the cp axis, an
+    all-to-all between dims, a strided split and a reduce-scatter, each rank holds the values
+    at chunks r and 2cp-1-r (per part of a strided split; the sum to float32 rounding), and
+    the value gathered back is whole, in natural order."""
+    n, results = world
+    if n != 2:
+        pytest.skip("checked on 2 processes")
+    r = results["cp_moves"]
+    assert "error" not in r, r.get("trace")
+    assert len(r["moves"]) == 6 and all(err <= 1e-6 for err in r["moves"].values()), r["moves"]
+
+
 def test_forced_degrees_are_respected(world):
     n, results = world
     expected = {MESHES[n][0]: [n], "dp=2,tp=2": [2, 2]}
@@ -254,7 +267,7 @@ def check_comm_equals_plan(check: str, r: dict) -> None:
 def test_runtime_collectives_equal_plan(world):
     n, results = world
     for check, r in results.items():
-        if check in ("errors", "self_check", BF16_CURVE, ZERO3_CURVE) or check in EXAMPLES:
+        if check in ("errors", "self_check", "cp_moves", BF16_CURVE, ZERO3_CURVE) or check in EXAMPLES:
             continue
         check_comm_equals_plan(check, _ok(r))
 

@@ -16,6 +16,7 @@ not hide the others.
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 from collections import Counter
 import json
 import os
@@ -146,7 +147,7 @@ def run_check(check: str) -> dict:
     } | _cp_held(pm, inputs)
 
 
-def _cp_held(pm, inputs) -> dict:
+def _cp_held(pm: Any, inputs: Any) -> dict:
     """With a cp axis: the first input's first row, whole and as rank 0 holds it (which
     positions the plan's layout gave rank 0)."""
     if pm.plan.degrees.get("cp", 1) == 1:
@@ -290,6 +291,45 @@ def run_self_check() -> dict:
     return compare_on_every_rank(pm, ref, loss, ref_loss) | {"perturbed": f"{smallest}@1"}
 
 
+def run_cp_moves() -> dict:
+    """The balanced cp layout's moves (passes.lower.reshard with a SequenceLayout) on a 1-D mesh
+    of every rank: per move, the largest error of the rank's block against the values at its
+    chunk pairs (per part of a strided split), and of the value gathered back (0 when right)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    from autopar._torch_private import _StridedShard
+    from autopar.passes.lower import reshard
+    from autopar.sequence_layout import SequenceLayout
+
+    n, me = dist.get_world_size(), dist.get_rank()
+    mesh, layout = init_device_mesh("cpu", (n,)), SequenceLayout(0, n)
+    torch.manual_seed(0)  # (every rank the same values)
+    x = torch.randn(2, 8 * n, 8 * n)
+
+    def expected(value: torch.Tensor, p) -> torch.Tensor:  # the rank's block of ``value``
+        parts = getattr(p, "split_factor", 1)
+        part = value.shape[p.dim] // parts
+        idx = torch.cat([k * part + layout.positions(part, me * part // n, part // n)
+                         for k in range(parts)])
+        return value.index_select(p.dim, idx)
+
+    start = DTensor.from_local(x, mesh, (Replicate(),), run_check=False)
+    out = {}
+    for a, b in [(Replicate(), Shard(1)), (Shard(1), Shard(2)), (Shard(2), Shard(1)),
+                 (Shard(1), _StridedShard(2, split_factor=2)),
+                 (Replicate(), _StridedShard(1, split_factor=2))]:
+        moved = reshard(reshard(start, (a,), mesh, layout), (b,), mesh, layout)
+        back = reshard(moved, (Replicate(),), mesh, layout).to_local()
+        out[f"{a}->{b}"] = max((moved.to_local() - expected(x, b)).abs().max().item(),
+                               (back - x).abs().max().item())
+    partial = DTensor.from_local(x * (me + 1), mesh, (Partial(),), run_check=False)
+    summed = x * n * (n + 1) / 2
+    moved = reshard(partial, (Shard(1),), mesh, layout).to_local()
+    out["P->S(1)"] = (moved - expected(summed, Shard(1))).abs().max().item()
+    return {"moves": out}
+
+
 def run_errors() -> dict:
     """Bad input in a real job: a mesh of another size, a saved plan of another model or mesh,
     and call-time inputs unlike the plan's."""
@@ -374,7 +414,8 @@ def run_one(check: str, workdir: str) -> dict:
         elif check.startswith("prof:"):
             record = run_profile(check.split(":", 1)[1])
         else:
-            record = {"errors": run_errors, "self_check": run_self_check}.get(check, lambda: run_check(check))()
+            record = {"errors": run_errors, "self_check": run_self_check,
+                      "cp_moves": run_cp_moves}.get(check, lambda: run_check(check))()
     except Exception as e:  # recorded for the test to report; the job goes on
         record = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}
         print(f"rank {dist.get_rank()}: {check}: {record['trace']}", file=sys.stderr, flush=True)

@@ -140,3 +140,29 @@ def test_the_plan_holds_the_sequence_in_pairs_where_it_divides():
         autopar.plan(model, mesh, inputs, config=autopar.Config(cp=2, cp_layout="balanced"))
     with pytest.raises(ValueError, match="Config.cp_layout='pairs'"):
         autopar.Config(cp_layout="pairs")
+
+
+class _TwoInputs(torch.nn.Module):
+    """Token ids ``[b, 64]`` and a second input ``[b, 6]`` whose dim 1 is not the sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.proj = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 32)
+        self.extra = torch.nn.Linear(6, 16)
+
+    def forward(self, ids: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.emb(ids) + self.extra(extra).unsqueeze(1)).pow(2).mean()
+
+
+def test_a_plan_splitting_on_cp_a_dim_that_does_not_divide_falls_back_to_contiguous():
+    """The planner splits every input's dim 1 over cp; a ``[2, 6]`` input's does not cut into
+    2 x cp = 4 chunks, which the runtime could not arrange: the plan holds the sequence in
+    contiguous blocks, and asking for the pairs names the value."""
+    mesh = autopar.Mesh.virtual("h100-dgx", nodes=1, gpus_per_node=2)
+    inputs = (torch.randint(0, 32, (2, 64)), torch.randn(2, 6))
+    plan = autopar.plan(_TwoInputs(), mesh, inputs, config=autopar.Config(cp=2))
+    assert plan.inputs[1] == ("S(1)",), plan.inputs
+    assert plan.techniques["cp_layout"] == "contiguous"
+    with pytest.raises(autopar.PlanError, match=r"shape \(2, 6\), planned S\(1\) on cp"):
+        autopar.plan(_TwoInputs(), mesh, inputs,
+                     config=autopar.Config(cp=2, cp_layout="balanced"))
