@@ -329,7 +329,8 @@ def _sequence_only(traced: TracedGraph, space: StrategySpace, axis: int,
                 isinstance(q, (Shard, _StridedShard)) and q.dim == p.dim for q in pl[:axis]):
             return False
         if not isinstance(p, (Shard, _StridedShard)):
-            return True  # (a strided split: each of its parts as long as the sequence)
+            return True
+        # (a strided split: each of its parts as long as the sequence)
         return shape is not None and p.dim < len(shape) and \
             shape[p.dim] == seq * getattr(p, "split_factor", 1)
 
