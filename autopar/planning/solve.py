@@ -24,6 +24,7 @@ from autopar.planning.buckets import reduce_at_outputs
 from autopar.cost_models.liveness import StageRun
 from autopar.cost_models.experts import expert_weight_params
 from autopar.solver.ilp import InfeasibleMemoryError, format_bytes
+from autopar.solver.mip import SolverTimeoutError
 from autopar.solver.intra_op import IntraOpResult, ilp_groups, solve_intra_op
 from autopar.planning.records import NORMS
 from autopar.planning.sequence import cp_layout, graph_sequence_length
@@ -469,6 +470,11 @@ def _within_budget(solve: Callable[[float | None], tuple], budget: float | None)
             least = solve(e.required_bytes * (1 + 1e-6))[3].predicted["peak_memory_bytes"]
         except InfeasibleMemoryError:
             raise e from None
+        except SolverTimeoutError as late:  # (the bound above stands; say why there is no more)
+            raise InfeasibleMemoryError(
+                f"{e} (The least-memory plan itself was not solved within the time limit, so "
+                f"its peak as the program runs is not known: {late})",
+                required_bytes=e.required_bytes, budget_bytes=budget) from late
         raise InfeasibleMemoryError(
             f"{e} As the program runs (the backward's buffers beside the saved values), that "
             f"plan needs {format_bytes(least)} per device.",

@@ -227,6 +227,27 @@ def test_config_round_trip():
         autopar.Config.from_dict(dict(c.to_dict(), tpp=2))
 
 
+def test_a_budget_error_stays_one_when_the_least_memory_solve_runs_out_of_time():
+    """Over budget, the planner solves again for the least-memory plan to report its peak; when
+    that solve runs out of time the error is still the budget's (with its bound and why there is
+    no more), not the solver's timeout (found planning a 32-layer Llama at 131K tokens)."""
+    from autopar.planning.solve import _within_budget
+    from autopar.solver.ilp import InfeasibleMemoryError
+    from autopar.solver.mip import SolverTimeoutError
+
+    def solve(budget):
+        if budget == 100.0:
+            raise InfeasibleMemoryError("no sharding plan fits", required_bytes=500.0,
+                                        budget_bytes=budget)
+        raise SolverTimeoutError("HiGHS found no feasible sharding within the time limit")
+
+    with pytest.raises(autopar.InfeasibleMemoryError) as err:
+        _within_budget(solve, 100.0)
+    assert err.value.required_bytes == 500.0 and err.value.budget_bytes == 100.0
+    assert "no sharding plan fits" in str(err.value) and "time limit" in str(err.value)
+    assert isinstance(err.value.__cause__, SolverTimeoutError)
+
+
 def test_impossible_memory_budget(small):
     model, inputs, _ = small
     with pytest.raises(autopar.InfeasibleMemoryError) as err:
