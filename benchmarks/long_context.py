@@ -10,14 +10,16 @@ row as copied, with its caveats, is in ``data/published_runs.json``, source ``ll
 Its printed DP (4) does not multiply out to its GPUs: DP 8 does, and gives its 16M tokens
 (8 x 16 x 131,072), so DP 8 is priced. What the paper leaves out is assumed and printed: one
 sequence per microbatch, the interleaved schedule with 2 or 4 virtual stages (it says
-interleaved, not how many), each recomputation setting in turn, ZeRO-1 (its FSDP keeps the
-weights whole after the forward) and sequence parallelism.
+interleaved, not how many), each recomputation setting in turn, sequence parallelism, and
+ZeRO-1 (its FSDP shards the optimizer states and gradients and keeps the weights whole after
+the forward: ZeRO-2, which autopar runs as the same program as ZeRO-1, ``Config.zero``).
 
 The paper gives TFLOP/s, not seconds; turning them into a step time needs its FLOP count,
-which it does not print. Two counts bracket it: the matmuls (6 x the weights' multiply-adds x
-2 per token) plus attention's score and value products over every key (12 x layers x sequence
-x hidden per token, the usual convention), or over the causal half (what the kernels compute).
-At 131K tokens attention is a large share, so the two differ by 28%: the comparison is a range.
+which it does not print. Two counts bracket it: the matmuls (6 FLOPs per weight per token,
+forward and backward) plus attention's score and value products over every key (12 x layers x
+sequence x hidden per token, the usual convention), or over the causal half (what the kernels
+compute). At 131K tokens attention is a large share: the first count is 40% above the second,
+so the comparison is a range.
 
 ``--search`` also runs the setup search on the same model, cluster and batch (tensor
 parallelism pinned to 8, one node, as every published run of this size has it), which prints
@@ -71,7 +73,7 @@ def price_published(solver: LayerSolver, recompute: str, virtual: int) -> dict[s
                   sequence_parallel=True, even_split=True)
     t0 = time.perf_counter()
     cost = solver.price(setup)
-    row = {"setup": setup.describe(), "predicted_s": cost.step_time_s, "fits": cost.fits,
+    row = {"setup": setup.describe(), "predicted_s": cost.step_time_s, "fits": bool(cost.fits),
            "peak_gib": max(cost.rank_memory_bytes) / 2**30, "price_s": time.perf_counter() - t0,
            "parts_s": {k: float(v) for k, v in cost.parts.items()},
            "stage_time_s": [float(t) for t in cost.stage_time_s[:2]]}

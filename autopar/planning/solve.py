@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -89,7 +90,6 @@ def priced_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidat
     if base_space is None:
         base_space = unpinned_space(traced, cand, config)
     space = dataclasses.replace(base_space, nodes=dict(base_space.nodes))
-    _pin_data_axes(traced, mesh, config, cand, space)
     zero_axes = tuple(cand.zero_axes) if config.zero and zero_once else ()
     for axis in cand.ep_axes:  # (before ZeRO's sharding, which leaves them split there)
         _store_experts_split(traced, space, axis, cand.shape[axis])
@@ -104,6 +104,7 @@ def priced_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidat
         _pin_norms(traced, space, cand.names.index("tp"), sequence_parallel)
     balanced = balanced_axis(traced, config, cand)
     _pin_axes(traced, space, config, cand, balanced)
+    _pin_data_axes(traced, mesh, config, cand, space)
     recompute = recompute_nodes(traced, config.recompute or "none")
     share = regathered_share(traced) if config.zero == 3 and not zero_once else 1.0
     costs = run_cost_passes(price_space(traced, space, mesh.topology, config.optimizer, recompute,
@@ -132,13 +133,18 @@ def _pin_data_axes(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candid
                    space: StrategySpace) -> None:
     """On a mesh of :data:`PIN_DATA_FROM_AXES` axes or more, keep of each node's strategies
     those that place it on every data-parallel axis (not an expert-parallel one) as the
-    intra-operator ILP of that axis alone places it (the batch split, parameters replicated,
-    their gradients partial sums: data parallelism, as the setup search prices the dp axis).
-    A node with no strategy that agrees keeps all of its own. Requires: ``space`` unpinned (ZeRO
-    and the experts' split come after). Guarantees: every node keeps at least one strategy."""
+    intra-operator ILP of that axis alone places it (typically the batch split, parameters
+    replicated and their gradients partial sums: the data parallelism the setup search prices).
+    A node with no strategy that agrees keeps all of its own (a parameter stored by ZeRO's
+    placement among them). Applied last of the pins, so that no later pin can empty a node. The
+    one-axis ILP prices the axis as a mesh of its own (intra-node links, the whole graph's
+    compute), which can change only the choice of nodes the batch split and the replicated
+    parameters leave open; it is not asked the user's cost passes. A one-axis solve that runs
+    out of time leaves that axis free, with a warning (the restriction is a speed-up, not a
+    requirement). Guarantees: every node keeps at least one strategy."""
     if sum(d > 1 for d in cand.shape) < PIN_DATA_FROM_AXES:
         return
-    solved: dict[int, tuple[StrategySpace, dict[str, int]]] = {}
+    solved: dict[int, tuple[StrategySpace, dict[str, int] | None]] = {}
     for axis in cand.dp_axes:
         if axis in cand.ep_axes or cand.shape[axis] == 1:
             continue
@@ -147,9 +153,17 @@ def _pin_data_axes(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candid
             alone = Candidate((size,), ("dp",), (0,))
             plain = dataclasses.replace(config, zero=0, recompute="none", sequence_parallel=None)
             one, costs = priced_space(traced, mesh, plain, alone, ())
-            solved[size] = (one, solve_intra_op(traced, one, costs, None,
-                                                config.solver_time_limit_s).choice)
+            try:
+                solved[size] = (one, solve_intra_op(traced, one, costs, None,
+                                                    config.solver_time_limit_s).choice)
+            except SolverTimeoutError as e:
+                warnings.warn(f"the data-parallel axis {cand.names[axis]} was not placed on its "
+                              f"own first ({e}); the ILP places it with the others, more slowly. "
+                              f"Raise Config.solver_time_limit_s to place it first.")
+                solved[size] = (one, None)
         one, choice = solved[size]
+        if choice is None:
+            continue
         for name, ns in space.nodes.items():
             chosen = one.nodes[name].strategies[choice[name]]
             keep = tuple(s for s in ns.strategies if _agrees(s, chosen, axis))
@@ -473,7 +487,8 @@ def _within_budget(solve: Callable[[float | None], tuple], budget: float | None)
         except SolverTimeoutError as late:  # (the bound above stands; say why there is no more)
             raise InfeasibleMemoryError(
                 f"{e} (The least-memory plan itself was not solved within the time limit, so "
-                f"its peak as the program runs is not known: {late})",
+                f"its peak as the program runs is not known: {late}; raise "
+                f"Config.solver_time_limit_s to know it.)",
                 required_bytes=e.required_bytes, budget_bytes=budget) from late
         raise InfeasibleMemoryError(
             f"{e} As the program runs (the backward's buffers beside the saved values), that "
@@ -487,7 +502,7 @@ def _within_budget(solve: Callable[[float | None], tuple], budget: float | None)
         ilp_budget -= over
         try:
             out = solve(ilp_budget)
-        except InfeasibleMemoryError:
+        except (InfeasibleMemoryError, SolverTimeoutError):  # (the plan before stands)
             break
     peak = out[3].predicted["peak_memory_bytes"]
     if budget is not None and peak > budget * (1 + 1e-9):
