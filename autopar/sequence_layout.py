@@ -109,8 +109,11 @@ class SequenceLayout:
 
     def _local(self, x: DTensor, placement: Any, order: list[int]) -> DTensor:
         dim = placement.dim
+        # (an earlier axis's plain split holds whole sequences a block: each rank's block is
+        # arranged as one, nested_views)
         split = [a for a, p in enumerate(x.placements)
-                 if isinstance(p, (Shard, _StridedShard)) and p.dim == dim]
+                 if isinstance(p, (Shard, _StridedShard)) and p.dim == dim
+                 and not (a < self.axis and type(p) is Shard and type(placement) is Shard)]
         if split:
             raise NotImplementedError(
                 f"the balanced cp layout reorders dim {dim} of a value of shape "

@@ -318,6 +318,12 @@ def _record_search(plan: Plan, cost: StepCost, result: SearchResult, failed: lis
     if failed:
         warnings.append(f"{len(failed)} better-ranked setup(s) could not be placed per operator "
                         f"and were skipped: " + "; ".join(failed))
+    if st.cp > 1 and st.dp > 1 and st.microbatch_size > 1:
+        warnings.append(
+            f"dp={st.dp} x cp={st.cp} with {st.microbatch_size} sequences a dp rank: the "
+            f"linear layers (batch and sequence flattened) run on the whole sequence on each cp "
+            f"rank, and the search priced them split; a batch of one sequence per dp rank "
+            f"(batch = dp x microbatches) splits them (autopar.strategies.nested_views)")
     # recompute, zero and sequence_parallel as the placements apply them (plan.techniques), not
     # as the setup asked: a setting the model gives nothing to is recorded off, with a warning
     techniques = {**plan.techniques, "microbatch_size": st.microbatch_size * st.dp,

@@ -296,6 +296,9 @@ def candidate_setups(num_devices: int, gpus_per_node: int, batch: int, num_block
                     continue
                 if cp > 1 and pp > 1 and b > 1 and config.microbatch_size is None:
                     continue  # a long sequence's microbatch is one sample (Llama 3 at 128K)
+                if cp > 1 and dp > 1 and b > 1 and None in (config.cp, config.dp):
+                    continue  # (the linears split over dp x cp need one sequence a dp rank:
+                    # strategies.nested_views; a mesh the user gives is kept, with a warning)
                 # Config.microbatch_size counts the samples of a microbatch over all replicas
                 if config.microbatch_size not in (None, b * dp):
                     continue

@@ -385,13 +385,17 @@ def _sequence_only(traced: TracedGraph, space: StrategySpace, axis: int,
     def ok(pl: Any, shape: tuple[int, ...] | None) -> bool:
         p = pl[axis]
         if balanced and isinstance(p, (Shard, _StridedShard)) and any(
-                isinstance(q, (Shard, _StridedShard)) and q.dim == p.dim for q in pl[:axis]):
-            return False
+                isinstance(q, (Shard, _StridedShard)) and q.dim == p.dim
+                and (type(q) is not Shard or type(p) is not Shard) for q in pl[:axis]):
+            return False  # (plain splits nest in whole sequences: arranged per block)
         if not isinstance(p, (Shard, _StridedShard)):
             return True
-        # (a strided split: each of its parts as long as the sequence)
+        # (a strided split: each of its parts as long as the sequence; a split nested in an
+        # earlier axis's blocks: each of those blocks, batch and sequence merged, one sequence)
+        outer = math.prod(space.mesh_shape[a] for a, q in enumerate(pl[:axis])
+                          if type(q) is Shard and q.dim == p.dim)
         return shape is not None and p.dim < len(shape) and \
-            shape[p.dim] == seq * getattr(p, "split_factor", 1)
+            shape[p.dim] == seq * getattr(p, "split_factor", 1) * outer
 
     for name, ns in space.nodes.items():
         if len(ns.strategies) <= 1:

@@ -31,6 +31,7 @@ from autopar._torch_private import (
 from autopar.errors import PlanError, UnsupportedOpError
 from autopar.graph import TracedGraph
 from autopar.strategies import fused
+from autopar.strategies.nested_views import VIEW_OPS, nested_view_strategies
 from autopar.strategies import rules as _rules  # noqa: F401  (registers autopar's own rules)
 
 __all__ = ["boundary_placements", "build_space", "clear_enumerations", "NodeSpace", "Placements", "representatives", "Strategy",
@@ -387,10 +388,20 @@ class _Builder:
                     n, f"DTensor's rule for {op} failed ({type(first).__name__}: {first}; "
                        f"{'; '.join(errors[:2])})")
             strategies = list(dict.fromkeys(strategies))
+        if op in VIEW_OPS and len(inputs) == 1:  # (DTensor's rule keeps one split of a merge)
+            strategies = list(dict.fromkeys(strategies + self._nested_views(n, inputs[0])))
         strategies = [st for st in strategies if not _mixes_strided(st)]  # (see there)
         if not strategies:
             return self._fallback(n, f"no even sharding of {op} fits the shapes")
         return strategies, "dtensor"
+
+    def _nested_views(self, n: fx.Node, source: fx.Node) -> list[Strategy]:
+        """The view's strategies that keep two nested splits (:mod:`.nested_views`)."""
+        in_shape, out_shape = tuple(source.meta["val"].shape), tuple(n.meta["val"].shape)
+        pairs = nested_view_strategies(in_shape, out_shape, self.candidates(self.value(source)),
+                                       self.mesh_shape)
+        return [Strategy((o,), (i,)) for i, o in pairs
+                if _even(in_shape, i, self.mesh_shape) and _even(out_shape, o, self.mesh_shape)]
 
     def _strided_rep(self, inputs: list[fx.Node]) -> Placements | None:
         for a in inputs:

@@ -36,7 +36,7 @@ from checkpoint_check import run_checkpoint  # noqa: E402
 from collective_bytes import routing_independent  # noqa: E402
 from examples_check import run_example  # noqa: E402
 from grads import compare_on_every_rank  # noqa: E402
-from models import build  # noqa: E402
+from models import build, slow_compute  # noqa: E402
 
 _MODEL_KEYS = {"dim", "batch", "seq", "layers", "heads", "d_in", "d_hidden", "d_out", "explicit",
                "tied"}
@@ -63,15 +63,9 @@ def _parse(check: str) -> tuple[str, dict, dict, str]:
 
 
 def topology(name: str):
-    """A preset, or ``slow-compute``: compute 1e4x slower than an A100 and links 10x faster, so
-    the solver shards every op it can (used to exercise sharding on small models)."""
-    from autopar.cost_models.topology import AxisLink, custom
-
-    if name != "slow-compute":
-        return name
-    fast = AxisLink(bandwidth_Bps=2e12, latency_s=1e-9, launch_s=1e-9)
-    return custom("slow-compute", base="a100-dgx", peak_flops={"fp32": 2e9, "bf16": 3e10},
-                  mem_bandwidth_Bps=2e8, intra_node=fast, inter_node=fast)
+    """A preset, or ``slow-compute`` (:func:`models.slow_compute`: the solver shards every op
+    it can)."""
+    return slow_compute() if name == "slow-compute" else name
 
 
 def _precision(cfg: dict):
@@ -149,14 +143,24 @@ def run_check(check: str) -> dict:
 
 def _cp_held(pm: Any, inputs: Any) -> dict:
     """With a cp axis: the first input's first row, whole and as rank 0 holds it (which
-    positions the plan's layout gave rank 0)."""
+    positions the plan's layout gave rank 0), and how many forward linears split their rows on
+    dp and cp both."""
     if pm.plan.degrees.get("cp", 1) == 1:
         return {}
     args, kwargs = (inputs, {}) if not isinstance(inputs, dict) else ((), inputs)
     flat = [x for x in list(args) + list(kwargs.values()) if isinstance(x, torch.Tensor)]
     local = pm._local_inputs(args, kwargs)
     first = next(i for i, x in enumerate(flat) if x.dim() >= 2)
-    return {"cp_whole_row": flat[first][0].tolist(), "cp_held_row": local[first][0].tolist()}
+    plan = pm.plan
+    linears = [p for p in plan.nodes.values() if p.op in ("aten.mm", "aten.addmm")
+               and p.phase == "forward"]
+    rows = [p.inputs[-2 if p.op == "aten.addmm" else 0] for p in linears]
+    dp_cp = [plan.axis_names.index(a) for a in ("dp", "cp") if a in plan.axis_names]
+    return {"cp_whole_row": flat[first][0].tolist(), "cp_held_row": local[first][0].tolist(),
+            # the forward linears, and those whose rows are split on dp and cp both (nested)
+            "cp_linears": len(linears),
+            "cp_nested_linears": sum(len(dp_cp) == 2 and all(r[a] == "S(0)" for a in dp_cp)
+                                     for r in rows)}
 
 
 def _max_over_ranks(x: float) -> float:

@@ -10,7 +10,7 @@ from torch.distributed.tensor import Replicate, Shard
 import autopar
 from autopar.errors import PlanError
 from autopar.passes.seq_attention import query_offset
-from models import build
+from models import build, slow_compute
 
 
 def _plan(cp: int, devices: int, **config) -> autopar.Plan:
@@ -202,3 +202,41 @@ def test_a_three_axis_mesh_places_its_data_axis_as_that_axis_alone_does(monkeypa
     assert all(set(pinned.nodes[n].strategies) <= set(free.nodes[n].strategies) for n in free.nodes)
     assert sum(map(len, (ns.strategies for ns in pinned.nodes.values()))) * 3 < sum(
         map(len, (ns.strategies for ns in free.nodes.values())))
+
+
+@pytest.mark.parametrize("form", ["gather", "ring"])
+def test_dp_beside_cp_splits_the_linear_layers_on_both_axes(form):
+    """One sequence a dp rank: the traced linears' ``[b, s, h] -> [b * s, h]`` keeps the batch's
+    split over dp nested with the sequence's over cp (``strategies.nested_views``), so every
+    matmul is split over all four devices, as the search priced it. (Without the nested views
+    DTensor's view rule asks the flatten's input whole on cp: each forward matmul ran on the
+    whole sequence on both cp ranks.) Priced on ``slow-compute`` so that splitting pays."""
+    model, inputs = build("gpt", dim=64, heads=4, layers=2, batch=2, seq=64)
+    mesh = autopar.Mesh.virtual(slow_compute(), nodes=1, gpus_per_node=4)
+    plan = autopar.plan(model, mesh, inputs,
+                        config=autopar.Config(dp=2, cp=2, tp=1, zero=0, cp_attention=form))
+    assert plan.axis_names == ("dp", "cp")
+    mms = [n for n, p in plan.nodes.items() if p.op in ("aten.mm", "aten.addmm")
+           and p.phase == "forward"]
+    assert len(mms) == 9  # (qkv, proj, two MLP linears a layer; the head)
+    for name in mms:  # (the activations' rows, the weight whole)
+        rows = plan.nodes[name].inputs[-2 if plan.nodes[name].op == "aten.addmm" else 0]
+        assert rows == ("S(0)", "S(0)"), (name, plan.nodes[name])
+    assert plan.predicted.step_time_s > 0
+
+
+def test_nested_views_merge_and_split_one_block_a_rank_of_the_outer_axis():
+    from autopar.strategies.nested_views import nested_view_strategies
+    r, s = Replicate(), Shard
+    mesh = (2, 2, 2)  # (dp, cp, tp)
+    # [2, 8, 6] -> [16, 6]: batch on dp, sequence on cp, hidden on tp
+    merged = nested_view_strategies((2, 8, 6), (16, 6), [(s(0), s(1), s(2)), (s(0), r, r),
+                                                        (s(1), s(0), r), (r, s(1), r)], mesh)
+    assert merged == [((s(0), s(1), s(2)), (s(0), s(0), s(1)))]
+    # the reverse view splits the nested pair back
+    assert nested_view_strategies((16, 6), (2, 8, 6), [(s(0), s(0), s(1))], mesh) == \
+        [((s(0), s(0), s(1)), (s(0), s(1), s(2)))]
+    # two sequences a dp rank: the merged dim is not the rank's block of the sequence
+    assert nested_view_strategies((4, 8, 6), (32, 6), [(s(0), s(1), r)], mesh) == []
+    # a view that merges no split pair
+    assert nested_view_strategies((2, 8, 6), (2, 48), [(s(0), s(1), r)], mesh) == []

@@ -11,7 +11,7 @@ from torch.distributed.tensor import Replicate, Shard
 import autopar
 from autopar.capture import capture
 from autopar.cost_models.passes import clear_cost_passes, registered_cost_passes
-from autopar.cost_models.topology import AxisLink, custom
+from models import slow_compute
 from autopar.mesh import planning_device_mesh
 from autopar.strategies.rules import registered_rules
 from autopar.strategies.space import build_space
@@ -132,13 +132,6 @@ class _Scaled(nn.Module):
         return self.fc2(scale2(self.fc1(x))).sum()
 
 
-def _slow_compute():
-    """Compute 1e4x slower than an A100 and nearly free links: sharding every op it can pays."""
-    fast = AxisLink(bandwidth_Bps=2e12, latency_s=1e-9, launch_s=1e-9)
-    return custom("slow-compute", base="a100-dgx", peak_flops={"fp32": 2e9, "bf16": 3e10},
-                  mem_bandwidth_Bps=2e8, intra_node=fast, inter_node=fast)
-
-
 def _scale2_nodes(traced):
     op = torch.ops.autopar_test.scale2.default
     return [n.name for n in traced.gm.graph.nodes if n.op == "call_function" and n.target is op]
@@ -151,7 +144,7 @@ def test_custom_op_rule_is_used_by_the_planner():
     traced = capture(model, (x,))
     nodes = _scale2_nodes(traced)
     assert len(nodes) == 2  # forward and backward (the backward calls scale2 again)
-    mesh = autopar.Mesh.virtual(_slow_compute(), nodes=1, gpus_per_node=2)
+    mesh = autopar.Mesh.virtual(slow_compute(), nodes=1, gpus_per_node=2)
     config = autopar.Config(tp=2)
 
     # without a rule: replicated, with a warning per node
