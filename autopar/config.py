@@ -32,7 +32,7 @@ class Config:
             activations split over ``cp`` ranks, attention run over them in the form of
             ``cp_attention``, parameters replicated on them and their gradients all-reduced.
             ``None``: the setup search tries it for sequences of 65,536 tokens or more, 1
-            otherwise (``autopar.planning.search.CP_MIN_SEQUENCE``).
+            otherwise (``autopar.planning.setups.CP_MIN_SEQUENCE``).
         cp_attention: how attention runs over cp: ``"gather"`` (the keys and values
             all-gathered over the cp ranks before the rank's queries attend to them, their
             gradients reduce-scattered after: Llama 3's form), ``"ring"`` (the keys and values

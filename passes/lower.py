@@ -39,6 +39,7 @@ from autopar.passes import experts as expert_ops, ring_attention, seq_attention
 from autopar.plan import Plan
 from autopar.sequence_layout import SequenceLayout, layout_of_plan
 from autopar.strategies import fused
+from autopar.strategies.nested_views import VIEW_OPS
 from autopar.strategies.reshard import local_shape, reshard_steps
 
 __all__ = ["lower_to_local", "placements_of", "reshard"]
@@ -115,9 +116,6 @@ def _slice_strided(x: DTensor, axis: int, after: tuple, mesh: Any) -> DTensor:
 
 def _spec_like(x: DTensor, placements: tuple) -> Any:
     return DTensorSpec(x.device_mesh, placements, tensor_meta=x._spec.tensor_meta)
-
-
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 
 class _Interpreter:
@@ -238,7 +236,7 @@ class _Interpreter:
         if not tensor_inputs or not private.has_rule(n.target):
             # factory ops and ops without a rule: the plan replicates them; run on full tensors
             return _run_replicated(n, args, kwargs, self.mesh)
-        if n.target in _VIEWS:
+        if n.target in VIEW_OPS:
             return _local_view(n, args[0], placements_of(choice.outputs[0]), self.mesh, self.layout)
         if n.target is torch.ops.aten.expand.default and _strided(choice.outputs[0]):
             return _local_expand(n, args[0], placements_of(choice.outputs[0]), self.mesh)

@@ -9,11 +9,14 @@ sequence before its matmul) whole on each cp rank. When the outer dim holds one 
 of its axis, the rank's block of the merged dim is the rank's block of the inner dim, and the
 two splits nest as DTensor nests two ``Shard`` of one dim (the earlier mesh axis outermost):
 ``(Shard(d) on a, Shard(d + 1) on b)`` on the input is ``(Shard(d), Shard(d))`` on the output,
-a local view on every rank.
+a local view on every rank. The outer dim may be split over several axes (the batch over the
+two axes of sharded data parallelism, or over dp and ep) and the inner over several, as long as
+every outer axis comes before every inner one.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -21,29 +24,27 @@ from torch.distributed.tensor import Shard
 
 __all__ = ["VIEW_OPS", "nested_view_strategies"]
 
-VIEW_OPS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
-                      torch.ops.aten.reshape.default})
-
-Placements = tuple  # (one placement per mesh axis)
+# the views the lowering runs on local tensors (passes.lower; a traced reshape decomposes to them)
+VIEW_OPS = frozenset({torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default})
 
 
 def nested_view_strategies(in_shape: Sequence[int], out_shape: Sequence[int],
-                           candidates: Sequence[Placements], mesh_shape: Sequence[int]
-                           ) -> list[tuple[Placements, Placements]]:
-    """``(input placements, output placements)`` of the view ``in_shape -> out_shape`` for the
-    input ``candidates`` that split two neighbouring dims, merged (or split) by the view, over
-    two mesh axes, the outer dim one block per rank of the earlier axis. Every other axis must
-    split no dim the view changes. Empty when the view merges or splits no such pair."""
+                           candidates: Sequence[tuple], mesh_shape: Sequence[int]
+                           ) -> list[tuple[tuple, tuple]]:
+    """``(input placements, output placements)`` (one placement per mesh axis) of the view
+    ``in_shape -> out_shape`` for the input ``candidates`` that split two neighbouring dims
+    the view merges (or that it splits back) on disjoint mesh axes, the outer dim's axes all
+    before the inner dim's and the outer dim one block per rank of its axes (its size the
+    product of their sizes). Any strided split gives none. Empty when the view merges or
+    splits no such pair."""
     merge = _merged_dim(in_shape, out_shape)
     split = _merged_dim(out_shape, in_shape)
+    if merge is None and split is None:
+        return []
     out = []
     for pl in candidates:
-        if merge is not None:
-            mapped = _merge(pl, merge, in_shape, mesh_shape)
-        elif split is not None:
-            mapped = _split(pl, split, out_shape, mesh_shape)
-        else:
-            return []
+        mapped = _merge(pl, merge, in_shape, mesh_shape) if merge is not None \
+            else _split(pl, split, out_shape, mesh_shape)
         if mapped is not None:
             out.append((tuple(pl), mapped))
     return out
@@ -61,52 +62,43 @@ def _merged_dim(wide: Sequence[int], narrow: Sequence[int]) -> int | None:
     return None
 
 
-def _pair(pl: Placements, outer: int, inner: int, outer_size: int,
-          mesh_shape: Sequence[int]) -> tuple[int, int] | None:
-    """The mesh axes (a, b), a < b, splitting dims ``outer`` and ``inner``, the outer dim one
-    block per rank of a; None if ``pl`` does not split them so."""
-    on = {}
-    for axis, p in enumerate(pl):
-        if type(p) is Shard and p.dim in (outer, inner):
-            if p.dim in on:
-                return None
-            on[p.dim] = axis
-    if set(on) != {outer, inner} or on[outer] > on[inner] or outer_size != mesh_shape[on[outer]]:
-        return None
-    return on[outer], on[inner]
+def _on(pl: tuple, dim: int) -> list[int]:
+    """The mesh axes that split ``dim`` with a plain ``Shard``, in order."""
+    return [axis for axis, p in enumerate(pl) if type(p) is Shard and p.dim == dim]
 
 
-def _merge(pl: Placements, d: int, in_shape: Sequence[int], mesh_shape: Sequence[int]
-           ) -> Placements | None:
-    axes = _pair(pl, d, d + 1, in_shape[d], mesh_shape)
-    if axes is None:
-        return None
+def _remap(pl: tuple, to: dict[int, int], shift: int, beyond: int) -> tuple | None:
+    """``pl`` with the axes of ``to`` split on their dim there, and every other split of a dim
+    past ``beyond`` moved by ``shift``; None if ``pl`` has a strided split."""
     out = []
     for axis, p in enumerate(pl):
-        if axis in axes:
-            out.append(Shard(d))
+        if axis in to:
+            out.append(Shard(to[axis]))
         elif type(p) is Shard:
-            out.append(Shard(p.dim - 1) if p.dim > d + 1 else p)
-        elif hasattr(p, "dim"):  # (a strided shard: not handled)
+            out.append(Shard(p.dim + shift) if p.dim > beyond else p)
+        elif hasattr(p, "dim"):  # (a strided split)
             return None
         else:
             out.append(p)
     return tuple(out)
 
 
-def _split(pl: Placements, d: int, out_shape: Sequence[int], mesh_shape: Sequence[int]
-           ) -> Placements | None:
-    on = [axis for axis, p in enumerate(pl) if type(p) is Shard and p.dim == d]
-    if len(on) != 2 or out_shape[d] != mesh_shape[on[0]]:
+def _merge(pl: tuple, d: int, in_shape: Sequence[int], mesh_shape: Sequence[int]
+           ) -> tuple | None:
+    """The placements of the merged view of ``pl`` (dims ``d``, ``d + 1`` into ``d``)."""
+    outer, inner = _on(pl, d), _on(pl, d + 1)
+    if not outer or not inner or max(outer) > min(inner) \
+            or math.prod(mesh_shape[a] for a in outer) != in_shape[d]:
         return None
-    out = []
-    for axis, p in enumerate(pl):
-        if axis in on:
-            out.append(Shard(d if axis == on[0] else d + 1))
-        elif type(p) is Shard:
-            out.append(Shard(p.dim + 1) if p.dim > d else p)
-        elif hasattr(p, "dim"):
-            return None
-        else:
-            out.append(p)
-    return tuple(out)
+    return _remap(pl, {a: d for a in outer + inner}, -1, d + 1)
+
+
+def _split(pl: tuple, d: int, out_shape: Sequence[int], mesh_shape: Sequence[int]
+           ) -> tuple | None:
+    """The placements of the view of ``pl`` splitting dim ``d`` into ``d``, ``d + 1`` (the
+    reverse of :func:`_merge`)."""
+    axes = _on(pl, d)
+    for k in range(1, len(axes)):
+        if math.prod(mesh_shape[a] for a in axes[:k]) == out_shape[d]:
+            return _remap(pl, {a: d if i < k else d + 1 for i, a in enumerate(axes)}, 1, d)
+    return None

@@ -1,6 +1,6 @@
 """The planner's own setup space at test size, as worker checks (``worker.py``).
 
-The setups come from :func:`autopar.planning.search.candidate_setups`, the enumeration the setup
+The setups come from :func:`autopar.planning.setups.candidate_setups`, the enumeration the setup
 search prices (not a copy of it): every (dp, tp, pp), microbatch size, schedule, virtual stages,
 recomputation, ZeRO and sequence parallelism it allows for the test GPT on 2 or 4 devices. The
 per-unit planner also emits the GPipe and zero-bubble schedules (when a Config asks for them):
@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from autopar import Config
-from autopar.planning.search import candidate_setups
+from autopar.planning.setups import candidate_setups
 
 __all__ = ["LLAMA", "MODEL", "Kind", "as_check", "kind_of", "one_per_kind", "space"]
 

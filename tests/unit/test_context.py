@@ -5,7 +5,7 @@ tests/distributed/test_equivalence.py)."""
 from __future__ import annotations
 
 import pytest
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 import autopar
 from autopar.errors import PlanError
@@ -76,7 +76,7 @@ def test_query_offset_follows_dtensor_order(placements, shape, coords, expected)
 
 
 def test_the_search_tries_cp_only_for_long_sequences_or_when_asked():
-    from autopar.planning.search import CP_MIN_SEQUENCE, candidate_setups, cp_degrees
+    from autopar.planning.setups import CP_MIN_SEQUENCE, candidate_setups, cp_degrees
 
     short = list(candidate_setups(64, 8, 256, 16, autopar.Config(), seq=CP_MIN_SEQUENCE // 2))
     assert {s.cp for s in short} == {1}
@@ -86,6 +86,26 @@ def test_the_search_tries_cp_only_for_long_sequences_or_when_asked():
     asked = list(candidate_setups(64, 8, 256, 16, autopar.Config(cp=4), seq=2048))
     assert asked and {s.cp for s in asked} == {4}
     assert cp_degrees(autopar.Config(cp=3), 4096, 8) == []  # 3 does not divide 8 devices
+
+
+def test_the_search_keeps_one_sequence_a_dp_rank_beside_cp_unless_nothing_else_is_allowed():
+    """dp > 1 and cp > 1 with two or more sequences a replica's microbatch run the linears whole
+    on cp (``strategies.nested_views``): the search leaves them out while another setup is
+    allowed, and tries them when none is (or when ``microbatch_size`` is set)."""
+    from autopar.planning.setups import all_setups, candidate_setups
+
+    def several(setups):
+        return [s for s in setups if s.cp > 1 and s.dp > 1 and s.microbatch_size > 1]
+
+    cfg = autopar.Config(cp=2)
+    assert several(all_setups(32, 8, 8, 4, cfg, seq=4096))  # (so the next line can fail)
+    kept = list(candidate_setups(32, 8, 8, 4, cfg, seq=4096))
+    assert kept and not several(kept)
+    # tp, pp and cp fixed leave dp = 4 with two sequences a replica: kept, not refused
+    only = list(candidate_setups(32, 8, 8, 4, autopar.Config(cp=2, tp=4, pp=1), seq=4096))
+    assert only and all(s.dp == 4 and s.microbatch_size == 2 for s in only)
+    asked = autopar.Config(cp=2, tp=4, pp=2, microbatch_size=4)
+    assert several(candidate_setups(32, 8, 8, 4, asked, seq=4096))
 
 
 def test_cp_gradients_are_reduced_once_a_step_at_the_step_end():
@@ -226,6 +246,9 @@ def test_dp_beside_cp_splits_the_linear_layers_on_both_axes(form):
 
 
 def test_nested_views_merge_and_split_one_block_a_rank_of_the_outer_axis():
+    """The nested views' placements, and the candidates they refuse: a strided split, the
+    inner dim's axis before the outer's, an outer dim of two blocks a rank."""
+    from autopar._torch_private import _StridedShard
     from autopar.strategies.nested_views import nested_view_strategies
     r, s = Replicate(), Shard
     mesh = (2, 2, 2)  # (dp, cp, tp)
@@ -240,3 +263,15 @@ def test_nested_views_merge_and_split_one_block_a_rank_of_the_outer_axis():
     assert nested_view_strategies((4, 8, 6), (32, 6), [(s(0), s(1), r)], mesh) == []
     # a view that merges no split pair
     assert nested_view_strategies((2, 8, 6), (2, 48), [(s(0), s(1), r)], mesh) == []
+    # a partial sum and a later dim carried over; the batch over two axes (HSDP, or dp and ep)
+    p = Partial()
+    assert nested_view_strategies((2, 8, 6, 4), (16, 6, 4), [(s(0), s(1), p), (r, s(1), s(3))],
+                                  mesh) == [((s(0), s(1), p), (s(0), s(0), p))]
+    assert nested_view_strategies((4, 8, 6), (32, 6), [(s(0), s(0), s(1))], mesh) == \
+        [((s(0), s(0), s(1)), (s(0), s(0), s(0)))]
+    assert nested_view_strategies((32, 6), (4, 8, 6), [(s(0), s(0), s(0))], mesh) == \
+        [((s(0), s(0), s(0)), (s(0), s(0), s(1)))]
+    # refused: the sequence's axis before the batch's, a strided split anywhere
+    assert nested_view_strategies((2, 8, 6), (16, 6), [(s(1), s(0), r)], mesh) == []
+    strided = _StridedShard(2, split_factor=2)
+    assert nested_view_strategies((2, 8, 6), (16, 6), [(s(0), s(1), strided)], mesh) == []

@@ -193,7 +193,7 @@ def test_ep_on_a_model_without_experts_is_refused():
 def test_a_forced_ep_is_searched_without_hybrid_sharding():
     """Hybrid sharding and ep both cut dp: with ep forced, the search offers no hybrid setup
     (one would reach the realization with ep=1 against the config)."""
-    from autopar.planning.search import candidate_setups
+    from autopar.planning.setups import candidate_setups
 
     setups = list(candidate_setups(4, 4, 8, 2, Config(tp=1, pp=1, ep=4), experts=4))
     assert setups and all(s.ep == 4 and s.dp_shard == 0 for s in setups)

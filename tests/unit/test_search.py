@@ -24,7 +24,8 @@ from autopar.cost_models.training_step import (
     LayerCosts, Setup, UnitCosts, blocks_per_stage, price_setup,
 )
 from autopar.model_presets import megatron_gpt
-from autopar.planning.search import LayerSolver, candidate_setups, only_when_needed, search
+from autopar.planning.search import LayerSolver, only_when_needed, search
+from autopar.planning.setups import candidate_setups
 from models import build
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))

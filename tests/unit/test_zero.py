@@ -16,7 +16,8 @@ import autopar
 from autopar.capture import capture
 from autopar.cost_models.training_step import Setup
 from autopar.model_presets import llama
-from autopar.planning.search import LayerSolver, candidate_setups, search
+from autopar.planning.search import LayerSolver, search
+from autopar.planning.setups import candidate_setups
 from models import build
 
 GiB = 2**30

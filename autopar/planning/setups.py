@@ -1,0 +1,188 @@
+"""The setups the whole-plan search prices (DESIGN §6, outer search): every factorisation of
+the devices into (dp, tp, pp, cp, ep) the ``Config`` allows, with tp inside a node, and every
+microbatch size, schedule, recomputation, ZeRO stage and sequence parallelism that goes with it
+(:func:`candidate_setups`)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from autopar.config import Config
+from autopar.cost_models.training_step import RECOMPUTE, Setup
+from autopar.planning.candidates import ep_degrees
+
+__all__ = ["CP_MAX", "CP_MIN_SEQUENCE", "TP_ACROSS_NODES_MAX", "all_setups", "candidate_setups",
+           "cp_degrees", "sequence_length", "tp_degrees", "zero_stages"]
+
+_MAX_MICROBATCH = 8
+_MAX_VIRTUAL = 8
+
+
+def candidate_setups(num_devices: int, gpus_per_node: int, batch: int, num_blocks: int,
+                     config: Config, tp_max: int | None = None,
+                     replica_microbatches: Sequence[int] | None = None,
+                     seq: int | None = None, experts: int = 0) -> Iterator[Setup]:
+    """The setups of :func:`all_setups` (same arguments), less those with dp > 1 and cp > 1 and
+    more than one sequence a replica's microbatch when any other setup is allowed and
+    ``Config.microbatch_size`` is not set: their linear layers run on the whole sequence on
+    each cp rank (the flattened batch and sequence split on both axes needs one sequence a
+    block, ``strategies.nested_views``), which the search does not price."""
+    deferred, yielded = [], False
+    for setup in all_setups(num_devices, gpus_per_node, batch, num_blocks, config, tp_max,
+                            replica_microbatches, seq, experts):
+        if setup.cp > 1 and setup.dp > 1 and setup.microbatch_size > 1 \
+                and config.microbatch_size is None:
+            deferred.append(setup)
+        else:
+            yielded = True
+            yield setup
+    if not yielded:
+        yield from deferred
+
+
+def all_setups(num_devices: int, gpus_per_node: int, batch: int, num_blocks: int,
+               config: Config, tp_max: int | None = None,
+               replica_microbatches: Sequence[int] | None = None,
+               seq: int | None = None, experts: int = 0) -> Iterator[Setup]:
+    """Every setup allowed by ``config``: (dp, tp, pp, cp) with tp dividing a node, cp of
+    :func:`cp_degrees` for a sequence of ``seq`` tokens, ep of :func:`ep_degrees` for MoE
+    layers of ``experts`` experts, microbatch size
+    ``b`` a power of two up to 8 dividing the per-replica batch (Megatron-LM's range, SC'21
+    Fig. 7) with a pipeline, the whole per-replica batch without one (the runtime does not
+    accumulate gradients over microbatches without a pipeline), schedules, recomputation,
+    ZeRO stages (:func:`zero_stages`) and sequence parallelism (only with tp > 1)."""
+    tps = [t for t in tp_degrees(num_devices, gpus_per_node) if t <= (tp_max or t)]
+    for tp, cp in ((t, c) for t in tps for c in cp_degrees(config, seq, num_devices // t)):
+        for pp in _divisors(num_devices // (tp * cp)):
+            dp = num_devices // (tp * cp * pp)
+            if pp > num_blocks or batch % dp or not _allowed(config, dp=dp, tp=tp, pp=pp):
+                continue
+            for b in _divisors(batch // dp):
+                if pp == 1 and b != batch // dp:  # without a pipeline the step runs the whole batch
+                    continue
+                if config.microbatch_size is None and pp > 1 and (b > _MAX_MICROBATCH or b & (b - 1)):
+                    continue
+                if cp > 1 and pp > 1 and b > 1 and config.microbatch_size is None:
+                    continue  # a long sequence's microbatch is one sample (Llama 3 at 128K)
+                # Config.microbatch_size counts the samples of a microbatch over all replicas
+                if config.microbatch_size not in (None, b * dp):
+                    continue
+                if replica_microbatches is not None and b not in replica_microbatches:
+                    continue
+                m = batch // (dp * b)
+                for schedule, v in _schedule_options(pp, m, num_blocks, config):
+                    for rc in RECOMPUTE:
+                        for zero, shard in _sharding(config, dp, pp):
+                            # (with cp, the sequence is split already: no sp on tp too)
+                            for sp in (False, True) if tp > 1 and cp == 1 else (False,):
+                                if not _allowed(config, recompute=rc, sequence_parallel=sp):
+                                    continue
+                                # the runtime reduces a pipeline's gradients once a step
+                                # (runtime.pipeline, every schedule), with ZeRO-1 as
+                                # reduce-scatter and a gather of the parameters
+                                eps = ep_degrees(config, dp, experts)
+                                for ep in eps if not shard else [e for e in eps if e == 1]:
+                                    yield Setup(dp, tp, pp, b, m, schedule, v, rc, zero, sp,
+                                                grad_sync=_grad_sync(zero, pp), dp_shard=shard,
+                                                cp=cp, ep=ep)
+
+
+# the shortest sequence for which the search tries context parallelism when Config.cp is None.
+# CP pays at shorter sequences too (NVIDIA's Llama 3.1 recipes use cp=2 at 8K tokens), but each
+# (cp, tp) layer ILP costs 5-25 s (Llama-7B at 32K tokens on 16 H100s: 261 s of search with cp
+# against 13 s without), so for now only sequences that hardly fit without it are searched
+# with it; a cp set in the Config is priced at any length
+CP_MIN_SEQUENCE = 65536
+CP_MAX = 32
+
+
+def cp_degrees(config: Config, seq: int | None, devices: int) -> list[int]:
+    """The context-parallel degrees searched within ``devices``: ``Config.cp`` when set; else 1
+    and, for a sequence of at least :data:`CP_MIN_SEQUENCE` tokens, each power of two up to
+    :data:`CP_MAX` that divides the devices and the sequence in two chunks per rank."""
+    if config.cp is not None:
+        return [config.cp] if devices % config.cp == 0 else []
+    if seq is None or seq < CP_MIN_SEQUENCE:
+        return [1]
+    return [1] + [c for c in (2, 4, 8, 16, 32) if c <= CP_MAX and devices % c == 0
+                  and seq % (2 * c) == 0]
+
+
+def sequence_length(example_inputs: Any) -> int | None:
+    """The sequence length of a batch: dim 1 of its first input of two or more dims."""
+    from autopar._torch_private import tree_flatten
+
+    shapes = [tuple(x.shape) for x in tree_flatten(example_inputs)[0]
+              if isinstance(x, torch.Tensor) and x.dim() >= 2]
+    return shapes[0][1] if shapes else None
+
+
+def zero_stages(config: Config, dp: int, pp: int) -> tuple[int, ...]:
+    """The ZeRO stages searched for a setup of ``dp`` replicas (and ``pp`` pipeline stages,
+    which all run under every stage): the one ``Config.zero`` forces, or 0, 1 and 3; stage 2
+    runs ZeRO-1's program (``Config.zero``), so it is searched only when forced. Nothing is
+    sharded without dp."""
+    if dp == 1:
+        return (0,) if config.zero in (None, 0) else ()
+    if config.zero is not None:
+        return (config.zero,)
+    return (0, 1, 3)
+
+
+def _grad_sync(zero: int, pp: int) -> str:
+    """How the runtime synchronises a setup's data-parallel gradients (``Setup.grad_sync``)."""
+    if not zero:
+        return "step"
+    return "regathered" if zero == 3 and pp > 1 else "gathered"
+
+
+def _sharding(config: Config, dp: int, pp: int) -> Iterator[tuple[int, int]]:
+    """(ZeRO stage, shard group) pairs of a setup: each of :func:`zero_stages`, sharded over
+    all of dp (0) or over groups of each divisor of dp in between (hybrid sharding), or as
+    ``Config.dp_shard`` says."""
+    for zero in zero_stages(config, dp, pp):
+        if zero == 0:
+            if config.dp_shard in (None, dp):
+                yield zero, 0
+            continue
+        groups = [config.dp_shard] if config.dp_shard is not None else \
+            [g for g in _divisors(dp) if 1 < g < dp] + [dp]
+        for g in groups:
+            if dp % g == 0:
+                yield zero, 0 if g == dp else g
+
+
+# the largest tensor-parallel group the search forms across nodes: Megatron-LM's largest tp
+# ([MEG] sec. 3.2, tp = 8 in a DGX node); on nodes of 8 or more devices tp stays inside a node
+TP_ACROSS_NODES_MAX = 8
+
+
+def tp_degrees(num_devices: int, gpus_per_node: int) -> list[int]:
+    """The tensor-parallel degrees searched: divisors of the devices that divide a node, or (on
+    nodes of fewer than :data:`TP_ACROSS_NODES_MAX` devices) span whole nodes up to it."""
+    return [t for t in _divisors(num_devices)
+            if gpus_per_node % t == 0 or (t % gpus_per_node == 0 and t <= TP_ACROSS_NODES_MAX)]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _allowed(config: Config, **values: Any) -> bool:
+    return all(getattr(config, k, None) in (None, v) for k, v in values.items())
+
+
+def _schedule_options(pp: int, m: int, num_blocks: int, config: Config) -> list[tuple[str, int]]:
+    """(schedule, v): gradient accumulation without a pipeline; with one, 1F1B and interleaved
+    1F1B with v > 1 chunks when the blocks split evenly into pp * v stages and m is a multiple of
+    pp (Megatron-LM's conditions, [MEG] sec. 2.2.2)."""
+    if pp == 1:
+        return [("none", 1)]
+    out = [("1f1b", 1)] if m >= pp else []
+    for v in range(2, _MAX_VIRTUAL + 1):
+        if num_blocks % (pp * v) == 0 and m % pp == 0:
+            out.append(("interleaved-1f1b", v))
+    return [(s, v) for s, v in out if (config.schedule in (None, s))
+            and config.virtual_stages in (None, v)]
