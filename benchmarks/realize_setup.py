@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{p.get('search_peak_memory_bytes', float('nan')) / 1e9:7.2f} GB")
     print(f"realized: {p['step_time_s'] * 1e3:10.3f} ms  {p['peak_memory_bytes'] / 1e9:7.2f} GB  "
           f"({plan.techniques.get('cp_layout')} layout; {plan.solver.get('path')})")
+    print("solver: " + ", ".join(f"{k}={plan.solver[k]}" for k in
+                                 ("status", "backend", "gap", "solve_s") if k in plan.solver))
     print("\n".join(largest_values(plan)))
     return 0
 

@@ -80,7 +80,8 @@ COMPILED = {2: ["mlp:tp=2,compile=1", "mlp:dp=2,compile=1"], 4: ["mlp:dp=2,tp=2,
 # 2 processes, cp=2 x tp=2 on 4; for the default suite's time, Llama (RoPE, an explicit causal mask) with
 # cp=2, cp=4, cp=2 x dp=2 (one sequence a dp rank, the linears split over dp x cp nested, in both
 # forms and layouts, the ring's with ZeRO-3; and two sequences a dp rank, the linears whole on
-# cp), pp=2 x cp=2, and the ring with selective recomputation and with bf16, in test_slow.py.
+# cp), pp=2 x cp=2, the ring with selective recomputation and with bf16, and dp=2 x cp=2 x tp=2
+# on 8 processes (both forms), in test_slow.py.
 _CP = "dim=64,heads=4,layers=2,batch=4,seq=64"
 _CP1 = _CP.replace("batch=4", "batch=2")  # (one sequence a dp rank at dp=2: nested_views)
 _G, _R = "cp_attention=gather", "cp_attention=ring"
@@ -93,7 +94,8 @@ CONTEXT_SLOW = {2: [f"llama:cp=2,{_G}", f"llama:cp=2,{_R}", f"gpt:cp=2,{_R},reco
                 + [f"gpt:cp=2,dp=2,{_G},{_CP1}", f"gpt:cp=2,dp=2,{_R},zero=3,{_CP1}",
                    f"gpt:cp=2,dp=2,{_R},cp_layout=contiguous,{_CP1}", f"gpt:cp=2,dp=2,{_G},{_CP}"]
                 + [f"gpt:pp=2,cp=2,{form},layers=4,{_CP.replace('layers=2,', '')}"
-                   for form in (_G, _R)]}
+                   for form in (_G, _R)],
+                8: [f"gpt:cp=2,dp=2,tp=2,{form},{_CP1}" for form in (_G, _R)]}
 # Mixture-of-experts models of transformers as they are, planned freely: Mixtral (experts as
 # 3-D weights run grouped over the tokens sorted by expert, transformers' default) and JetMoE
 # (experts over the tokens the batch routes to, traced in autopar's static form:
@@ -392,8 +394,10 @@ def check_context_parallel(check: str, r: dict, cp: int) -> None:
     assert ring == ({"forward", "backward"} if form == "ring" else set()), (check, ring)
     if form == "gather":
         assert any(c[:2] == ["all_gather", "forward"] for c in r["collectives"]), check
-    if ",batch=2," in check and r["degrees"]["dp"] == 2:  # (one sequence a dp rank)
-        assert r["cp_nested_linears"] == r["cp_linears"] > 0, (check, r["cp_linears"])
+    if ",batch=2," in check and r["degrees"]["dp"] == 2:  # (one sequence a dp rank: nested;
+        # beside tp, some linears split their rows on tp instead: 3 of 9 nested on 2026-11-28)
+        nested, linears = r["cp_nested_linears"], r["cp_linears"]
+        assert nested == linears > 0 if r["degrees"]["tp"] == 1 else nested > 0, (check, nested)
     elif r["degrees"]["dp"] > 1:  # (two a dp rank: said in the plan)
         assert any("sequences a dp rank" in w for w in r["warnings"]), (check, r["warnings"])
     if "measured" in r:  # (memory=1: the peak measured against the predicted one)

@@ -231,11 +231,11 @@ def test_every_setup_kind_runs_on_hugging_face_llama(results_dir):
 
 
 def test_context_parallel_on_llama_cp4_with_data_parallelism_and_a_pipeline(results_dir):
-    """Llama with cp=2; cp=4, cp=2 x dp=2 and pp=2 x cp=2 on 4 processes: equal to one
-    process, counts as planned."""
+    """Llama with cp=2; cp=4, cp=2 x dp=2 and pp=2 x cp=2 on 4 processes; dp=2 x cp=2 x tp=2
+    on 8: equal to one process, counts as planned."""
     from test_equivalence import CONTEXT_SLOW, check_comm_equals_plan, check_context_parallel
 
-    for n in (2, 4):
+    for n in sorted(CONTEXT_SLOW):
         results = run_worker(n, CONTEXT_SLOW[n], results_dir)
         for check, r in results.items():
             check_context_parallel(check, r, int(check.split("cp=")[1].split(",")[0]))
