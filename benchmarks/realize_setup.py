@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument(f"--{name}", type=int, default=default)
     ap.add_argument("--cp-layout", choices=("balanced", "contiguous"), default=None)
     ap.add_argument("--memory-gib", type=float, default=None, help="the budget per device")
+    ap.add_argument("--time-limit", type=float, default=None,
+                    help="seconds per ILP solve (Config.solver_time_limit_s; default its own)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     model, inputs = llama(dict(hidden=args.hidden, layers=args.layers, heads=args.heads,
@@ -57,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     config = autopar.Config(
         dp=args.dp, tp=args.tp, cp=args.cp, pp=1, recompute="full", zero=1,
         mixed_precision="bf16", cp_layout=args.cp_layout,
-        memory_bytes=args.memory_gib * 2**30 if args.memory_gib else None)
+        memory_bytes=args.memory_gib * 2**30 if args.memory_gib else None,
+        **({"solver_time_limit_s": args.time_limit} if args.time_limit else {}))
     plan = autopar.plan(model, mesh, inputs, config=config,
                         progress=lambda m: print(f"[{time.perf_counter() - t0:7.1f} s] {m}"))
     p = plan.predicted
