@@ -128,9 +128,9 @@ class SequenceLayout:
         dim, n = placement.dim, 2 * self.ranks
         parts = x.chunk(_parts(placement), dim)
         if any(part.shape[dim] % n for part in parts):  # (a block of a nested split too short)
-            raise ValueError(
+            raise NotImplementedError(
                 f"the balanced cp layout cuts each sequence into {n} chunks, but dim {dim} of a "
-                f"local block of shape {tuple(x.shape)} ({_parts(placement)} part(s)) does not "
+                f"block of shape {tuple(x.shape)} ({_parts(placement)} part(s)) does not "
                 f"divide into them. Use Config(cp_layout='contiguous') for this model.")
         return torch.cat([part.chunk(n, dim)[c] for part in parts for c in order], dim)
 

@@ -1,8 +1,8 @@
 """The whole-plan search at cluster scale (DESIGN §6, outer search).
 
-Candidates: every factorisation of the devices into (dp, tp, pp) with tp inside a node, every
-microbatch size (and so microbatch count), schedule (1F1B; interleaved 1F1B with v chunks),
-activation recomputation (none, selective, full), ZeRO stage (0, 1, 3) and sequence parallelism.
+Candidates: the setups of :func:`autopar.planning.setups.candidate_setups` (every factorisation
+of the devices into (dp, tp, pp, cp, ep) with tp inside a node, every microbatch size, schedule,
+recomputation, ZeRO stage and sequence parallelism the ``Config`` allows).
 
 The model is not traced whole. Its repeated blocks are checked to be identical, and a copy with
 only two of them (``pre``, ``blocks.0``, ``blocks.1``, ``post``) is traced per microbatch size
@@ -41,7 +41,7 @@ from autopar.planning.pipeline import batch_size
 from autopar.planning.records import NORMS
 from autopar.planning.candidates import Candidate
 from autopar.planning.setups import (
-    TP_ACROSS_NODES_MAX, candidate_setups, sequence_length, tp_degrees,
+    TP_ACROSS_NODES_MAX, candidate_setups, sequence_length, tp_degrees, tried_last,
 )
 from autopar.planning.solve import solve_space, unpinned_space
 from autopar.planning.unit_costs import layer_costs
@@ -335,7 +335,8 @@ def search(model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config | N
            progress: Callable[[str], None] | None = None,
            layers: "LayerSolver | None" = None,
            replica_microbatches: Sequence[int] | None = None) -> SearchResult:
-    """Search every setup of :func:`candidate_setups` for ``model`` on ``mesh`` and rank them.
+    """Search every setup of :func:`candidate_setups` for ``model`` on ``mesh`` and rank them
+    (those :func:`~autopar.planning.setups.tried_last` says only if no other fits).
 
     ``example_inputs`` is one global batch (its dim 0 is the global batch size); ``model`` may
     live under ``FakeTensorMode``. Raises :class:`PlanError` when nothing fits, naming the
@@ -349,6 +350,8 @@ def search(model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config | N
     setups = list(candidate_setups(mesh.size, topo.gpus_per_node, rep.batch, rep.num_blocks,
                                    config, replica_microbatches=replica_microbatches,
                                    seq=rep.seq, experts=rep.num_experts))
+    last = [s for s in setups if tried_last(s, config)]
+    setups = [s for s in setups if not tried_last(s, config)]
     later = [] if pipelines_always(config, mesh) else [s for s in setups if s.pp > 1]
     # without context parallelism first: the best of those bounds the setups with it
     # (LayerSolver.bound), whose (cp, tp) layer ILPs are the search's dearest; the smallest
@@ -357,6 +360,10 @@ def search(model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config | N
     queue = sorted((s for s in setups if s not in later), key=order)
     later.sort(key=order)
     ranked, pruned, bounded, price_s = _price_all(rep, queue, later, config, budget, progress)
+    if not ranked and last:  # (setups.tried_last)
+        more = _price_all(rep, sorted(last, key=order), [], config, budget, progress)
+        ranked, pruned, bounded, price_s = more[0], pruned + more[1], bounded + more[2], \
+            price_s + more[3]
     ranked = _ranked_or_raise(ranked, pruned, mesh, rep.batch, config, budget)
     timings = {"trace_s": rep.trace_s, "layer_ilp_s": rep.solve_s, "price_s": price_s,
                "total_s": time.perf_counter() - t0}

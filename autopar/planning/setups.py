@@ -13,39 +13,27 @@ from autopar.config import Config
 from autopar.cost_models.training_step import RECOMPUTE, Setup
 from autopar.planning.candidates import ep_degrees
 
-__all__ = ["CP_MAX", "CP_MIN_SEQUENCE", "TP_ACROSS_NODES_MAX", "all_setups", "candidate_setups",
-           "cp_degrees", "sequence_length", "tp_degrees", "zero_stages"]
+__all__ = ["CP_MAX", "CP_MIN_SEQUENCE", "TP_ACROSS_NODES_MAX", "candidate_setups", "cp_degrees",
+           "sequence_length", "tp_degrees", "tried_last", "zero_stages"]
 
 _MAX_MICROBATCH = 8
 _MAX_VIRTUAL = 8
+
+
+def tried_last(setup: Setup, config: Config) -> bool:
+    """Whether the search prices ``setup`` only if no other setup fits: dp > 1 and cp > 1 with
+    more than one sequence a replica's microbatch, unless the ``Config`` fixes dp and cp both
+    or sets ``microbatch_size``. Its linear layers run on the whole sequence on each cp rank
+    (the flattened batch and sequence split on both axes needs one sequence a dp block,
+    ``strategies.nested_views``), which the search's layer prices do not show."""
+    return (setup.cp > 1 and setup.dp > 1 and setup.microbatch_size > 1
+            and config.microbatch_size is None and None in (config.dp, config.cp))
 
 
 def candidate_setups(num_devices: int, gpus_per_node: int, batch: int, num_blocks: int,
                      config: Config, tp_max: int | None = None,
                      replica_microbatches: Sequence[int] | None = None,
                      seq: int | None = None, experts: int = 0) -> Iterator[Setup]:
-    """The setups of :func:`all_setups` (same arguments), less those with dp > 1 and cp > 1 and
-    more than one sequence a replica's microbatch when any other setup is allowed and
-    ``Config.microbatch_size`` is not set: their linear layers run on the whole sequence on
-    each cp rank (the flattened batch and sequence split on both axes needs one sequence a
-    block, ``strategies.nested_views``), which the search does not price."""
-    deferred, yielded = [], False
-    for setup in all_setups(num_devices, gpus_per_node, batch, num_blocks, config, tp_max,
-                            replica_microbatches, seq, experts):
-        if setup.cp > 1 and setup.dp > 1 and setup.microbatch_size > 1 \
-                and config.microbatch_size is None:
-            deferred.append(setup)
-        else:
-            yielded = True
-            yield setup
-    if not yielded:
-        yield from deferred
-
-
-def all_setups(num_devices: int, gpus_per_node: int, batch: int, num_blocks: int,
-               config: Config, tp_max: int | None = None,
-               replica_microbatches: Sequence[int] | None = None,
-               seq: int | None = None, experts: int = 0) -> Iterator[Setup]:
     """Every setup allowed by ``config``: (dp, tp, pp, cp) with tp dividing a node, cp of
     :func:`cp_degrees` for a sequence of ``seq`` tokens, ep of :func:`ep_degrees` for MoE
     layers of ``experts`` experts, microbatch size

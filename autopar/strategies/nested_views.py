@@ -1,5 +1,5 @@
-"""Views that merge or split two dims each split on its own mesh axis, one block per rank on
-the outer one: ``[B, s, h] -> [B * s, h]`` with the batch split over dp (``B`` = the dp
+"""Views that merge or split two dims each split on its own mesh axes, one block per rank on
+the outer one's: ``[B, s, h] -> [B * s, h]`` with the batch split over dp (``B`` = the dp
 degree: one sequence a rank) and the sequence over cp, and back.
 
 DTensor's view rule keeps only the first split of a flattened group (the sequence's split is

@@ -88,25 +88,22 @@ def test_the_search_tries_cp_only_for_long_sequences_or_when_asked():
     assert cp_degrees(autopar.Config(cp=3), 4096, 8) == []  # 3 does not divide 8 devices
 
 
-def test_the_search_keeps_one_sequence_a_dp_rank_beside_cp_unless_nothing_else_is_allowed():
+def test_the_search_tries_several_sequences_a_dp_rank_beside_cp_last():
     """dp > 1 and cp > 1 with two or more sequences a replica's microbatch run the linears whole
-    on cp (``strategies.nested_views``): the search leaves them out while another setup is
-    allowed, and tries them when none is (or when ``microbatch_size`` is set)."""
-    from autopar.planning.setups import all_setups, candidate_setups
+    on cp (``strategies.nested_views``): the search prices them only if no other setup fits
+    (``setups.tried_last``), unless the Config fixes dp and cp or sets ``microbatch_size``."""
+    from autopar.planning.setups import candidate_setups, tried_last
 
     def several(setups):
         return [s for s in setups if s.cp > 1 and s.dp > 1 and s.microbatch_size > 1]
 
-    cfg = autopar.Config(cp=2)
-    assert several(all_setups(32, 8, 8, 4, cfg, seq=4096))  # (so the next line can fail)
-    kept = list(candidate_setups(32, 8, 8, 4, cfg, seq=4096))
-    assert kept and not several(kept)
-    # tp, pp and cp fixed leave dp = 4 with two sequences a replica: kept, not refused
-    only = list(candidate_setups(32, 8, 8, 4, autopar.Config(cp=2, tp=4, pp=1), seq=4096))
-    assert only and all(s.dp == 4 and s.microbatch_size == 2 for s in only)
-    asked = autopar.Config(cp=2, tp=4, pp=2, microbatch_size=4)
-    assert several(candidate_setups(32, 8, 8, 4, asked, seq=4096))
-
+    free = autopar.Config(cp=2)
+    setups = list(candidate_setups(32, 8, 8, 4, free, seq=4096))
+    assert several(setups) and [s for s in setups if not tried_last(s, free)]
+    assert [s for s in setups if tried_last(s, free)] == several(setups)
+    for fixed in (autopar.Config(cp=2, dp=4), autopar.Config(cp=2, microbatch_size=8)):
+        kept = several(candidate_setups(32, 8, 8, 4, fixed, seq=4096))
+        assert kept and not any(tried_last(s, fixed) for s in kept), fixed
 
 def test_cp_gradients_are_reduced_once_a_step_at_the_step_end():
     """Each cp rank's gradients are partial sums over its sequence chunk. The closed form
