@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from autopar._torch_private import _StridedShard
 
-__all__ = ["SequenceLayout", "layout_of_plan"]
+__all__ = ["SequenceLayout", "layout_of_plan", "query_runs"]
 
 
 @dataclass(frozen=True)
@@ -156,3 +156,25 @@ def layout_of_plan(plan: Any) -> SequenceLayout | None:
         return None
     axis = plan.axis_names.index("cp")
     return SequenceLayout(axis, plan.mesh_shape[axis])
+
+
+def query_runs(length: int, start: int, count: int, layout: SequenceLayout | None = None
+               ) -> list[tuple[int, int, int]]:
+    """A rank's rows ``[start, start + count)`` of a dim of ``length`` as runs of consecutive
+    natural positions ``(first row, its position, count)``: one run, or with a balanced
+    ``layout`` (the dim held arranged) one per chunk the rows hold, neighbours joined."""
+    if layout is None:
+        return [(0, start, count)]
+    chunk = length // (2 * layout.ranks)
+    order = layout.order()
+    runs: list[tuple[int, int, int]] = []
+    row, end = 0, start + count
+    for i in range(start // chunk, -(-end // chunk)):
+        lo, hi = max(start, i * chunk), min(end, (i + 1) * chunk)
+        pos = order[i] * chunk + lo - i * chunk
+        if runs and runs[-1][1] + runs[-1][2] == pos:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + hi - lo)
+        else:
+            runs.append((row, pos, hi - lo))
+        row += hi - lo
+    return runs

@@ -28,6 +28,11 @@ Runs in one process (an NCCL process group of one rank, made here when the scrip
    the calibrated topology), and the same model under ``torch.compile`` as a baseline; each
    step's kernel time by kind (GEMMs, attention, inductor's fused kernels) from the profiler.
 
+5. **cp kernels**: context parallelism's attention blocks run with this GPU's cuDNN,
+   FlashAttention and memory-efficient kernels, 2 and 4 cp ranks simulated in one process,
+   both forms and layouts, against float64 attention (:func:`cp_kernels`); and one rank's
+   gathered attention timed against its price (:func:`cp_timing`).
+
 Every part records its error instead of its figures when it fails, so one broken part does not
 hide the others; the exit status is 1 when any part failed or any check missed its tolerance.
 """
@@ -58,6 +63,7 @@ from autopar.cost_models.calibration import fit_compute, is_attention, step_seco
 from autopar.cost_models.compute import op_time  # noqa: E402
 from autopar.cost_models.topology import Topology, custom, get_preset  # noqa: E402
 from autopar.numerics import gradient_error, gradient_floor  # noqa: E402
+from autopar.passes.cp_simulation import Attention  # noqa: E402
 
 SMALL = dict(dim=256, heads=4, layers=2, seq=128, batch=8, vocab=1024)
 ONE_B = dict(dim=2560, heads=20, layers=12, seq=2048, batch=4, vocab=32768)
@@ -358,6 +364,156 @@ def big_step(size: dict, mesh: autopar.Mesh, repeats: int) -> list[dict]:
     return rows
 
 
+def _math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
+                    causal: bool) -> Attention:
+    """Attention in float64 by its definition (softmax of the scaled scores, the causal mask
+    aligned top-left as the kernels align it) and its gradients by autograd: the reference."""
+    q, k, v = (x.double().requires_grad_() for x in (q, k, v))
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if causal:
+        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    lse = scores.logsumexp(-1)
+    out = torch.softmax(scores, -1) @ v
+    out.backward(grad.double())
+    return Attention(out.detach(), lse.detach(), q.grad, k.grad, v.grad)
+
+
+def _relative(got: Attention, ref: Attention) -> tuple[float, str]:
+    """The largest error of any of the five results, relative to that result's largest value,
+    and which result it is."""
+    return max((float((getattr(got, f).double() - getattr(ref, f)).abs().max()
+                      / getattr(ref, f).abs().max()), f) for f in ("out", "lse", "dq", "dk", "dv"))
+
+
+def _attention_ops(dtype: torch.dtype) -> str:
+    """The fused attention op PyTorch's dispatcher picks here for causal attention."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q = torch.randn(1, 4, 256, 64, device=DEVICE, dtype=dtype)
+    g = make_fx(lambda a: F.scaled_dot_product_attention(a, a, a, is_causal=True))(q)
+    return ",".join(str(n.target) for n in g.graph.nodes if "attention" in str(n.target))
+
+
+def cp_kernels() -> list[dict]:
+    """Context parallelism's blocks with this device's kernels (``autopar.passes.cp_simulation``:
+    2 and 4 cp ranks simulated in one process, each form and layout, causal or not): output,
+    log-sum-exp and the three gradients against float64 attention, next to the same kernel
+    run once on the whole sequence. A row passes when its error is at most three times the
+    whole kernel's plus a floor (fp32 1e-5; bf16 8e-3, two roundings of 3.9e-3): the blocks
+    round each block's result to the kernel's dtype before merging in float32, and the
+    gathered form's key gradients are a sum of the ranks' shares."""
+    from autopar.passes.cp_simulation import simulate, whole
+
+    rows = [{"case": "dispatcher's causal op", "kernel": f"bf16: {_attention_ops(torch.bfloat16)}; "
+             f"fp32: {_attention_ops(torch.float32)}"}]
+    floor = {torch.float32: 1e-5, torch.bfloat16: 8e-3}
+    kernels = [("cudnn", torch.bfloat16), ("flash", torch.bfloat16), ("efficient", torch.float32),
+               ("efficient", torch.bfloat16)]
+    if DEVICE == "cpu":
+        kernels = [("cpu", torch.float32)]
+    torch.manual_seed(0)
+    for kernel, dtype in kernels:
+        q, k, v, grad = (torch.randn(2, 4, 512, 64, device=DEVICE, dtype=dtype) for _ in range(4))
+        for causal in (True, False):
+            ref = _math_attention(q, k, v, grad, causal)
+            base = _relative(whole(kernel, q, k, v, grad, causal), ref)[0]
+            for ranks in (2, 4):
+                for form in ("ring", "gather"):
+                    for balanced in (True, False):
+                        err, worst = _relative(simulate(kernel, q, k, v, grad, ranks, form,
+                                                        causal, balanced), ref)
+                        rows.append({"kernel": kernel, "dtype": str(dtype)[6:], "causal": causal,
+                                     "cp": ranks, "form": form, "balanced": balanced,
+                                     "error": err, "worst": worst, "whole_kernel_error": base,
+                                     "ok": err <= 3 * base + floor[dtype]})
+    return rows + cp_timing()
+
+
+def _attention_price(topo: Topology, call: Any, batch_heads: int, itemsize: int,
+                     balanced: bool, rank: int) -> float:
+    """The cost model's seconds for a causal attention call of ``batch_heads`` heads (torch's
+    FLOP count): in blocks on a GPU preset (``gathered_seconds`` for ``rank``), else one
+    kernel call (the CPU's, with its mask over every key)."""
+    from autopar.cost_models.attention import attention_seconds, gathered_seconds
+
+    flops = (4 if call.direction == "fwd" else 10) * batch_heads * call.s_q * call.s_k * call.head_dim
+    dtype = "fp32" if topo.device_type == "cpu" else "bf16"
+
+    def one(c: Any, f: float) -> float:
+        return attention_seconds(c, f, 0.0, dtype, topo) or op_time(f, 0.0, topo, dtype, True)
+
+    blocks = gathered_seconds(call, flops, batch_heads, itemsize, balanced, topo, one, rank)
+    return one(call, flops) if blocks is None else blocks
+
+
+def cp_timing(ranks: int = 4) -> list[dict]:
+    """One cp rank's gathered-form attention (its queries against the whole keys in blocks,
+    ``passes.attention_blocks``), forward and backward, and its block kernels alone, against
+    the whole causal kernel and against the cost model's prices on this GPU's preset
+    (``cost_models.attention.gathered_seconds``, for the rank measured): balanced rank 0, and
+    the first and last of contiguous blocks."""
+    from autopar.cost_models.attention import AttentionCall, gathered_calls
+    from autopar.passes.attention_blocks import (block_backward, block_forward,
+                                                 gathered_backward, gathered_forward)
+    from autopar.passes.cp_simulation import kernel_extras
+    from autopar.sequence_layout import SequenceLayout, query_runs
+
+    cpu = DEVICE == "cpu"
+    kernel, dtype = ("cpu", torch.float32) if cpu else ("cudnn", torch.bfloat16)
+    b, h, s, d = (1, 2, 256, 16) if cpu else (1, 16, 16384, 128)
+    topo = get_preset("cpu-gloo" if cpu else preset_for())
+    q, k, v, grad = (torch.randn(b, h, s, d, device=DEVICE, dtype=dtype) for _ in range(4))
+    extra = kernel_extras(kernel, q, k, v, True)
+    out, lse = block_forward(kernel, q, k, v, True, None)
+
+    def price(direction: str, s_q: int, balanced: bool, rank: int = 0) -> float:
+        return _attention_price(topo, AttentionCall(direction, True, s_q, s, d), b * h,
+                                q.element_size(), balanced, rank)
+
+    rows = [{"case": "whole causal kernel", "kernel": f"{kernel} b{b} h{h} s{s} d{d}",
+             "fwd_ms": cuda_time(lambda: block_forward(kernel, q, k, v, True, None), 7, 3) * 1e3,
+             "bwd_ms": cuda_time(lambda: block_backward(kernel, grad, q, k, v, out, lse, True,
+                                                        None, None, extra), 7, 3) * 1e3,
+             "priced_ms": (price("fwd", s, False) + price("bwd", s, False)) * 1e3}]
+    if not cpu:  # (FlashAttention's whole kernel, for comparison)
+        fo, fl = block_forward("flash", q, k, v, True, None)
+        fx = kernel_extras("flash", q, k, v, True)
+        rows.append({"case": "whole causal kernel", "kernel": f"flash b{b} h{h} s{s} d{d}",
+                     "fwd_ms": cuda_time(lambda: block_forward("flash", q, k, v, True, None),
+                                         7, 3) * 1e3,
+                     "bwd_ms": cuda_time(lambda: block_backward("flash", grad, q, k, v, fo, fl,
+                                                                True, None, None, fx), 7, 3) * 1e3})
+    size = s // ranks
+    for layout, rank in ((SequenceLayout(0, ranks), 0), (None, 0), (None, ranks - 1)):
+        runs = query_runs(s, rank * size, size, layout)
+        qr, gr = (torch.cat([x[..., p:p + c, :] for _, p, c in runs], 2).contiguous()
+                  for x in (q, grad))
+        o, l = gathered_forward(kernel, qr, k, v, True, None, runs)
+        blocks = [(qr[..., r, :].contiguous(), k[..., ks, :].contiguous(),
+                   v[..., ks, :].contiguous(), gr[..., r, :].contiguous(), c)
+                  for r, ks, c in gathered_calls(runs, True, s)]
+        outs = [block_forward(kernel, a, kk, vv, c, None) for a, kk, vv, _, c in blocks]
+
+        def kernels_only() -> None:
+            for (a, kk, vv, g, c), (ob, lb) in zip(blocks, outs):
+                block_forward(kernel, a, kk, vv, c, None)
+                block_backward(kernel, g, a, kk, vv, ob, lb, c, None, None, extra)
+
+        balanced = layout is not None
+        rows.append({
+            "case": f"cp={ranks} rank {rank}, {'balanced' if balanced else 'contiguous'}",
+            "kernel": f"{kernel} b{b} h{h} s{s} d{d}",
+            "fwd_ms": cuda_time(lambda: gathered_forward(kernel, qr, k, v, True, None, runs),
+                                7, 3) * 1e3,
+            "bwd_ms": cuda_time(lambda: gathered_backward(kernel, gr, qr, k, v, o, l, True, None,
+                                                          runs, extra), 7, 3) * 1e3,
+            "kernels_ms": cuda_time(kernels_only, 7, 3) * 1e3,
+            "priced_ms": (price("fwd", size, balanced, rank)
+                          + price("bwd", size, balanced, rank)) * 1e3})
+    return rows
+
+
 def _part(results: dict, name: str, fn: Callable[[], Any]) -> None:
     t0 = time.perf_counter()
     try:
@@ -381,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="write every figure to this file")
     p.add_argument("--quick", action="store_true", help="a 0.1B model in part 3 (for a first try)")
-    p.add_argument("--parts", default="equivalence,kernels,calibration,step")
+    p.add_argument("--parts", default="equivalence,kernels,calibration,step,cp_kernels")
     p.add_argument("--cpu", action="store_true",
                    help="the script's own smoke test: tiny sizes on the CPU (gloo), no figures")
     args = p.parse_args(argv)
@@ -401,7 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     parts = {"equivalence": lambda: equivalence(TINY if args.cpu else SMALL, mesh),
              "kernels": lambda: kernels(size, topo),
              "calibration": lambda: calibration(size, topo),
-             "step": lambda: big_step(size, mesh, repeats=10)}
+             "step": lambda: big_step(size, mesh, repeats=10),
+             "cp_kernels": cp_kernels}
     for part in args.parts.split(","):
         _part(results, part, parts[part])
         if args.json:

@@ -27,12 +27,14 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from autopar.sequence_layout import SequenceLayout, query_runs
+
 __all__ = ["ATTENTION_KERNELS", "TILE", "AttentionCall", "attention_call", "attention_seconds",
-           "causal_fraction", "check_rows", "efficiency", "rows_from_table", "H100_SDPA",
+           "causal_fraction", "gathered_calls", "gathered_seconds", "check_rows", "efficiency", "rows_from_table", "H100_SDPA",
            "H100_SDPA_TABLE", "H200_SDPA", "H200_SDPA_TABLE"]
 
 aten = torch.ops.aten
@@ -120,6 +122,82 @@ def causal_fraction(s_q: int, s_k: int, tile: int = TILE) -> float:
     return (n + 1) / (2 * n)
 
 
+def gathered_calls(runs: Sequence[tuple[int, int, int]], causal: bool, keys: int
+                   ) -> list[tuple[slice, slice, bool]]:
+    """The kernel calls of the gathered form run in blocks (``autopar.passes.attention_blocks``,
+    CUDA's kernels): ``(rows, keys, causal)``. ``runs``: the rank's query rows as ``(first row,
+    its position, count)``, consecutive positions each
+    (:func:`autopar.sequence_layout.query_runs`). Without a causal mask, every row against
+    every key at once; with it, each run against the keys before it (unmasked) and against its
+    own positions (the kernel's causal mask on a square block, where every kernel aligns it
+    alike), so the keys after a query are skipped as the whole kernel skips them."""
+    total = sum(c for _, _, c in runs)
+    if not causal:
+        return [(slice(0, total), slice(0, keys), False)]
+    calls = []
+    for row, pos, count in runs:
+        rows = slice(row, row + count)
+        if pos:
+            calls.append((rows, slice(0, pos), False))
+        calls.append((rows, slice(pos, pos + count), True))
+    return calls
+
+
+def gathered_seconds(call: "AttentionCall", flops: float, batch_heads: int, itemsize: int,
+                     balanced: bool, topology: Any,
+                     kernel_seconds: Callable[["AttentionCall", float], float],
+                     rank: int | None = None) -> float | None:
+    """Seconds of a causal attention node of the gathered form (its queries ``call.s_q`` of
+    the ``call.s_k`` positions, the keys whole) on a CUDA ``topology``, where the lowering runs
+    it in blocks (:func:`gathered_calls`), on its slowest rank (or on ``rank``): each block's
+    kernel at its own shape (``kernel_seconds(block call, its FLOPs)``, the caller's price of
+    one kernel call) and the blocks' memory traffic at the pointwise rate (:func:`_block_bytes`).
+    With the ``balanced`` chunk pairs every rank computes as many scores, in 2 to 4 calls (a
+    rank whose chunks are neighbours joins them; rank 0's first chunk has no keys before it);
+    with contiguous blocks the last rank computes the most. ``None`` for any other node (not
+    causal, queries as many as the keys, a CPU topology: CPU's kernel takes an explicit mask
+    and is priced as one call). ``flops``: torch's whole-matrix count of the node,
+    ``batch_heads``: its local batch times heads."""
+    if (topology.device_type == "cpu" or not call.causal or call.s_q >= call.s_k
+            or call.s_k % call.s_q):
+        return None
+    n = call.s_k // call.s_q
+    layout = SequenceLayout(0, n) if balanced and call.s_k % (2 * n) == 0 else None
+    per_score = flops / (call.s_q * call.s_k)
+    rate = topology.mem_bandwidth_Bps * topology.pointwise_efficiency
+    times = []
+    for r in range(n) if rank is None else [rank]:
+        calls = gathered_calls(query_runs(call.s_k, r * call.s_q, call.s_q, layout), True,
+                               call.s_k)
+        kernels = sum(kernel_seconds(AttentionCall(call.direction, c, b.stop - b.start,
+                                                   k.stop - k.start, call.head_dim),
+                                     per_score * (b.stop - b.start) * (k.stop - k.start))
+                      for b, k, c in calls)
+        times.append(kernels + batch_heads * _block_bytes(call, calls, itemsize) / rate)
+    return max(times)
+
+
+def _block_bytes(call: "AttentionCall", calls: list[tuple[slice, slice, bool]],
+                 itemsize: int) -> float:
+    """Bytes the blocks move per batch and head beyond their kernels
+    (``autopar.passes.attention_blocks``): each block's operands copied (read and written);
+    in the forward, each block's float32 merge (the running output read and written, the
+    block's output read), the accumulators zeroed and cast at the end (none for a single call,
+    returned as the kernel gives it); in the backward, the float32 gradients of the queries and
+    of the whole keys and values zeroed, each block's shares added and the sums cast."""
+    d, forward = call.head_dim, call.direction == "fwd"
+    moved = 0.0
+    for rows, keys, _ in calls:
+        r, k = rows.stop - rows.start, keys.stop - keys.start
+        if forward:
+            moved += 2 * (r + 2 * k) * d * itemsize + (r * d * (8 + itemsize) if len(calls) > 1 else 0)
+        else:
+            moved += 2 * (3 * r + 2 * k) * d * itemsize + (r + 2 * k) * d * (8 + itemsize)
+    if forward and len(calls) == 1:
+        return moved
+    return moved + (call.s_q + (0 if forward else 2 * call.s_k)) * d * (4 + 4 + itemsize)
+
+
 def _interp(points: Sequence[tuple[float, float]], x: float) -> float:
     """Linear interpolation over sorted ``(x, y)`` points, the nearest ``y`` outside them."""
     xs = [p[0] for p in points]
@@ -181,8 +259,8 @@ def attention_seconds(call: AttentionCall, flops: float, nbytes: float, dtype: s
     if not rows or dtype != "bf16":
         return None
     # queries fewer than the keys under a causal mask (context parallelism's gathered keys):
-    # autopar's lowering runs them with an explicit mask (passes/seq_attention.py), an
-    # unmasked kernel's work and rate
+    # CPU's kernel runs them with an explicit mask (passes/seq_attention.py), an unmasked
+    # kernel's work and rate; CUDA's in blocks, priced by gathered_seconds
     causal = call.causal and call.s_q == call.s_k
     e = efficiency(rows, call.direction, causal, call.head_dim, call.s_k)
     if e is None:

@@ -31,7 +31,7 @@ from torch.distributed.tensor import Shard
 from autopar.cost_models.comm import axis_collective_time, axis_strides
 from autopar.cost_models.topology import Topology
 from autopar.strategies.reshard import local_shape
-from autopar.strategies.rules import CPU_ATTENTION as _FORWARD, SEQ_DIM, SEQUENCE_ATTENTION_QUERY
+from autopar.strategies.rules import ATTENTION_FORWARD, SEQ_DIM, SEQUENCE_ATTENTION_QUERY
 
 __all__ = ["RING_GRAD_ITEMSIZE", "ring_axis", "ring_exchanges", "ring_seconds",
            "ring_workspace_bytes"]
@@ -73,7 +73,7 @@ def ring_exchanges(target: Any, placements: Sequence[Sequence[Any]], shapes: Seq
     kv, dkv = _block_bytes(target, placements, shapes, itemsize, mesh_shape)
     n = mesh_shape[axis]
     # backward, per step: the next block's keys and values, then this block's gradients
-    steps = [kv] * (n - 1) if target is _FORWARD else [kv, dkv] * (n - 1) + [dkv]
+    steps = [kv] * (n - 1) if target in ATTENTION_FORWARD else [kv, dkv] * (n - 1) + [dkv]
     return [(kind, axis, nbytes) for nbytes in steps for kind in ("send", "recv")]
 
 
@@ -94,7 +94,7 @@ def ring_seconds(target: Any, placements: Sequence[Sequence[Any]], shapes: Seque
     kv, dkv = _block_bytes(target, placements, shapes, itemsize, mesh_shape)
     stride = axis_strides(mesh_shape)[axis]
     t_kv, t_dkv = (axis_collective_time("send_recv", b, n, stride, topology) for b in (kv, dkv))
-    if target is _FORWARD:
+    if target in ATTENTION_FORWARD:
         return max(first, t_kv) + (n - 2) * max(block_s, t_kv) + block_s
     return (max(first, t_kv) + (n - 2) * max(block_s, t_kv + t_dkv) + max(block_s, t_dkv)
             + t_dkv)
@@ -115,7 +115,7 @@ def ring_workspace_bytes(target: Any, placements: Sequence[Sequence[Any]],
     for d in local_shape(shapes[query], placements[query], tuple(mesh_shape)):
         q_numel *= d
     q = q_numel * itemsize
-    if target is _FORWARD:  # kv held and arriving; the block's output; out and lse in float32
+    if target in ATTENTION_FORWARD:  # kv held and arriving; the block's output; out and lse in float32
         return 2 * kv + q + q_numel * RING_GRAD_ITEMSIZE * (1 + 1 / shapes[query][-1])
     # kv held and arriving, dkv held and arriving, the block's three gradients, dq in float32
     return 2 * kv + 2 * dkv + q + kv + q_numel * RING_GRAD_ITEMSIZE

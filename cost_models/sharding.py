@@ -20,7 +20,8 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autopar.cost_models.attention import ATTENTION_KERNELS, attention_call, attention_seconds
+from autopar.cost_models.attention import (ATTENTION_KERNELS, attention_call, attention_seconds,
+                                           gathered_seconds)
 from autopar.cost_models.comm import axis_collective_time, axis_strides
 from autopar.cost_models.compute import flops_of_node, matmul_peak, op_time
 from autopar.cost_models.experts import experts_comm_time, experts_node_work
@@ -147,6 +148,12 @@ def _compute_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: To
             call = replace(call, causal=False)
         fused_s = attention_seconds(call, flops, nbytes, dtype, topo)
         seconds = seconds if fused_s is None else fused_s
+        gathered = gathered_seconds(
+            call, flops, q_shape[0] * q_shape[1], tensor_inputs(n)[q].meta["val"].element_size(),
+            any(getattr(p, "dim", None) == 2 and a == balanced_axis
+                for a, p in enumerate(s.inputs[q])), topo,
+            lambda c, f: attention_seconds(c, f, 0.0, dtype, topo) or op_time(f, 0.0, topo, dtype, True))
+        seconds = seconds if gathered is None else gathered
     if ring:  # (ring attention: the kernel on one block)
         args = tensor_inputs(n)
         return ring_seconds(n.target, s.inputs, [tuple(a.meta["val"].shape) for a in args],

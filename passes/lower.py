@@ -228,11 +228,11 @@ class _Interpreter:
             return expert_ops.run_local(n, args, [placements_of(o) for o in choice.outputs],
                                         self.mesh)
         if ring_attention.needs_ring(n.target, [placements_of(p) for p in choice.inputs]):
-            return ring_attention.run_ring(n, args, kwargs, [placements_of(o) for o in choice.outputs],
-                                           self.mesh, self.layout)
+            return ring_attention.run_ring(n, args, kwargs, _out_placements(choice), self.mesh,
+                                           self.layout)
         if seq_attention.needs_local(n.target, [placements_of(p) for p in choice.inputs], n.args):
-            return seq_attention.run_local(n, args, kwargs, [placements_of(o) for o in choice.outputs],
-                                           self.mesh, self.layout)
+            return seq_attention.run_local(n, args, kwargs, _out_placements(choice), self.mesh,
+                                           self.layout)
         if not tensor_inputs or not private.has_rule(n.target):
             # factory ops and ops without a rule: the plan replicates them; run on full tensors
             return _run_replicated(n, args, kwargs, self.mesh)
@@ -402,6 +402,11 @@ def _local_factory(n: fx.Node, args: Any, kwargs: dict, out_placements: tuple, m
     local = n.target(x, list(shape), *args[2:], **kwargs)
     return DTensor.from_local(local, mesh, out_placements, run_check=False, shape=out.shape,
                               stride=out.stride())
+
+
+def _out_placements(choice: Any) -> list[tuple | None]:
+    """A node's planned output placements, ``None`` for an output without one."""
+    return [placements_of(o) if o is not None else None for o in choice.outputs]
 
 
 def _all_replicated(choice: Any) -> bool:

@@ -3,9 +3,10 @@ one mesh axis, the keys and values passed around the axis's ranks in blocks (Liu
 Abbeel, "Ring Attention with Blockwise Transformers for Near-Infinite Context", 2023; the
 context parallelism of Megatron-LM and torchtitan).
 
-Requires: a node of CPU flash attention (or its backward) whose planned strategy shards every
-tensor on the sequence dim 2 over one mesh axis (:func:`autopar.strategies.rules._sdpa_cpu_rule`,
-the ring form), an attention mask, if any, with its rows sharded and its key columns whole.
+Requires: a node of fused attention (CPU's flash kernel, CUDA's cuDNN, FlashAttention or
+memory-efficient kernel; or a backward) whose planned strategy shards every tensor on the
+sequence dim 2 over one mesh axis (the rules' ring form, ``autopar.strategies.rules``), an
+attention mask, if any (CPU's kernel only), with its rows sharded and its key columns whole.
 Guarantees: the planned outputs, equal to the rank's rows of one device's attention.
 
 Forward (``autopar::ring_attention``): with ``n`` ranks on the axis, rank ``r`` starts with its
@@ -35,7 +36,7 @@ so that the collective meter sees their messages. The plan lists them too
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,12 +44,15 @@ from torch.distributed.tensor import DTensor
 
 from autopar.comm_ops import group_rank_size, register_op_with_collectives
 from autopar.cost_models.ring import ring_axis
+from autopar.passes.attention_blocks import (KERNELS, block_backward, block_forward,
+                                             extra_arguments, kernel_tensors, lse_native,
+                                             lse_rows, merge, wrap_outputs)
 from autopar.sequence_layout import SequenceLayout
-from autopar.strategies.rules import (CPU_ATTENTION as _FORWARD, CPU_ATTENTION_BACKWARD as _BACKWARD,
-                                      SEQ_DIM, attention_is_causal)
+from autopar.strategies.rules import (ATTENTION_FORWARD, SEQ_DIM, SEQUENCE_ATTENTION_QUERY,
+                                      attention_is_causal)
 
-__all__ = ["RingStep", "needs_ring", "ring_attention", "ring_attention_backward", "run_ring"]
-
+__all__ = ["RingStep", "needs_ring", "ring_attention", "ring_attention_backward", "ring_backward",
+           "ring_forward", "run_ring"]
 
 
 class _Ring:
@@ -127,21 +131,12 @@ def _masked_rows(mask: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor 
     return rows.expand(like.shape) if rows.any() else None
 
 
-def _merge(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lse_t: torch.Tensor
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge a block's output and log-sum-exp into the running ones (float32)."""
-    new = torch.logaddexp(lse, lse_t)
-    finite = torch.where(torch.isneginf(new), torch.zeros_like(new), new)
-    keep = torch.exp(lse - finite).unsqueeze(-1)
-    add = torch.exp(lse_t - finite).unsqueeze(-1)
-    return out * keep + o.float() * add, new
-
-
-def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                    scale: float | None, mask: torch.Tensor | None, group: str, balanced: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rank's rows of attention and their log-sum-exp (see the module docstring)."""
-    ring = _Ring(group)
+def ring_forward(ring: Any, kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 causal: bool, scale: float | None, mask: torch.Tensor | None, balanced: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rank's rows of attention and their log-sum-exp (see the module docstring) on
+    ``ring`` (``me``, ``size``, ``start(buf)`` and ``finish(pending)``, as a process group's
+    ring has them), each block by the ``kernel`` (``attention_blocks.KERNELS``)."""
     kv = torch.stack([k, v])
     size = k.shape[SEQ_DIM]
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -153,20 +148,27 @@ def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
         if step.rows is not None:
             rows, keys = step.rows, step.keys
             m = step.mask(mask)
-            o, lse_t = _FORWARD(q[..., rows, :], kv[0][..., keys, :], kv[1][..., keys, :], 0.0,
-                                step.causal, attn_mask=m, scale=scale)
+            o, lse_t = block_forward(kernel, q[..., rows, :], kv[0][..., keys, :],
+                                     kv[1][..., keys, :], step.causal, scale, m)
             like = like or (o, lse_t)
             lse_t = lse_t.float()
             dead = _masked_rows(m, lse_t)
             if dead is not None:
                 lse_t = lse_t.masked_fill(dead, float("-inf"))
-            out[..., rows, :], lse[..., rows] = _merge(out[..., rows, :], lse[..., rows], o, lse_t)
+            out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows], o, lse_t)
         if pending is not None:
-            kv = _Ring.finish(pending)
+            kv = ring.finish(pending)
     # a row with every key masked: output 0 and log-sum-exp 0, as the kernel gives it (with
     # -inf, the backward's exp(score - lse) would be NaN)
     lse = lse.masked_fill(torch.isneginf(lse), 0.0)
-    return torch.empty_like(like[0]).copy_(out), torch.empty_like(like[1]).copy_(lse)
+    return (torch.empty_like(like[0]).copy_(out),
+            lse_native(kernel, torch.empty_like(like[1]).copy_(lse)))
+
+
+def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                    scale: float | None, mask: torch.Tensor | None, group: str, balanced: bool,
+                    kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return ring_forward(_Ring(group), kernel, q, k, v, causal, scale, mask, balanced)
 
 
 ring_attention = torch.library.custom_op("autopar::ring_attention", mutates_args=())(_ring_attention)
@@ -175,16 +177,19 @@ ring_attention = torch.library.custom_op("autopar::ring_attention", mutates_args
 @ring_attention.register_fake
 def _ring_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                          scale: float | None, mask: torch.Tensor | None, group: str,
-                         balanced: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _FORWARD(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)  # (its layouts)
+                         balanced: bool, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = block_forward(kernel, q, k, v, causal, scale, mask)  # (its layouts)
+    return out, lse_native(kernel, lse)
 
 
-def _ring_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                             v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, causal: bool,
-                             scale: float | None, mask: torch.Tensor | None, group: str,
-                             balanced: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The gradients of the rank's queries, keys and values (see the module docstring)."""
-    ring = _Ring(group)
+def ring_backward(ring: Any, kernel: str, grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                  scale: float | None, mask: torch.Tensor | None, balanced: bool,
+                  extra: Sequence[Any] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of the rank's queries, keys and values (see the module docstring) on
+    ``ring`` (as :func:`ring_forward`'s); ``extra``: ``attention_blocks.extra_arguments`` of
+    the backward node."""
+    lse = lse_rows(kernel, lse)
     kv = torch.stack([k, v])
     size = k.shape[SEQ_DIM]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -196,10 +201,10 @@ def _ring_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tenso
         share = None
         if step.rows is not None:
             rows, keys = step.rows, step.keys
-            share = _BACKWARD(grad[..., rows, :], q[..., rows, :], kv[0][..., keys, :],
-                              kv[1][..., keys, :], out[..., rows, :], lse[..., rows], 0.0,
-                              step.causal, attn_mask=step.mask(mask), scale=scale)
-        dkv = (_Ring.finish(incoming) if incoming is not None
+            share = block_backward(kernel, grad[..., rows, :], q[..., rows, :],
+                                   kv[0][..., keys, :], kv[1][..., keys, :], out[..., rows, :],
+                                   lse[..., rows], step.causal, scale, step.mask(mask), extra)
+        dkv = (ring.finish(incoming) if incoming is not None
                else torch.zeros(kv.shape, dtype=torch.float32, device=kv.device))
         if share is not None:
             like = like or share
@@ -208,9 +213,18 @@ def _ring_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tenso
             dkv[1][..., keys, :] += share[2]
         incoming = ring.start(dkv)
         if pending is not None:
-            kv = _Ring.finish(pending)
-    dkv = _Ring.finish(incoming)
+            kv = ring.finish(pending)
+    dkv = ring.finish(incoming)
     return tuple(torch.empty_like(t).copy_(g) for t, g in zip(like, (dq, dkv[0], dkv[1])))
+
+
+def _ring_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                             v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                             scale: float | None, mask: torch.Tensor | None, group: str,
+                             balanced: bool, kernel: str, extra: list[Optional[torch.Tensor]]
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return ring_backward(_Ring(group), kernel, grad, q, k, v, out, lse, causal, scale, mask,
+                         balanced, extra)
 
 
 ring_attention_backward = torch.library.custom_op(
@@ -221,9 +235,10 @@ ring_attention_backward = torch.library.custom_op(
 def _ring_attention_backward_fake(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                                   v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                                   causal: bool, scale: float | None, mask: torch.Tensor | None,
-                                  group: str, balanced: bool
+                                  group: str, balanced: bool, kernel: str,
+                                  extra: list[Optional[torch.Tensor]]
                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _BACKWARD(grad, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+    return block_backward(kernel, grad, q, k, v, out, lse, causal, scale, mask, extra)
 
 
 register_op_with_collectives(torch.ops.autopar.ring_attention.default, _ring_attention)
@@ -236,9 +251,6 @@ def needs_ring(target: Any, in_placements: Sequence[tuple]) -> bool:
     return ring_axis(target, in_placements) is not None
 
 
-# the flash kernels' leading tensor arguments: forward (q, k, v), backward (grad_out, q, k, v,
-# out, logsumexp); dropout and is_causal follow, the mask and the scale are keywords
-_TENSORS = {_FORWARD: 3, _BACKWARD: 6}
 
 
 def run_ring(n: Any, args: tuple, kwargs: dict, out_placements: Sequence[tuple], mesh: Any,
@@ -247,7 +259,9 @@ def run_ring(n: Any, args: tuple, kwargs: dict, out_placements: Sequence[tuple],
     DTensors. ``layout``: the plan's balanced cp layout, if any (each block a chunk pair)."""
     tensors = [a for a in args if isinstance(a, DTensor)]
     axis = ring_axis(n.target, [t.placements for t in tensors])
-    keys = tensors[1 if n.target is _FORWARD else 2]  # (forward: q, k, v; backward: grad, q, k)
+    forward = n.target in ATTENTION_FORWARD
+    query = SEQUENCE_ATTENTION_QUERY[n.target]
+    keys = tensors[query + 1]  # (forward: q, k, v; backward: grad, q, k)
     balanced = (layout is not None and layout.axis == axis
                 and layout.follows(keys.placements[axis], keys.shape))
     group = mesh.get_group(axis).group_name
@@ -255,14 +269,18 @@ def run_ring(n: Any, args: tuple, kwargs: dict, out_placements: Sequence[tuple],
     mask = kwargs.get("attn_mask")
     if mask is not None:
         mask = mask.to_local()
-        dtype = tensors[0 if n.target is _FORWARD else 1].dtype
+        dtype = tensors[query].dtype
         if mask.dtype == torch.bool:  # (the kernel takes an additive mask of the queries' dtype)
             mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
                 ~mask, float("-inf"))
         mask = mask.to(dtype)
-    local = [a.to_local() for a in args[:_TENSORS[n.target]]]
-    op = ring_attention if n.target is _FORWARD else ring_attention_backward
-    outs = op(*local, causal, kwargs.get("scale"), mask, group, balanced)
-    vals = n.meta["val"]
-    return tuple(DTensor.from_local(o, mesh, p, run_check=False, shape=v.shape, stride=v.stride())
-                 for o, p, v in zip(outs, out_placements, vals))
+    local = [a.to_local() for a in kernel_tensors(n.target, args)]
+    extra = [a.to_local() if isinstance(a, DTensor) else a
+             for a in extra_arguments(n.target, args)]
+    kernel = KERNELS[n.target]
+    if forward:
+        outs = ring_attention(*local, causal, kwargs.get("scale"), mask, group, balanced, kernel)
+    else:
+        outs = ring_attention_backward(*local, causal, kwargs.get("scale"), mask, group, balanced,
+                                       kernel, extra)
+    return wrap_outputs(outs, out_placements, n.meta["val"], mesh)

@@ -26,11 +26,13 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """GPT-2 block: LayerNorm, fused QKV projection, SDPA (causal), GELU MLP; ``explicit``
-    computes attention as matmul, mask, softmax, matmul (its s x s values are saved)."""
+    computes attention as matmul, mask, softmax, matmul (its s x s values are saved);
+    ``kernel`` 1-3 calls CUDA's cuDNN, FlashAttention or memory-efficient op instead of SDPA
+    (run on the CPU by ``tests/cuda_kernels_on_cpu.py``)."""
 
-    def __init__(self, dim: int, heads: int, explicit: bool = False) -> None:
+    def __init__(self, dim: int, heads: int, explicit: bool = False, kernel: int = 0) -> None:
         super().__init__()
-        self.heads, self.explicit = heads, explicit
+        self.heads, self.explicit, self.kernel = heads, explicit, kernel
         self.ln1 = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
@@ -47,6 +49,10 @@ class Block(nn.Module):
             scores = (q @ k.transpose(-2, -1)) * (c // self.heads) ** -0.5
             mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
             y = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1) @ v
+        elif self.kernel:
+            from cuda_kernels_on_cpu import attention
+
+            y = attention(q, k, v, self.kernel)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
@@ -58,11 +64,11 @@ class GPT(nn.Module):
     ``tied=0``."""
 
     def __init__(self, vocab: int = 128, dim: int = 64, heads: int = 4, layers: int = 2,
-                 seq: int = 16, explicit: int = 0, tied: int = 1) -> None:
+                 seq: int = 16, explicit: int = 0, tied: int = 1, kernel: int = 0) -> None:
         super().__init__()
         self.wte = nn.Embedding(vocab, dim)
         self.wpe = nn.Embedding(seq, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads, bool(explicit)) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, heads, bool(explicit), kernel) for _ in range(layers))
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         if tied:

@@ -30,7 +30,10 @@ from autopar._torch_private import (
     expand_to_full_mesh_op_strategy,
 )
 
-__all__ = ["ATTENTION_CAUSAL_ARG", "CPU_ATTENTION", "CPU_ATTENTION_BACKWARD", "EXPERT_OPS",
+__all__ = ["ATTENTION_CAUSAL_ARG", "ATTENTION_FORWARD", "CPU_ATTENTION", "CPU_ATTENTION_BACKWARD",
+           "CUDNN_ATTENTION", "CUDNN_ATTENTION_BACKWARD", "EFFICIENT_ATTENTION",
+           "EFFICIENT_ATTENTION_BACKWARD", "EXPERT_OPS", "FLASH_ATTENTION",
+           "FLASH_ATTENTION_BACKWARD",
            "OpRule", "SEQUENCE_ATTENTION_QUERY", "SEQ_DIM",
            "attention_is_causal", "dispatch_axes", "dispatches_experts",
            "expert_owners", "register_op_rule", "splits_experts", "registered_rules", "rule_for"]
@@ -123,16 +126,33 @@ def _mask_placement(kwargs_meta: dict[str, Any], dim: int) -> list[Any]:
 # runs itself: DTensor's dispatch would attend each rank's queries to its own keys only (the
 # rule is registered in DTensor's propagator with the others, so a DTensor call of the kernel
 # outside autopar's lowering with its keys split on the sequence would do just that).
-# The attention ops with the third and fourth rules, each with where its queries are among its
-# tensor inputs (the planner pins them on cp, the lowering runs the ring and a causal third)
+# The attention ops with the third and fourth rules (CPU's here, CUDA's three below), each with
+# where its queries are among its tensor inputs (the planner pins them on cp, the lowering runs
+# the ring, a causal third and every CUDA one)
 CPU_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 CPU_ATTENTION_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+# CUDA's FlashAttention and memory-efficient kernels: the same two forms, each node of them
+# sharded on the sequence run by the lowering in blocks (``autopar.passes.attention_blocks``)
+FLASH_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention.default
+FLASH_ATTENTION_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
+EFFICIENT_ATTENTION = torch.ops.aten._scaled_dot_product_efficient_attention.default
+EFFICIENT_ATTENTION_BACKWARD = torch.ops.aten._scaled_dot_product_efficient_attention_backward.default
+CUDNN_ATTENTION = torch.ops.aten._scaled_dot_product_cudnn_attention.default
+CUDNN_ATTENTION_BACKWARD = torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default
 SEQ_DIM = 2  # the sequence dim of attention's tensors: [batch, heads, sequence, head dim]
-SEQUENCE_ATTENTION_QUERY = {CPU_ATTENTION: 0, CPU_ATTENTION_BACKWARD: 1}
+SEQUENCE_ATTENTION_QUERY = {CPU_ATTENTION: 0, CPU_ATTENTION_BACKWARD: 1, FLASH_ATTENTION: 0,
+                            FLASH_ATTENTION_BACKWARD: 1, EFFICIENT_ATTENTION: 0,
+                            EFFICIENT_ATTENTION_BACKWARD: 1, CUDNN_ATTENTION: 0,
+                            CUDNN_ATTENTION_BACKWARD: 1}
+# the forward ones among them
+ATTENTION_FORWARD = frozenset({CPU_ATTENTION, FLASH_ATTENTION, EFFICIENT_ATTENTION, CUDNN_ATTENTION})
 
 
-# where ``is_causal`` is among their positional arguments
-ATTENTION_CAUSAL_ARG = {CPU_ATTENTION: 4, CPU_ATTENTION_BACKWARD: 7}
+# where ``is_causal`` is among their positional arguments (each op's schema, torch 2.11-2.13)
+ATTENTION_CAUSAL_ARG = {CPU_ATTENTION: 4, CPU_ATTENTION_BACKWARD: 7, FLASH_ATTENTION: 4,
+                        FLASH_ATTENTION_BACKWARD: 11, EFFICIENT_ATTENTION: 6,
+                        EFFICIENT_ATTENTION_BACKWARD: 11, CUDNN_ATTENTION: 6,
+                        CUDNN_ATTENTION_BACKWARD: 14}
 
 
 def attention_is_causal(target: Any, args: Sequence[Any]) -> bool:
@@ -171,6 +191,95 @@ def _sdpa_cpu_backward_rule(
         rules.append([seq, Partial(), Partial(), seq, seq, Replicate(), Replicate(), seq, seq]
                      + _mask_placement(kwargs_meta, SEQ_DIM))
         rules.append([seq] * 9 + _mask_placement(kwargs_meta, SEQ_DIM))  # the ring
+    return rules
+
+
+# CUDA's kernels (FlashAttention, memory-efficient, cuDNN), as DTensor's rules for them (torch
+# 2.13, ``_matrix_ops``) without the
+# sequence split DTensor's own context parallelism adds (older releases offer it to every
+# caller, and a plain dispatch would then attend each rank's queries to its own keys), plus
+# the gathered and the ring forms above. Their extra outputs (FlashAttention's cumulative
+# lengths and random state, the efficient kernel's philox seed) are not split: ``None`` where
+# DTensor gives no spec, else whole. The sequence forms are offered without dropout, with
+# FlashAttention's debug mask off, and for the efficient and cuDNN kernels with their
+# log-sum-exp asked for and no attention bias (the blocks run without a mask); the efficient
+# kernel's sequence a multiple of 32 (it pads the log-sum-exp to one).
+def _forward_sequence_forms(extra: list[Any]) -> list[list[Any]]:
+    """A CUDA forward's gathered and ring forms: output and log-sum-exp split on the sequence,
+    its ``extra`` outputs as given, then q, k, v."""
+    seq, r = Shard(SEQ_DIM), Replicate()
+    return [[seq, seq] + extra + [seq, r, r], [seq, seq] + extra + [seq, seq, seq]]
+
+
+def _backward_sequence_forms(extra: list[Any], tail: list[Any]) -> list[list[Any]]:
+    """A CUDA backward's gathered form (the keys' and values' gradients partial: each rank's
+    queries' share) and ring form: grad_q, grad_k, grad_v, the ``extra`` outputs, then
+    grad_out, q, k, v, out, logsumexp and the ``tail`` inputs as given."""
+    seq, r, p = Shard(SEQ_DIM), Replicate(), Partial()
+    return [[seq, p, p] + extra + [seq, seq, r, r, seq, seq] + tail,
+            [seq] * 3 + extra + [seq] * 6 + tail]
+
+
+def _replicated_or_split(outs: list[Any], ins: int, dim: int | None) -> list[Any]:
+    place = Replicate() if dim is None else Shard(dim)
+    return [place if o == "x" else o for o in outs] + [place] * ins
+
+
+@register_op_rule(FLASH_ATTENTION, 9, 3)
+def _flash_rule(args_meta: tuple[Any, ...], kwargs_meta: dict[str, Any]) -> list[list[Any]]:
+    debug = len(args_meta) > 5 and args_meta[5]
+    extra = [None, None, None, None, Replicate(), None]  # cum_seq_q/k, max_q/k, rng_state, unused
+    rules = [_replicated_or_split(["x", "x"] + extra + ["x" if debug else Replicate()], 3, dim)
+             for dim in (None, 0, 1)]
+    if _no_dropout(args_meta, 3) and not debug:
+        rules += _forward_sequence_forms(extra + [Replicate()])
+    return rules
+
+
+@register_op_rule(FLASH_ATTENTION_BACKWARD, 3, 10)
+def _flash_backward_rule(args_meta: tuple[Any, ...], kwargs_meta: dict[str, Any]
+                         ) -> list[list[Any]]:
+    # outputs grad_q, grad_k, grad_v; inputs grad_out, q, k, v, out, logsumexp, then the
+    # cumulative lengths and the random state, whole
+    rest = [Replicate()] * (_tensor_count(args_meta, kwargs_meta) - 6)
+    rules = [_replicated_or_split([], 9, dim) + rest for dim in (None, 0, 1)]
+    if _no_dropout(args_meta, 10):
+        rules += _backward_sequence_forms([], rest)
+    return rules
+
+
+def _sequence_ok(args_meta: tuple[Any, ...], query: int, bias: int, lse: bool,
+                           align: int = 32) -> bool:
+    q = args_meta[query]
+    return lse and args_meta[bias] is None and q.shape[SEQ_DIM] % align == 0
+
+
+@register_op_rule(EFFICIENT_ATTENTION, 4, 4)
+def _efficient_rule(args_meta: tuple[Any, ...], kwargs_meta: dict[str, Any]) -> list[list[Any]]:
+    bias, lse = args_meta[3] is not None, bool(args_meta[4])
+    rules = []
+    for dim in (None, 0, 1):
+        place = Replicate() if dim is None else Shard(dim)
+        rules.append([place, place if lse else Replicate(), None, None]
+                     + [place] * (3 + bias))
+    if _no_dropout(args_meta, 5) and _sequence_ok(args_meta, 0, 3, lse):
+        rules += _forward_sequence_forms([None, None])
+    return rules
+
+
+@register_op_rule(EFFICIENT_ATTENTION_BACKWARD, 4, 9)
+def _efficient_backward_rule(args_meta: tuple[Any, ...], kwargs_meta: dict[str, Any]
+                             ) -> list[list[Any]]:
+    # outputs grad_q, grad_k, grad_v, grad_bias; inputs grad_out, q, k, v, (bias), out,
+    # logsumexp, philox_seed, philox_offset
+    bias = args_meta[4] is not None
+    rules = []
+    for dim in (None, 0, 1):
+        place = Replicate() if dim is None else Shard(dim)
+        rules.append([place] * 3 + [place if bias else None] + [place] * (6 + bias)
+                     + [Replicate()] * 2)
+    if _no_dropout(args_meta, 9) and _sequence_ok(args_meta, 1, 4, True):
+        rules += _backward_sequence_forms([None], [Replicate()] * 2)
     return rules
 
 
@@ -262,3 +371,35 @@ def _experts_rule(args_meta: tuple[Any, ...], kwargs_meta: dict[str, Any]) -> li
 def _experts_backward_rule(args_meta: tuple[Any, ...], kwargs_meta: dict[str, Any]
                            ) -> list[list[Any]]:
     return _experts_rules(grad=True)
+
+
+@register_op_rule(CUDNN_ATTENTION, 9, 4)
+def _cudnn_rule(args_meta: tuple[Any, ...], kwargs_meta: dict[str, Any]) -> list[list[Any]]:
+    bias, lse = args_meta[3] is not None, bool(args_meta[4])
+    debug = len(args_meta) > 7 and args_meta[7]
+    extra = [None] * 6  # cum_seq_q/k, max_q/k, philox seed and offset
+    rules = []
+    for dim in (None, 0, 1):
+        place = Replicate() if dim is None else Shard(dim)
+        rules.append([place, place if lse else Replicate()] + extra
+                     + [place if debug else None] + [place] * (3 + bias))
+    if (_no_dropout(args_meta, 5) and not debug
+            and _sequence_ok(args_meta, 0, 3, lse, align=1)):
+        rules += _forward_sequence_forms(extra + [None])
+    return rules
+
+
+@register_op_rule(CUDNN_ATTENTION_BACKWARD, 3, 13)
+def _cudnn_backward_rule(args_meta: tuple[Any, ...], kwargs_meta: dict[str, Any]
+                         ) -> list[list[Any]]:
+    # outputs grad_q, grad_k, grad_v; inputs grad_out, q, k, v, out, logsumexp, the philox
+    # seed and offset, then the bias and the cumulative lengths where they are tensors
+    bias = args_meta[8] is not None
+    rest = [Replicate()] * (_tensor_count(args_meta, kwargs_meta) - 8 - bias)
+    rules = []
+    for dim in (None, 0, 1):
+        place = Replicate() if dim is None else Shard(dim)
+        rules.append([place] * 9 + [Replicate()] * 2 + [place] * bias + rest)
+    if _no_dropout(args_meta, 13) and not bias:
+        rules += _backward_sequence_forms([], [Replicate()] * 2 + rest)
+    return rules

@@ -95,6 +95,12 @@ def test_gpu_check_runs_on_the_cpu_at_tiny_size(tmp_path):
     autopar_row, torch_row = res["step"]
     assert autopar_row["params"] == torch_row["params"] and autopar_row["predicted_s"] > 0
     assert autopar_row["predicted_s_calibrated"] > 0
+    # context parallelism's blocks, CPU's kernel: 2 and 4 ranks, both forms, layouts and masks
+    cp = res["cp_kernels"]
+    assert sum("ok" in r for r in cp) == 16 and all(r["ok"] for r in cp if "ok" in r), cp
+    assert [r["case"] for r in cp if "fwd_ms" in r] == [
+        "whole causal kernel", "cp=4 rank 0, balanced", "cp=4 rank 0, contiguous",
+        "cp=4 rank 3, contiguous"]
 
 
 @pytest.mark.slow  # 40 s

@@ -81,15 +81,20 @@ COMPILED = {2: ["mlp:tp=2,compile=1", "mlp:dp=2,compile=1"], 4: ["mlp:dp=2,tp=2,
 # cp=2, cp=4, cp=2 x dp=2 (one sequence a dp rank, the linears split over dp x cp nested, in both
 # forms and layouts, the ring's with ZeRO-3; and two sequences a dp rank, the linears whole on
 # cp), pp=2 x cp=2, the ring with selective recomputation and with bf16, and dp=2 x cp=2 x tp=2
-# on 8 processes (both forms), in test_slow.py.
+# on 8 processes (both forms), in test_slow.py. CUDA's kernels (kernel=1: cuDNN, 2:
+# FlashAttention, 3: memory-efficient; called by the GPT itself, run on the CPU by
+# tests/cuda_kernels_on_cpu.py): cuDNN's gathered form here, the others in test_slow.py.
 _CP = "dim=64,heads=4,layers=2,batch=4,seq=64"
 _CP1 = _CP.replace("batch=4", "batch=2")  # (one sequence a dp rank at dp=2: nested_views)
 _G, _R = "cp_attention=gather", "cp_attention=ring"
 CONTEXT = {2: [f"gpt:cp=2,{_G},{_CP}", f"gpt:cp=2,{_R},memory=1,{_CP}",
-               f"gpt:cp=2,{_R},cp_layout=contiguous,{_CP}"],
+               f"gpt:cp=2,{_R},cp_layout=contiguous,{_CP}", f"gpt:cp=2,{_G},kernel=1,{_CP}"],
            4: [f"gpt:cp=2,tp=2,{form},{_CP}" for form in (_G, _R)]}
 CONTEXT_SLOW = {2: [f"llama:cp=2,{_G}", f"llama:cp=2,{_R}", f"gpt:cp=2,{_R},recompute=selective,{_CP}",
-                    f"gpt:cp=2,{_R},mixed_precision=bf16,{_CP}"],
+                    f"gpt:cp=2,{_R},mixed_precision=bf16,{_CP}", f"gpt:cp=2,{_R},kernel=1,{_CP}",
+                    f"gpt:cp=2,{_G},kernel=2,{_CP}", f"gpt:cp=2,{_R},kernel=2,cp_layout=contiguous,{_CP}",
+                    f"gpt:cp=2,{_R},kernel=3,{_CP}",
+                    f"gpt:cp=2,{_G},kernel=3,cp_layout=contiguous,{_CP}"],
                 4: [f"gpt:cp=4,{form},{_CP}" for form in (_G, _R)]
                 + [f"gpt:cp=2,dp=2,{_G},{_CP1}", f"gpt:cp=2,dp=2,{_R},zero=3,{_CP1}",
                    f"gpt:cp=2,dp=2,{_R},cp_layout=contiguous,{_CP1}", f"gpt:cp=2,dp=2,{_G},{_CP}"]

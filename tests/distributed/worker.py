@@ -39,7 +39,7 @@ from grads import compare_on_every_rank  # noqa: E402
 from models import build, slow_compute  # noqa: E402
 
 _MODEL_KEYS = {"dim", "batch", "seq", "layers", "heads", "d_in", "d_hidden", "d_out", "explicit",
-               "tied"}
+               "tied", "kernel"}
 _RUN_KEYS = {"compile", "memory", "curve"}
 _TEXT_KEYS = {"schedule", "recompute", "mixed_precision", "cp_attention", "cp_layout"}
 

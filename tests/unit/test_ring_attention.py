@@ -175,10 +175,11 @@ def test_a_row_with_every_key_masked_gives_the_kernels_zeros_not_nan():
     mask = torch.zeros(1, 1, 4, 4)
     mask[..., 1, :] = float("-inf")  # query row 1 sees no key
     out, lse = _FWD(q, k, v, 0.0, False, attn_mask=mask)
-    ring_out, ring_lse = ring_attention(q, k, v, False, None, mask, "", False)
+    ring_out, ring_lse = ring_attention(q, k, v, False, None, mask, "", False, "cpu")
     assert torch.equal(ring_lse, lse) and torch.allclose(ring_out, out)
     want = _BWD(grad, q, k, v, out, lse, 0.0, False, attn_mask=mask)
-    got = ring_attention_backward(grad, q, k, v, ring_out, ring_lse, False, None, mask, "", False)
+    got = ring_attention_backward(grad, q, k, v, ring_out, ring_lse, False, None, mask, "", False,
+                                  "cpu", [])
     for g, w in zip(got, want):
         assert torch.isfinite(g).all() and torch.allclose(g, w, atol=1e-6)
 
