@@ -454,9 +454,8 @@ def cp_timing(ranks: int = 4) -> list[dict]:
     (``cost_models.attention.gathered_seconds``, for the rank measured): balanced rank 0, and
     the first and last of contiguous blocks."""
     from autopar.cost_models.attention import AttentionCall, gathered_calls
-    from autopar.passes.attention_blocks import (block_backward, block_forward,
+    from autopar.passes.attention_blocks import (block_backward, block_forward, forward_extras,
                                                  gathered_backward, gathered_forward)
-    from autopar.passes.cp_simulation import kernel_extras
     from autopar.sequence_layout import SequenceLayout, query_runs
 
     cpu = DEVICE == "cpu"
@@ -464,7 +463,7 @@ def cp_timing(ranks: int = 4) -> list[dict]:
     b, h, s, d = (1, 2, 256, 16) if cpu else (1, 16, 16384, 128)
     topo = get_preset("cpu-gloo" if cpu else preset_for())
     q, k, v, grad = (torch.randn(b, h, s, d, device=DEVICE, dtype=dtype) for _ in range(4))
-    extra = kernel_extras(kernel, q, k, v, True)
+    extra = forward_extras(kernel, q, k, v, True)
     out, lse = block_forward(kernel, q, k, v, True, None)
 
     def price(direction: str, s_q: int, balanced: bool, rank: int = 0) -> float:
@@ -478,7 +477,7 @@ def cp_timing(ranks: int = 4) -> list[dict]:
              "priced_ms": (price("fwd", s, False) + price("bwd", s, False)) * 1e3}]
     if not cpu:  # (FlashAttention's whole kernel, for comparison)
         fo, fl = block_forward("flash", q, k, v, True, None)
-        fx = kernel_extras("flash", q, k, v, True)
+        fx = forward_extras("flash", q, k, v, True)
         rows.append({"case": "whole causal kernel", "kernel": f"flash b{b} h{h} s{s} d{d}",
                      "fwd_ms": cuda_time(lambda: block_forward("flash", q, k, v, True, None),
                                          7, 3) * 1e3,

@@ -33,9 +33,9 @@ import torch
 
 from autopar.sequence_layout import SequenceLayout, query_runs
 
-__all__ = ["ATTENTION_KERNELS", "TILE", "AttentionCall", "attention_call", "attention_seconds",
-           "causal_fraction", "gathered_calls", "gathered_seconds", "check_rows", "efficiency", "rows_from_table", "H100_SDPA",
-           "H100_SDPA_TABLE", "H200_SDPA", "H200_SDPA_TABLE"]
+__all__ = ["ATTENTION_KERNELS", "H100_SDPA", "H100_SDPA_TABLE", "H200_SDPA", "H200_SDPA_TABLE",
+           "TILE", "AttentionCall", "attention_call", "attention_seconds", "causal_fraction",
+           "check_rows", "efficiency", "gathered_calls", "gathered_seconds", "rows_from_table"]
 
 aten = torch.ops.aten
 

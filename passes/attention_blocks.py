@@ -18,10 +18,11 @@ is called on a block:
   attention on an H200): its log-sum-exp ``[batch, heads, queries, 1]``, its backward
   told the block's query and key lengths (``max_q``, ``max_k``); no bias.
 
-Every block a CUDA kernel is given is contiguous: the kernels read their operands' strides,
-but a view into a longer sequence gave wrong gradients on an H200 (FlashAttention and the
-efficient kernel in bf16, torch 2.11; ``benchmarks/gpu_check.py``), and a copy of a block is
-cheap beside its attention.
+Every block a CUDA kernel is given is copied contiguous. The kernels read their operands'
+strides, and the efficient kernel's backward reads the output with the gradient's (a mismatch
+gave wrong gradients on an H200 in bf16, torch 2.11; ``benchmarks/gpu_check.py``); whether the
+others would take views into the longer sequence was not checked, and the copies are priced
+(``cost_models.attention.gathered_seconds``).
 
 A block's output merges into the running one by ``lse = logaddexp(lse, lse_b)``, ``out = out
 * exp(lse_old - lse) + out_b * exp(lse_b - lse)`` in float32 (Milakov and Gimelshein, "Online
@@ -44,8 +45,9 @@ from autopar.strategies.rules import (CPU_ATTENTION, CPU_ATTENTION_BACKWARD, CUD
                                       EFFICIENT_ATTENTION_BACKWARD, FLASH_ATTENTION,
                                       FLASH_ATTENTION_BACKWARD, SEQ_DIM)
 
-__all__ = ["KERNELS", "block_backward", "block_forward", "extra_arguments", "gathered_backward",
-           "gathered_forward", "kernel_tensors", "lse_native", "lse_rows", "merge", "wrap_outputs"]
+__all__ = ["KERNELS", "block_backward", "block_forward", "extra_arguments", "forward_extras",
+           "gathered_backward", "gathered_forward", "kernel_tensors", "lse_native", "lse_rows",
+           "merge", "wrap_outputs"]
 
 aten = torch.ops.aten
 
@@ -90,6 +92,25 @@ def extra_arguments(target: Any, args: Sequence[Any]) -> list[Any]:
     """The arguments a backward node of ``target`` passes to its kernel beyond gradient,
     queries, keys, values, output and log-sum-exp (empty for the CPU kernel and forwards)."""
     return [args[i] if i < len(args) else None for i in _EXTRA.get(target, ())]
+
+
+def forward_extras(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  causal: bool) -> list[Any]:
+    """What a backward node of ``kernel`` holds beyond its attention tensors
+    (:func:`extra_arguments`), as a forward call on ``q``, ``k``, ``v`` makes them:
+    FlashAttention's cumulative lengths and random state, the efficient kernel's philox pair,
+    cuDNN's philox pair and cumulative lengths; nothing for CPU's (for checks that call the
+    kernels by themselves: ``passes.cp_simulation``, ``benchmarks/gpu_check.py``)."""
+    if kernel == "flash":
+        out = FLASH_ATTENTION(q, k, v, 0.0, causal, False)
+        return [out[2], out[3], out[6], out[7]]
+    if kernel == "efficient":
+        out = EFFICIENT_ATTENTION(q, k, v, None, True, 0.0, causal)
+        return [out[2], out[3]]
+    if kernel == "cudnn":
+        out = CUDNN_ATTENTION(q, k, v, None, True, 0.0, causal)
+        return [out[6], out[7], out[2], out[3]]
+    return []
 
 
 def block_forward(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,

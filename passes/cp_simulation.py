@@ -19,15 +19,15 @@ from typing import Any
 
 import torch
 
-from autopar.passes.attention_blocks import (block_backward, block_forward, gathered_backward,
-                                             gathered_forward, lse_rows)
+from autopar.passes.attention_blocks import (block_backward, block_forward, forward_extras,
+                                             gathered_backward, gathered_forward, lse_rows)
 from autopar.passes.ring_attention import ring_backward, ring_forward
 from autopar.sequence_layout import SequenceLayout, query_runs
-from autopar.strategies.rules import CUDNN_ATTENTION, EFFICIENT_ATTENTION, FLASH_ATTENTION, SEQ_DIM
+from autopar.strategies.rules import SEQ_DIM
 
-__all__ = ["Attention", "kernel_extras", "simulate", "whole"]
+__all__ = ["Attention", "simulate", "whole"]
 
-_TIMEOUT_S = 600.0  # a rank waiting longer for its neighbour's block: a bug, not slowness
+_TIMEOUT_S = 120.0  # a rank waiting longer for its neighbour's block: a bug, not slowness
 
 
 @dataclass(frozen=True)
@@ -55,24 +55,6 @@ class _ThreadRing:
     @staticmethod
     def finish(pending: queue.Queue) -> torch.Tensor:
         return pending.get(timeout=_TIMEOUT_S)
-
-
-def kernel_extras(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  causal: bool) -> list[Any]:
-    """What a backward node of ``kernel`` holds beyond its attention tensors, as its forward
-    makes them (``attention_blocks.extra_arguments``): FlashAttention's cumulative lengths
-    and random state, the efficient kernel's philox pair, cuDNN's philox pair and cumulative
-    lengths; nothing for CPU's."""
-    if kernel == "flash":
-        out = FLASH_ATTENTION(q, k, v, 0.0, causal, False)
-        return [out[2], out[3], out[6], out[7]]
-    if kernel == "efficient":
-        out = EFFICIENT_ATTENTION(q, k, v, None, True, 0.0, causal)
-        return [out[2], out[3]]
-    if kernel == "cudnn":
-        out = CUDNN_ATTENTION(q, k, v, None, True, 0.0, causal)
-        return [out[6], out[7], out[2], out[3]]
-    return []
 
 
 def _arranged(x: torch.Tensor, n: int, balanced: bool) -> list[torch.Tensor]:
@@ -125,7 +107,7 @@ def simulate(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     in natural order."""
     if form not in ("ring", "gather"):
         raise ValueError(f"form={form!r}; expected 'ring' or 'gather'")
-    extra = kernel_extras(kernel, q, k, v, causal)
+    extra = forward_extras(kernel, q, k, v, causal)
     qs, ks, vs, gs = (_arranged(x, ranks, balanced) for x in (q, k, v, grad))
     length, size = q.shape[SEQ_DIM], q.shape[SEQ_DIM] // ranks
     layout = SequenceLayout(0, ranks) if balanced else None
@@ -160,6 +142,6 @@ def whole(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: 
           causal: bool, scale: float | None = None) -> Attention:
     """The same by the kernel once on the whole sequence, the reference of :func:`simulate`."""
     out, lse = block_forward(kernel, q, k, v, causal, scale)
-    extra = kernel_extras(kernel, q, k, v, causal)
+    extra = forward_extras(kernel, q, k, v, causal)
     dq, dk, dv = block_backward(kernel, grad, q, k, v, out, lse, causal, scale, None, extra)
     return Attention(out, lse, dq, dk, dv)
