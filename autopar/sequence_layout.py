@@ -96,6 +96,15 @@ class SequenceLayout:
             return x
         return self._permute(x, p, self.order())
 
+    def restore_input(self, x: torch.Tensor, placements: Sequence[Any]) -> torch.Tensor:
+        """The inverse of :meth:`arrange_input`: a whole tensor held arranged back in natural
+        order."""
+        p = placements[self.axis]
+        if not self.follows(p, x.shape):
+            return x
+        order = self.order()
+        return self._permute(x, p, [order.index(c) for c in range(len(order))])
+
     def arrange(self, x: DTensor, placement: Any) -> DTensor:
         """``x`` (its ``placement.dim`` split on no axis) in the order ``placement`` on the cp
         axis needs."""

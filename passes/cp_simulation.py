@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import Shard
 
 from autopar.passes.attention_blocks import (block_backward, block_forward, forward_extras,
                                              gathered_backward, gathered_forward, lse_rows)
@@ -57,23 +58,20 @@ class _ThreadRing:
         return pending.get(timeout=_TIMEOUT_S)
 
 
+_SPLIT = (Shard(SEQ_DIM),)  # the sequence split on the one cp axis of the simulation
+
+
 def _arranged(x: torch.Tensor, n: int, balanced: bool) -> list[torch.Tensor]:
     """``x``'s blocks of the sequence for ``n`` ranks, in the layout's order."""
     if balanced:
-        chunks = x.chunk(2 * n, SEQ_DIM)
-        order = SequenceLayout(0, n).order()
-        x = torch.cat([chunks[c] for c in order], SEQ_DIM)
+        x = SequenceLayout(0, n).arrange_input(x, _SPLIT)
     return [b.contiguous() for b in x.chunk(n, SEQ_DIM)]
 
 
 def _natural(blocks: list[torch.Tensor], n: int, balanced: bool) -> torch.Tensor:
     """The inverse of :func:`_arranged`."""
     x = torch.cat(blocks, SEQ_DIM)
-    if not balanced:
-        return x
-    chunks = x.chunk(2 * n, SEQ_DIM)
-    order = SequenceLayout(0, n).order()
-    return torch.cat([chunks[order.index(c)] for c in range(2 * n)], SEQ_DIM)
+    return SequenceLayout(0, n).restore_input(x, _SPLIT) if balanced else x
 
 
 def _in_threads(n: int, work: Any) -> list[Any]:

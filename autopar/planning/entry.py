@@ -46,6 +46,7 @@ from autopar.planning.candidates import HSDP_AXES, mesh_candidates
 from autopar.capture.moe import has_expert_blocks
 from autopar.planning.per_unit import make_plan
 from autopar.planning.solve import solve_candidate
+from autopar.planning.setups import sequences_beside_cp
 from autopar.planning.search import (
     LayerSolver, SearchResult, model_flops, pruned_examples, search, search_unsupported,
 )
@@ -318,7 +319,7 @@ def _record_search(plan: Plan, cost: StepCost, result: SearchResult, failed: lis
     if failed:
         warnings.append(f"{len(failed)} better-ranked setup(s) could not be placed per operator "
                         f"and were skipped: " + "; ".join(failed))
-    if st.cp > 1 and st.dp > 1 and st.microbatch_size > 1:
+    if sequences_beside_cp(st):
         warnings.append(
             f"dp={st.dp} x cp={st.cp} with {st.microbatch_size} sequences a dp rank: the "
             f"linear layers (batch and sequence flattened) run on the whole sequence on each cp "

@@ -350,8 +350,9 @@ def search(model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config | N
     setups = list(candidate_setups(mesh.size, topo.gpus_per_node, rep.batch, rep.num_blocks,
                                    config, replica_microbatches=replica_microbatches,
                                    seq=rep.seq, experts=rep.num_experts))
-    last = [s for s in setups if tried_last(s, config)]
-    setups = [s for s in setups if not tried_last(s, config)]
+    deferred = [tried_last(s, config) for s in setups]
+    last = [s for s, d in zip(setups, deferred) if d]
+    setups = [s for s, d in zip(setups, deferred) if not d]
     later = [] if pipelines_always(config, mesh) else [s for s in setups if s.pp > 1]
     # without context parallelism first: the best of those bounds the setups with it
     # (LayerSolver.bound), whose (cp, tp) layer ILPs are the search's dearest; the smallest

@@ -14,20 +14,26 @@ from autopar.cost_models.training_step import RECOMPUTE, Setup
 from autopar.planning.candidates import ep_degrees
 
 __all__ = ["CP_MAX", "CP_MIN_SEQUENCE", "TP_ACROSS_NODES_MAX", "candidate_setups", "cp_degrees",
-           "sequence_length", "tp_degrees", "tried_last", "zero_stages"]
+           "sequence_length", "sequences_beside_cp", "tp_degrees", "tried_last", "zero_stages"]
 
 _MAX_MICROBATCH = 8
 _MAX_VIRTUAL = 8
 
 
-def tried_last(setup: Setup, config: Config) -> bool:
-    """Whether the search prices ``setup`` only if no other setup fits: dp > 1 and cp > 1 with
-    more than one sequence a replica's microbatch, unless the ``Config`` fixes dp and cp both
-    or sets ``microbatch_size``. Its linear layers run on the whole sequence on each cp rank
-    (the flattened batch and sequence split on both axes needs one sequence a dp block,
+def sequences_beside_cp(setup: Setup) -> bool:
+    """Whether ``setup`` has dp > 1 and cp > 1 with more than one sequence a replica's
+    microbatch: its linear layers run on the whole sequence on each cp rank (the flattened
+    batch and sequence split on both axes needs one sequence a dp block,
     ``strategies.nested_views``), which the search's layer prices do not show."""
-    return (setup.cp > 1 and setup.dp > 1 and setup.microbatch_size > 1
-            and config.microbatch_size is None and None in (config.dp, config.cp))
+    return setup.cp > 1 and setup.dp > 1 and setup.microbatch_size > 1
+
+
+def tried_last(setup: Setup, config: Config) -> bool:
+    """Whether the search prices ``setup`` only if no other setup fits: one of
+    :func:`sequences_beside_cp`, unless the ``Config`` fixes dp and cp both or sets
+    ``microbatch_size``."""
+    return (sequences_beside_cp(setup) and config.microbatch_size is None
+            and None in (config.dp, config.cp))
 
 
 def candidate_setups(num_devices: int, gpus_per_node: int, batch: int, num_blocks: int,
