@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp-layout", choices=CP_LAYOUTS, default=None,
                    help="positions per cp rank: chunk pairs that balance causal attention, or "
                         "contiguous blocks (default: balanced where the sequence divides)")
+    p.add_argument("--cp-order", choices=("outside-tp", "inside-tp"), default=None,
+                   help="the cp axis's place in the mesh when cp and tp are both > 1: outside "
+                        "tp (tp's ranks consecutive) or inside it (default: the faster where "
+                        "they differ)")
     p.add_argument("--expert-load-skew", type=float, default=1.0,
                    help="MoE routing skew the cost model assumes: the busiest rank's rows over "
                         "the mean (default 1.0, uniform)")
@@ -146,6 +150,8 @@ def _plan(args: argparse.Namespace) -> Any:
         raise SystemExit(str(e)) from e
     config = autopar.Config(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
                             cp_attention=args.cp_attention, cp_layout=args.cp_layout,
+                            cp_inside_tp=None if args.cp_order is None
+                            else args.cp_order == "inside-tp",
                             expert_load_skew=args.expert_load_skew,
                             microbatch_size=args.microbatch_size,
                             recompute=args.recompute, zero=args.zero, dp_shard=args.dp_shard,

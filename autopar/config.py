@@ -44,6 +44,11 @@ class Config:
             is the same on every rank: Megatron-LM's and torchtitan's split;
             ``autopar.sequence_layout``), ``"contiguous"`` (rank r holding the r-th of cp
             blocks), or ``None``: balanced where the sequence divides by 2 x cp.
+        cp_inside_tp: the order of the cp and tp axes in the mesh when both are larger than 1:
+            ``False`` puts tp innermost (its ranks consecutive, on a node's fastest links, cp
+            outside it: Megatron-LM's order), ``True`` cp innermost (tp outside it), ``None``
+            lets the planner price both where they differ (cp x tp spanning nodes) and take the
+            faster, tp innermost otherwise.
         ep: expert-parallel degree of mixture-of-experts layers: each layer's experts split
             over ``ep`` of the data-parallel ranks (ep divides dp, as Megatron-LM and
             torchtitan fold it), the (token, choice) pairs sent to their experts' ranks and
@@ -107,6 +112,7 @@ class Config:
     cp: int | None = None
     cp_attention: str | None = None
     cp_layout: str | None = None
+    cp_inside_tp: bool | None = None
     ep: int | None = None
     expert_load_skew: float = 1.0
     memory_bytes: float | None = None
@@ -141,6 +147,10 @@ class Config:
         if self.cp_layout is not None and self.cp_layout not in CP_LAYOUTS:
             raise ValueError(f"Config.cp_layout={self.cp_layout!r}: use one of {CP_LAYOUTS}, or "
                              f"None for the balanced one where the sequence divides.")
+        if not (self.cp_inside_tp is None or isinstance(self.cp_inside_tp, bool)):
+            raise ValueError(f"Config.cp_inside_tp={self.cp_inside_tp!r}: use True (cp the "
+                             f"innermost axis), False (tp innermost) or None to let the planner "
+                             f"choose.")
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise ValueError(f"Config.schedule={self.schedule!r}: use one of {SCHEDULES}, or None "
                              f"to let the search choose.")

@@ -165,14 +165,18 @@ class Setup:
     # the data-parallel ranks ZeRO shards over: 0 for all of dp, fewer for hybrid sharding
     # (shard groups of dp_shard consecutive ranks, replicated across the dp / dp_shard groups)
     dp_shard: int = 0
-    # context parallelism: the sequence split over cp ranks (between dp and tp in the mesh);
-    # the per-layer costs are solved on the (cp, tp) submesh, the gradients reduced over dp and
+    # context parallelism: the sequence split over cp ranks (after dp in the mesh, before tp or,
+    # with cp_inside_tp, after it); the per-layer costs are solved on the (cp, tp) submesh in
+    # that order, the gradients reduced over dp and
     # then over cp once a step (partial sums over cp until then, as a pipeline stage runs them)
     cp: int = 1
     # expert parallelism: the experts of MoE layers split over ep of the dp ranks (consecutive,
     # inside dp: stride cp * tp), the tokens sent to them by all-to-all; their gradients
     # reduced over the dp / ep ranks holding the same experts
     ep: int = 1
+    # the mesh order of cp and tp (both > 1): cp innermost, its ranks consecutive (stride 1),
+    # tp outside it (stride cp), instead of tp innermost and cp at stride tp (Megatron-LM's)
+    cp_inside_tp: bool = False
 
     @property
     def shard(self) -> int:
@@ -188,7 +192,8 @@ class Setup:
                 f"b={self.microbatch_size} "
                 f"m={self.microbatches}{sched} recompute={self.recompute} zero={self.zero}"
                 f"{f' dp_shard={self.dp_shard}' if self.dp_shard else ''}"
-                f"{' sp' if self.sequence_parallel else ''}")
+                f"{' sp' if self.sequence_parallel else ''}"
+                f"{' cp-inside-tp' if self.cp_inside_tp else ''}")
 
 
 @dataclass(frozen=True)
@@ -570,8 +575,8 @@ def _step_end(lc: LayerCosts, setup: Setup, elements: float, gathered: float,
         # LayerSolver.costs); a pipeline stage sums them over its microbatches first and, with
         # ZeRO, reduces its dp shard only (step_end_buckets: the first axis, then the others)
         scattered = setup.shard if setup.zero and setup.pp > 1 else 1
-        dp_s += axis_collective_time("all_reduce", grad_bytes / scattered, setup.cp, setup.tp,
-                                     topology)
+        dp_s += axis_collective_time("all_reduce", grad_bytes / scattered, setup.cp,
+                                     1 if setup.cp_inside_tp else setup.tp, topology)
     tied_s = 0.0
     if tied and setup.pp > 1 and lc.tied_elements:  # the first and last stage sum the tied weight's grad
         tied_s = axis_collective_time("all_reduce", lc.tied_elements * lc.param_itemsize, 2,

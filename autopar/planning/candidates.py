@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from autopar.config import Config
 from autopar.errors import PlanError
 
-__all__ = ['Candidate', 'HSDP_AXES', 'ep_degrees', 'memory_techniques', 'mesh_candidates']
+__all__ = ['Candidate', 'HSDP_AXES', 'cp_orders', 'ep_degrees', 'memory_techniques', 'mesh_candidates']
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,8 @@ class Candidate:
 HSDP_AXES = ("dp_replicate", "dp_shard")
 
 
-def mesh_candidates(world: int, config: Config, experts: int = 0) -> list[Candidate]:
+def mesh_candidates(world: int, config: Config, experts: int = 0,
+                    gpus_per_node: int | None = None) -> list[Candidate]:
     """Logical meshes to try: (dp, cp, tp) factorisations of ``world`` allowed by the config
     (``world`` is the devices of one pipeline stage; cp is ``Config.cp``, 1 when ``None``);
     with ``Config.dp_shard`` smaller than dp, the dp axis is cut into (``dp_replicate``,
@@ -45,7 +46,7 @@ def mesh_candidates(world: int, config: Config, experts: int = 0) -> list[Candid
     expert-parallel degree ep > 1 (:func:`ep_degrees`; ``experts``: the experts of the model's
     MoE layers, 0 without), into (``dp``, ``ep``), the ep groups consecutive ranks, an axis of size
     1 left out. Axes run data, context, tensor (outermost first), as Megatron-LM orders
-    them."""
+    them, or data, tensor, context (:func:`cp_orders`)."""
     cp = config.cp or 1
     if world % cp:
         raise PlanError(f"Config(cp={cp}) does not divide the {world} devices of a stage; use a "
@@ -68,17 +69,34 @@ def mesh_candidates(world: int, config: Config, experts: int = 0) -> list[Candid
             data = ((dp,), ("dp",) if dp > 1 else ("tp",), (0,) if dp > 1 else (), None)
         else:
             data = ((), (), (), None)
-        ctx = ((cp,), ("cp",)) if cp > 1 else ((), ())
-        tail = ((tp,), ("tp",)) if tp > 1 else ((), ())
-        for shape, names, dp_axes, shard_axes, ep_axes in _expert_splits(data, dp, config, experts):
-            out.append(Candidate((*shape, *ctx[0], *tail[0]), (*names, *ctx[1], *tail[1]),
-                                 dp_axes, shard_axes, (len(shape),) if cp > 1 else (), ep_axes))
+        for inside in cp_orders(config, cp, tp, gpus_per_node):
+            inner = [(n, d) for n, d in (("cp", cp), ("tp", tp)) if d > 1]
+            inner = inner[::-1] if inside else inner
+            for shape, names, dp_axes, shard_axes, ep_axes in _expert_splits(data, dp, config,
+                                                                              experts):
+                out.append(Candidate((*shape, *(d for _, d in inner)),
+                                     (*names, *(n for n, _ in inner)), dp_axes, shard_axes,
+                                     (len(shape) + [n for n, _ in inner].index("cp"),)
+                                     if cp > 1 else (), ep_axes))
     if not out:
         raise PlanError(
             f"no (dp, tp) with dp * tp = {world // cp} devices (with cp={cp}) matches "
             f"Config(dp={config.dp}, tp={config.tp}, ep={config.ep}); choose degrees whose product is the mesh "
             f"size, or leave them None.")
     return out
+
+
+def cp_orders(config: Config, cp: int, tp: int, gpus_per_node: int | None) -> list[bool]:
+    """The mesh orders of the cp and tp axes to try (``True``: cp inside tp, its ranks
+    consecutive): ``Config.cp_inside_tp`` when set, else tp inside cp (Megatron-LM's order) and,
+    where cp x tp spans more than a node of ``gpus_per_node`` devices (so that one of the two
+    axes crosses nodes, and which one changes the price), cp inside tp too. With cp or tp of 1
+    there is one order."""
+    if cp == 1 or tp == 1:
+        return [False]
+    if config.cp_inside_tp is not None:
+        return [config.cp_inside_tp]
+    return [False, True] if gpus_per_node is not None and cp * tp > gpus_per_node else [False]
 
 
 def ep_degrees(config: Config, dp: int, experts: int) -> list[int]:

@@ -48,7 +48,8 @@ from autopar.planning.per_unit import make_plan
 from autopar.planning.solve import solve_candidate
 from autopar.planning.setups import sequences_beside_cp
 from autopar.planning.search import (
-    LayerSolver, SearchResult, model_flops, pruned_examples, search, search_unsupported,
+    LayerSolver, SearchResult, layer_key, model_flops, pruned_examples, search,
+    search_unsupported,
 )
 from autopar.cost_models.compute import mfu
 from autopar.cost_models.training_step import StepCost
@@ -135,6 +136,8 @@ def _check_forced(plan: Plan, config: Config) -> None:
     held["dp"] *= held["ep"]  # (the ep axis is cut out of dp)
     if HSDP_AXES[0] in sizes:  # (hybrid sharding cuts dp in two axes)
         held["dp"] = math.prod(sizes[a] for a in HSDP_AXES)
+    if sizes.get("cp", 1) > 1 and sizes.get("tp", 1) > 1:  # (one order otherwise)
+        held["cp_inside_tp"] = plan.axis_names.index("cp") > plan.axis_names.index("tp")
     held["bucket_bytes"] = plan.techniques.get("bucket_bytes")
     held["dp_shard"] = plan.techniques.get("dp_shard")
     if config.mixed_precision == "bf16":
@@ -251,6 +254,7 @@ def _concrete(config: Config, cost: StepCost) -> Config:
     st = cost.setup
     return dataclasses.replace(config, recompute=st.recompute, zero=st.zero, cp=st.cp,
                                dp_shard=st.dp_shard or config.dp_shard,
+                               cp_inside_tp=st.cp_inside_tp,
                                sequence_parallel=st.sequence_parallel if st.tp > 1
                                else config.sequence_parallel)
 
@@ -262,7 +266,8 @@ def _realize(cost: StepCost, model: nn.Module, mesh: Mesh, example_inputs: Any, 
     concrete = _concrete(config, cost)
     budget = _budget(config, mesh)
     pinned = dataclasses.replace(config, dp=st.dp, tp=st.tp, pp=None, cp=st.cp, ep=st.ep,
-                                 dp_shard=st.dp_shard or config.dp_shard)
+                                 dp_shard=st.dp_shard or config.dp_shard,
+                                 cp_inside_tp=st.cp_inside_tp)
     if st.pp == 1:
         if whole[0] is None:
             whole[0] = capture(model, example_inputs, config.mixed_precision)
@@ -283,7 +288,7 @@ def _realize(cost: StepCost, model: nn.Module, mesh: Mesh, example_inputs: Any, 
     args, kwargs = normalize_inputs(example_inputs)
     shapes = tuple(tuple(x.shape) for x in tree_flatten((args, kwargs))[0]
                    if isinstance(x, torch.Tensor))
-    lc = layers.costs(st.tp, st.microbatch_size, st.sequence_parallel, st.cp)
+    lc = layers.costs(*layer_key(st))
     facts = ModelFacts("", shapes, model_flops(layers, st.microbatch_size) * st.microbatches * st.dp,
                        "fp32" if lc.param_itemsize >= 4 and config.mixed_precision != "bf16"
                        else "bf16", layers.trace_s)
@@ -293,12 +298,13 @@ def _realize(cost: StepCost, model: nn.Module, mesh: Mesh, example_inputs: Any, 
 
 def _logical_mesh(cost: StepCost) -> dict[str, tuple]:
     """The logical mesh a setup runs on (``mesh_shape``, ``axis_names``), as its plan has it:
-    ``pp`` outermost when pipelined, then ``dp`` and ``tp`` where larger than 1 (a lone ``tp``
-    of one device when both are 1)."""
+    ``pp`` outermost when pipelined, then the data axes, ``cp`` and ``tp`` (``tp`` and ``cp``
+    with ``cp_inside_tp``) where larger than 1 (a lone ``tp`` of one device when all are 1)."""
     st = cost.setup
     data = [(HSDP_AXES[0], st.dp // st.dp_shard), (HSDP_AXES[1], st.dp_shard)] if st.dp_shard \
         else [("dp", st.dp // st.ep), ("ep", st.ep)]
-    axes = [(n, d) for n, d in (*data, ("cp", st.cp), ("tp", st.tp)) if d > 1] or [("tp", 1)]
+    inner = (("tp", st.tp), ("cp", st.cp)) if st.cp_inside_tp else (("cp", st.cp), ("tp", st.tp))
+    axes = [(n, d) for n, d in (*data, *inner) if d > 1] or [("tp", 1)]
     if st.pp > 1:
         axes.insert(0, ("pp", st.pp))
     return {"mesh_shape": tuple(d for _, d in axes), "axis_names": tuple(n for n, _ in axes)}

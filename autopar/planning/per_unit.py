@@ -84,7 +84,8 @@ def _make_plan(traced: TracedGraph, mesh: Mesh, config: Config,
     # (the experts of the MoE layers, their gcd: what an ep degree must split evenly)
     experts = math.gcd(*[tensor_inputs(n)[EXPERT_OPS[n.target][1]].meta["val"].shape[0]
                          for n in traced.gm.graph.nodes if n.target in EXPERT_OPS])
-    cands = mesh_candidates(mesh.size, config, experts) if config.pp in (None, 1) and flat else []
+    cands = mesh_candidates(mesh.size, config, experts, mesh.topology.gpus_per_node) \
+        if config.pp in (None, 1) and flat else []
     for cand in cands:
         try:
             plan = solve_candidate(traced, mesh, config, cand, cost_passes, budget)

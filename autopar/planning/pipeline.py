@@ -213,7 +213,7 @@ def search_pipeline(model: Any, example_inputs: Any, mesh: Mesh, config: Config,
             raise PlanError(f"Config(pp={pp}) does not divide the {mesh.size} devices of the mesh.")
         try:
             cands = mesh_candidates(mesh.size // pp, dataclasses.replace(config, pp=None),
-                                    expert_count(model))
+                                    expert_count(model), mesh.topology.gpus_per_node)
         except PlanError as e:  # the fixed dp/tp degrees leave no room for this pp
             failures.append(f"pp={pp}: {e}")
             continue

@@ -48,8 +48,8 @@ from autopar.planning.unit_costs import layer_costs
 from autopar.cost_models.experts import ExpertsWork
 from autopar.capture.stages import capture_with_forward, first_microbatch
 
-__all__ = ["LayerSolver", "SearchResult", "two_block_copy", "model_flops", "only_when_needed",
-           "pipelines_always", "pruned_examples", "search", "search_unsupported"]
+__all__ = ["LayerSolver", "SearchResult", "layer_key", "model_flops", "only_when_needed",
+           "pipelines_always", "pruned_examples", "search", "search_unsupported", "two_block_copy"]
 
 # Two-block traces of the last models searched in this process, by model fingerprint (structure,
 # shapes and dtypes: a trace is priced, never run, so another instance of the same model reuses
@@ -80,6 +80,13 @@ class SearchResult:
         return self.ranked[0]
 
 
+def layer_key(setup: Setup) -> tuple[int, int, bool, int, bool]:
+    """The arguments of :meth:`LayerSolver.costs` for ``setup`` (its key there): tp, microbatch
+    size, sequence parallelism, cp, and the cp-inside-tp order where it is one (cp, tp > 1)."""
+    inside = setup.cp_inside_tp and setup.cp > 1 and setup.tp > 1
+    return setup.tp, setup.microbatch_size, setup.sequence_parallel, setup.cp, inside
+
+
 class LayerSolver:
     """A model's copy with two blocks, traced per microbatch size and solved per (tp, b, sp);
     pass one to several :func:`search` calls on the same model and mesh to share the work."""
@@ -101,32 +108,36 @@ class LayerSolver:
         self.fingerprint = (f"{type(model).__name__}:{self.lead}+{self.num_blocks}x"
                             f"{hashlib.sha256(block).hexdigest()[:12]}")
         self.traces: dict[int, tuple[Any, Any]] = {}
-        self.solved: dict[tuple[int, int, bool, int], LayerCosts] = {}
-        self.spaces: dict[tuple[int, int, int], Any] = {}
+        self.solved: dict[tuple[int, int, bool, int, bool], LayerCosts] = {}  # layer_key
+        self.spaces: dict[tuple[int, int, int, bool], Any] = {}
         self._shards: dict[int, bool] = {}  # shards_sequence, per microbatch size
         self._priced: dict = {}  # (prices shared by the spaces: cost_models.sharding.price_space)
         self.seq = sequence_length(example_inputs)
         self.num_experts = expert_count(model)  # (of its MoE layers; 0 without)
         self.trace_s = self.solve_s = 0.0
 
-    def costs(self, tp: int, b: int, sp: bool, cp: int = 1) -> LayerCosts:
+    def costs(self, tp: int, b: int, sp: bool, cp: int = 1,
+              cp_inside_tp: bool = False) -> LayerCosts:
         """Per-layer costs at tensor-parallel degree ``tp``, ``b`` samples per microbatch and
-        context-parallel degree ``cp`` (solved on the (cp, tp) submesh, attention's queries
-        split on the sequence over cp)."""
-        key = (tp, b, sp, cp)
+        context-parallel degree ``cp`` (solved on the (cp, tp) submesh, or (tp, cp) with
+        ``cp_inside_tp``, attention's queries split on the sequence over cp)."""
+        inside = cp_inside_tp and cp > 1 and tp > 1
+        key = (tp, b, sp, cp, inside)
         if key not in self.solved:
             traced, fwd = self._trace(b)
             t0 = time.perf_counter()
             axes = [(n, d) for n, d in (("cp", cp), ("tp", tp)) if d > 1] or [("tp", 1)]
+            if inside:
+                axes.reverse()
             cand = Candidate(tuple(d for _, d in axes), tuple(n for n, _ in axes), (),
-                             cp_axes=(0,) if cp > 1 else ())
-            if (b, tp, cp) not in self.spaces:  # shared by the sp on/off solves
-                self.spaces[(b, tp, cp)] = unpinned_space(traced, cand, self.config)
+                             cp_axes=(axes.index(("cp", cp)),) if cp > 1 else ())
+            if (b, tp, cp, inside) not in self.spaces:  # shared by the sp on/off solves
+                self.spaces[(b, tp, cp, inside)] = unpinned_space(traced, cand, self.config)
             # (the gradients' reduction over cp is left to the step end: price_setup)
             space, costs, res = solve_space(traced, self.mesh, self.config, cand,
                                             self.cost_passes, None,
                                             sequence_parallel=sp if tp > 1 else None,
-                                            base_space=self.spaces[(b, tp, cp)],
+                                            base_space=self.spaces[(b, tp, cp, inside)],
                                             gradient_share=0.0 if cp > 1 else 1.0,
                                             price_memo=self._priced)
             self.solved[key] = layer_costs(traced, fwd, space, costs, res.choice, self.num_blocks,
@@ -210,8 +221,7 @@ class LayerSolver:
         topo = self.mesh.topology
         budget = budget_bytes if budget_bytes is not None else (
             self.config.memory_bytes if self.config.memory_bytes is not None else topo.memory_bytes)
-        lc = self.costs(setup.tp, setup.microbatch_size, setup.sequence_parallel, setup.cp)
-        return price_setup(lc, setup, topo, budget)
+        return price_setup(self.costs(*layer_key(setup)), setup, topo, budget)
 
     def _trace(self, b: int) -> tuple[Any, Any]:
         if b not in self.traces:
@@ -384,7 +394,6 @@ def _price_all(rep: LayerSolver, queue: list[Setup], later: list[Setup], config:
     pruned: list[StepCost] = []
     skipped: list[Setup] = []
     price_s, best_s, n = 0.0, float("inf"), 0
-    key = lambda s: (s.tp, s.microbatch_size, s.sequence_parallel, s.cp)  # noqa: E731
     while queue or (later and not ranked):
         if not queue:  # nothing fits without a pipeline
             queue, later = later, []
@@ -394,11 +403,11 @@ def _price_all(rep: LayerSolver, queue: list[Setup], later: list[Setup], config:
                 not rep.shards_sequence(setup.microbatch_size):
             continue  # (the same program as its twin without it, which is priced; when forced,
             # the plan is refused later, saying why: entry._check_forced)
-        if (setup.cp > 1 or (setup.tp > 1 and key(setup) not in rep.solved)) and \
+        if (setup.cp > 1 or (setup.tp > 1 and layer_key(setup) not in rep.solved)) and \
                 best_s < float("inf") and rep.bound(setup, budget).step_time_s >= best_s:
             skipped.append(setup)
             continue
-        rep.costs(*key(setup))
+        rep.costs(*layer_key(setup))
         t1 = time.perf_counter()
         cost = _price_either_split(rep, setup, budget)
         price_s += time.perf_counter() - t1
@@ -409,7 +418,7 @@ def _price_all(rep: LayerSolver, queue: list[Setup], later: list[Setup], config:
             best = min(ranked, key=lambda c: c.step_time_s) if ranked else None
             progress(f"{n} setups priced, {len(rep.solved)} layer ILPs solved; best so far: "
                      + (f"{best.setup.describe()} {best.step_time_s:.3f} s" if best else "none fits"))
-    late = [_price_either_split(rep, st, budget) for st in skipped if key(st) in rep.solved]
+    late = [_price_either_split(rep, st, budget) for st in skipped if layer_key(st) in rep.solved]
     ranked += [c for c in late if c.fits]
     pruned += [c for c in late if not c.fits]
     return ranked, pruned, len(skipped) - len(late), price_s

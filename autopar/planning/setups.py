@@ -11,7 +11,7 @@ import torch
 
 from autopar.config import Config
 from autopar.cost_models.training_step import RECOMPUTE, Setup
-from autopar.planning.candidates import ep_degrees
+from autopar.planning.candidates import cp_orders, ep_degrees
 
 __all__ = ["CP_MAX", "CP_MIN_SEQUENCE", "TP_ACROSS_NODES_MAX", "candidate_setups", "cp_degrees",
            "sequence_length", "sequences_beside_cp", "tp_degrees", "tried_last", "zero_stages"]
@@ -41,14 +41,16 @@ def candidate_setups(num_devices: int, gpus_per_node: int, batch: int, num_block
                      replica_microbatches: Sequence[int] | None = None,
                      seq: int | None = None, experts: int = 0) -> Iterator[Setup]:
     """Every setup allowed by ``config``: (dp, tp, pp, cp) with tp dividing a node, cp of
-    :func:`cp_degrees` for a sequence of ``seq`` tokens, ep of :func:`ep_degrees` for MoE
+    :func:`cp_degrees` for a sequence of ``seq`` tokens in the mesh orders of
+    :func:`~autopar.planning.candidates.cp_orders`, ep of :func:`ep_degrees` for MoE
     layers of ``experts`` experts, microbatch size
     ``b`` a power of two up to 8 dividing the per-replica batch (Megatron-LM's range, SC'21
     Fig. 7) with a pipeline, the whole per-replica batch without one (the runtime does not
     accumulate gradients over microbatches without a pipeline), schedules, recomputation,
     ZeRO stages (:func:`zero_stages`) and sequence parallelism (only with tp > 1)."""
     tps = [t for t in tp_degrees(num_devices, gpus_per_node) if t <= (tp_max or t)]
-    for tp, cp in ((t, c) for t in tps for c in cp_degrees(config, seq, num_devices // t)):
+    for tp, cp, inside in ((t, c, i) for t in tps for c in cp_degrees(config, seq, num_devices // t)
+                           for i in cp_orders(config, c, t, gpus_per_node)):
         for pp in _divisors(num_devices // (tp * cp)):
             dp = num_devices // (tp * cp * pp)
             if pp > num_blocks or batch % dp or not _allowed(config, dp=dp, tp=tp, pp=pp):
@@ -69,8 +71,9 @@ def candidate_setups(num_devices: int, gpus_per_node: int, batch: int, num_block
                 for schedule, v in _schedule_options(pp, m, num_blocks, config):
                     for rc in RECOMPUTE:
                         for zero, shard in _sharding(config, dp, pp):
-                            # (with cp, the sequence is split already: no sp on tp too)
-                            for sp in (False, True) if tp > 1 and cp == 1 else (False,):
+                            # (with cp too: the norms' sequence split over cp and tp both,
+                            # as Llama 3 405B ran at 128K tokens)
+                            for sp in (False, True) if tp > 1 else (False,):
                                 if not _allowed(config, recompute=rc, sequence_parallel=sp):
                                     continue
                                 # the runtime reduces a pipeline's gradients once a step
@@ -80,7 +83,7 @@ def candidate_setups(num_devices: int, gpus_per_node: int, batch: int, num_block
                                 for ep in eps if not shard else [e for e in eps if e == 1]:
                                     yield Setup(dp, tp, pp, b, m, schedule, v, rc, zero, sp,
                                                 grad_sync=_grad_sync(zero, pp), dp_shard=shard,
-                                                cp=cp, ep=ep)
+                                                cp=cp, ep=ep, cp_inside_tp=inside)
 
 
 # the shortest sequence for which the search tries context parallelism when Config.cp is None.
@@ -170,13 +173,17 @@ def _allowed(config: Config, **values: Any) -> bool:
 
 def _schedule_options(pp: int, m: int, num_blocks: int, config: Config) -> list[tuple[str, int]]:
     """(schedule, v): gradient accumulation without a pipeline; with one, 1F1B and interleaved
-    1F1B with v > 1 chunks when the blocks split evenly into pp * v stages and m is a multiple of
-    pp (Megatron-LM's conditions, [MEG] sec. 2.2.2)."""
+    1F1B with v > 1 chunks when m is a multiple of pp ([MEG] sec. 2.2.2) and every one of the
+    pp * v stages gets a block at least. Megatron-LM also asks the blocks to split evenly
+    into the stages; Llama 3 405B's 126 layers ran interleaved on 16 stages with one layer
+    fewer on the first and the last (Dubey et al., 2024, sec. 3.3.2), and autopar's pipeline
+    runs stages of any block counts (the search prices the balanced split and the even one,
+    which differs by a block at most)."""
     if pp == 1:
         return [("none", 1)]
     out = [("1f1b", 1)] if m >= pp else []
     for v in range(2, _MAX_VIRTUAL + 1):
-        if num_blocks % (pp * v) == 0 and m % pp == 0:
+        if pp * v <= num_blocks and m % pp == 0:
             out.append(("interleaved-1f1b", v))
     return [(s, v) for s, v in out if (config.schedule in (None, s))
             and config.virtual_stages in (None, v)]

@@ -42,6 +42,9 @@ MEMORY_BY_TECHNIQUE = {
     "1f1b": f"gpt:{_PP}=1f1b,{_MEM}", "gpipe": f"gpt:{_PP}=gpipe,{_MEM}",
     "interleaved": f"gpt:{_PP}=interleaved-1f1b,virtual_stages=2,{_MEM}",
     "zero-bubble": f"gpt:{_PP}=zero-bubble,virtual_stages=2,{_MEM}",
+    # five blocks on four stages (the search's uneven interleaving: setups._schedule_options)
+    "interleaved-uneven": f"gpt:{_PP}=interleaved-1f1b,virtual_stages=2,"
+                          f"{_MEM.replace('layers=4', 'layers=5')}",
 }
 # (for the default suite's time, test_slow.py runs the memory of the Hugging Face models,
 # explicit attention, GPipe, interleaved and zero-bubble pipelines, selective recomputation
@@ -49,8 +52,8 @@ MEMORY_BY_TECHNIQUE = {
 # together (dp x tp, ZeRO-1, full recomputation, SP) on 4; a ZeRO-3 pipeline's memory is in
 # test_pipeline.py)
 MEMORY_SLOW = {2: [MEMORY_BY_TECHNIQUE[k] for k in ("hf", "llama", "explicit", "gpipe",
-                                                     "interleaved", "zero-bubble", "selective",
-                                                     "sp")],
+                                                     "interleaved", "interleaved-uneven",
+                                                     "zero-bubble", "selective", "sp")],
                4: [f"gpt:pp=2,dp=2,tp=1,microbatch_size=2,schedule=1f1b,zero=1,{_MEM}",
                    f"gpt:dp=2,tp=2,recompute=full,zero=1,sequence_parallel=1,{_MEM}"]}
 MEMORY = {2: [c for c in MEMORY_BY_TECHNIQUE.values() if c not in MEMORY_SLOW[2]],
@@ -96,11 +99,16 @@ CONTEXT_SLOW = {2: [f"llama:cp=2,{_G}", f"llama:cp=2,{_R}", f"gpt:cp=2,{_R},reco
                     f"gpt:cp=2,{_R},kernel=3,{_CP}",
                     f"gpt:cp=2,{_G},kernel=3,cp_layout=contiguous,{_CP}"],
                 4: [f"gpt:cp=4,{form},{_CP}" for form in (_G, _R)]
+                # (the mesh tp, cp; the norms split on the sequence over cp and tp both)
+                + [f"gpt:cp=2,tp=2,cp_inside_tp=1,{_G},{_CP}",
+                   f"gpt:cp=2,tp=2,cp_inside_tp=1,sequence_parallel=1,{_R},{_CP}",
+                   f"gpt:cp=2,tp=2,sequence_parallel=1,{_G},memory=1,{_CP}"]
                 + [f"gpt:cp=2,dp=2,{_G},{_CP1}", f"gpt:cp=2,dp=2,{_R},zero=3,{_CP1}",
                    f"gpt:cp=2,dp=2,{_R},cp_layout=contiguous,{_CP1}", f"gpt:cp=2,dp=2,{_G},{_CP}"]
                 + [f"gpt:pp=2,cp=2,{form},layers=4,{_CP.replace('layers=2,', '')}"
                    for form in (_G, _R)],
-                8: [f"gpt:cp=2,dp=2,tp=2,{form},{_CP1}" for form in (_G, _R)]}
+                8: [f"gpt:cp=2,dp=2,tp=2,{form},{_CP1}" for form in (_G, _R)]
+                + [f"gpt:cp=2,dp=2,tp=2,cp_inside_tp=1,{_R},{_CP1}"]}
 # Mixture-of-experts models of transformers as they are, planned freely: Mixtral (experts as
 # 3-D weights run grouped over the tokens sorted by expert, transformers' default) and JetMoE
 # (experts over the tokens the batch routes to, traced in autopar's static form:
@@ -405,6 +413,11 @@ def check_context_parallel(check: str, r: dict, cp: int) -> None:
         assert nested == linears > 0 if r["degrees"]["tp"] == 1 else nested >= 3, (check, nested)
     elif r["degrees"]["dp"] > 1:  # (two a dp rank: said in the plan)
         assert any("sequences a dp rank" in w for w in r["warnings"]), (check, r["warnings"])
+    if "sequence_parallel=1" in check:
+        assert r["techniques"]["sequence_parallel"], (check, r["techniques"])
+    if r["degrees"]["tp"] > 1:  # (the mesh order asked for: tp innermost unless cp_inside_tp)
+        names = r["axis_names"]
+        assert (names.index("cp") > names.index("tp")) == ("cp_inside_tp=1" in check), (check, names)
     if "measured" in r:  # (memory=1: the peak measured against the predicted one)
         check_memory({check: r}, [check])
 

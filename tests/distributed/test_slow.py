@@ -123,6 +123,9 @@ def test_memory_techniques_and_examples_left_out_of_the_default_suite(results_di
     check_memory(results, MEMORY_SLOW[2])
     for check in TECHNIQUES_SLOW[2]:
         assert_matches_one_process(results[check], FP32_TOL, check)
+    # (five blocks on four interleaved stages: one stage holds two)
+    blocks = results[MEMORY_BY_TECHNIQUE["interleaved-uneven"]]["stage_of_unit"][1:-1]
+    assert sorted(blocks.count(j) for j in set(blocks)) == [1, 1, 1, 2], blocks
     # 1F1B holds fewer microbatches in flight than GPipe, selective recomputation no more than
     # none (the 1F1B and no-recomputation checks run by default)
     default = run_worker(2, [MEMORY_BY_TECHNIQUE["1f1b"], MEMORY_BY_TECHNIQUE["none"]], results_dir)

@@ -2,7 +2,7 @@
 
 Usage: torchrun --nproc_per_node=N worker.py OUT.json CHECK [CHECK ...]
 A CHECK is ``kind:key=value,key=value`` (kind in mlp, gpt, gpt2, llama, t5, bart, pegasus, marian, mbart; keys: dp, tp, pp,
-schedule, virtual_stages, microbatch_size, recompute, zero, sequence_parallel (0/1), cp_attention,
+schedule, virtual_stages, microbatch_size, recompute, zero, sequence_parallel (0/1), cp_inside_tp (0/1), cp_attention,
 mixed_precision for the Config, dim/batch/seq/layers/heads/explicit (attention)/tied for the model, topo for the topology
 preset; memory=1 also measures the peak memory of a step, curve=1 records a 20-step loss curve
 instead), ``example:NAME`` to run a training example of ``examples/`` (``examples_check.py``), or
@@ -55,7 +55,7 @@ def _parse(check: str) -> tuple[str, dict, dict, str]:
             mk["_" + k] = bool(int(v))
         elif k in _MODEL_KEYS:
             mk[k] = int(v)
-        elif k == "sequence_parallel":
+        elif k in ("sequence_parallel", "cp_inside_tp"):
             cfg[k] = bool(int(v))
         else:
             cfg[k] = v if k in _TEXT_KEYS else int(v)
@@ -123,7 +123,7 @@ def run_check(check: str) -> dict:
     record = run_memory(pm, inputs) if memory else {}
     return record | grads | {
         "loss": loss.item(), "ref_loss": ref_loss.item(), "autograd_loss": loss2.item(), "degrees": plan.degrees, "mesh_shape": list(plan.mesh_shape),
-        "params": {k: list(v) for k, v in plan.params.items()},
+        "axis_names": list(plan.axis_names), "params": {k: list(v) for k, v in plan.params.items()},
         "runtime_counts": runtime, "plan_counts": dict(plan.collective_counts()),
         "runtime_bytes": dict(meter.bytes), "plan_bytes": dict(plan.collective_bytes()),
         "runtime_bytes_all_ranks": _sum_over_ranks(dict(meter.bytes)),

@@ -4,6 +4,8 @@ tests/distributed/test_equivalence.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from torch.distributed.tensor import Partial, Replicate, Shard
 
@@ -272,3 +274,71 @@ def test_nested_views_merge_and_split_one_block_a_rank_of_the_outer_axis():
     assert nested_view_strategies((2, 8, 6), (16, 6), [(s(1), s(0), r)], mesh) == []
     strided = _StridedShard(2, split_factor=2)
     assert nested_view_strategies((2, 8, 6), (16, 6), [(s(0), s(1), strided)], mesh) == []
+
+
+def test_the_cp_and_tp_axes_are_tried_in_both_orders_where_the_order_matters():
+    """cp inside tp (tp the outer of the two axes) is a setup of its own where cp x tp spans
+    more than a node, so that one of them crosses nodes: the search and the per-operator
+    candidates try both orders there, the one the Config fixes, and one order elsewhere."""
+    from autopar.planning.candidates import mesh_candidates
+    from autopar.planning.setups import candidate_setups
+
+    def orders(config, devices=16, node=8):
+        return {(s.cp, s.tp, s.cp_inside_tp) for s in candidate_setups(
+            devices, node, 16, 4, config, seq=4096) if s.cp > 1 and s.tp > 1}
+
+    assert orders(autopar.Config(cp=4, tp=4)) == {(4, 4, False), (4, 4, True)}
+    assert orders(autopar.Config(cp=2, tp=4)) == {(2, 4, False)}  # (8 devices: one node)
+    assert orders(autopar.Config(cp=2, tp=4), node=4) == {(2, 4, False), (2, 4, True)}
+    assert orders(autopar.Config(cp=4, tp=4, cp_inside_tp=True)) == {(4, 4, True)}
+    assert orders(autopar.Config(cp=2, tp=4, cp_inside_tp=True)) == {(2, 4, True)}
+    assert orders(autopar.Config(cp=4, tp=4, cp_inside_tp=False)) == {(4, 4, False)}
+    cands = mesh_candidates(16, autopar.Config(cp=4, tp=2), gpus_per_node=4)
+    assert [(c.names, c.shape, c.cp_axes) for c in cands] == [
+        (("dp", "cp", "tp"), (2, 4, 2), (1,)), (("dp", "tp", "cp"), (2, 2, 4), (2,))]
+    assert [c.names for c in mesh_candidates(16, autopar.Config(cp=4, tp=2))] == [("dp", "cp", "tp")]
+    with pytest.raises(ValueError, match="cp_inside_tp=1"):
+        autopar.Config(cp_inside_tp=1)
+
+
+def test_the_step_end_reduces_the_gradients_over_cp_on_the_links_of_its_order():
+    """With tp=4 on nodes of 4 devices, cp=2 outside tp has stride 4 (its two ranks on two
+    nodes: the all-reduce over InfiniBand), inside tp stride 1 (inside a node): the same
+    all-reduce as a dp=2 group's of the same stride and bytes."""
+    from autopar.cost_models.topology import custom
+    from autopar.cost_models.training_step import LayerCosts, Setup, UnitCosts, price_setup
+
+    unit = UnitCosts(1e-3, 2e-3, 0.0, 0.0, 1e9, 1e9, 2.5e8)
+    lc = LayerCosts(unit, unit, unit, 4, 0.0, 0.0, 1e6, 1e6, 2, "adam")
+    topo = custom("h100-4", base="h100-dgx", gpus_per_node=4)
+
+    def comm(dp: int, tp: int, cp: int, inside: bool = False) -> float:
+        setup = Setup(dp, tp, 1, 1, 1, "none", 1, "none", 0, False, cp=cp, cp_inside_tp=inside)
+        return price_setup(lc, setup, topo, 1e15).parts["dp_comm_s"]
+
+    assert comm(1, 4, 2) == pytest.approx(comm(2, 4, 1), rel=1e-12)  # (stride 4: two nodes)
+    assert comm(1, 4, 2, inside=True) == pytest.approx(comm(2, 1, 1), rel=1e-12)  # (stride 1)
+    assert comm(1, 4, 2) > 1.5 * comm(1, 4, 2, inside=True) > 0
+
+
+def test_the_search_prices_both_orders_and_the_plan_runs_the_one_chosen():
+    """On two nodes of two devices, cp=2 x tp=2 puts tp or cp across the nodes: both are priced
+    (their layer ILPs on the (cp, tp) and (tp, cp) submeshes), the faster is realized with its
+    axes in that order, and a Config fixing the order gets it."""
+    from autopar.model_presets import megatron_gpt
+    from autopar.planning.search import search
+
+    model, inputs = megatron_gpt(dict(hidden=256, layers=2, heads=4), batch=1, seq=1024,
+                                 vocab=512, flash=True)
+    mesh = autopar.Mesh.virtual("h100-dgx", nodes=2, gpus_per_node=2)
+    config = autopar.Config(cp=2, tp=2, cp_attention="gather", recompute="none", zero=0)
+    result = search(model, inputs, mesh, config)
+    by_order = {c.setup.cp_inside_tp: c for c in result.ranked}
+    assert set(by_order) == {False, True}
+    assert by_order[False].step_time_s != by_order[True].step_time_s
+    best = result.ranked[0].setup.cp_inside_tp
+    plan = autopar.plan(model, mesh, inputs, config=config)
+    assert plan.axis_names == (("tp", "cp") if best else ("cp", "tp"))
+    forced = autopar.plan(model, mesh, inputs,
+                          config=dataclasses.replace(config, cp_inside_tp=not best))
+    assert forced.axis_names == (("cp", "tp") if best else ("tp", "cp"))
