@@ -127,7 +127,8 @@ def model_kernels(model: torch.nn.Module, inputs: Any, mixed_precision: str | No
     one node to run it from. View-like ops
     (free in the cost model) and expert ops (priced apart) are left out."""
     from autopar.capture import capture
-    from autopar.cost_models.sharding import fused_edges, is_free, roofline_terms
+    from autopar.cost_models.node_compute import is_free, roofline_terms
+    from autopar.cost_models.sharding import fused_edges
     from autopar.strategies.rules import EXPERT_OPS
 
     traced = capture(model, inputs, mixed_precision)

@@ -21,6 +21,7 @@ from autopar.cost_models.compute import (
     op_time,
 )
 from autopar.cost_models import experts as _experts  # noqa: F401  (registers the MoE op's FLOPs)
+from autopar.cost_models.links import AxisLink
 from autopar.cost_models.memory import (
     StateBytes,
     adam_state_bytes_per_param,
@@ -41,7 +42,6 @@ from autopar.cost_models.pipeline import (
 from autopar.cost_models.topology import (
     DEVICE_TYPES,
     PRESETS,
-    AxisLink,
     Topology,
     custom,
     get_preset,

@@ -32,7 +32,8 @@ import numpy as np
 
 from autopar.cost_models.attention import ATTENTION_KERNELS
 from autopar.cost_models.compute import op_time
-from autopar.cost_models.topology import AxisLink, Topology, custom
+from autopar.cost_models.links import AxisLink
+from autopar.cost_models.topology import Topology, custom
 
 __all__ = ["KernelSample", "CollectiveSample", "ComputeFit", "fit_compute", "fit_link",
            "ring_terms", "predicted_kernel_time", "step_seconds", "LAUNCH_BOUND_S", "is_attention"]

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from autopar.cost_models.topology import COLLECTIVE_KINDS, AxisLink, Topology
+from autopar.cost_models.links import COLLECTIVE_KINDS, AxisLink
+from autopar.cost_models.topology import Topology
 
 __all__ = [
     "COLLECTIVE_KINDS",

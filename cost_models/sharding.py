@@ -1,7 +1,8 @@
 """Costs of a strategy space: compute per node strategy, resharding per edge, memory per device.
 
 Compute: roofline on the *local* (per-rank) shapes a strategy gives, so a matmul sharded on an
-axis of size n costs 1/n of the replicated one and a ``Partial`` output costs the full size.
+axis of size n costs 1/n of the replicated one and a ``Partial`` output costs the full size
+(:func:`autopar.cost_models.node_compute.compute_time`).
 Communication: the collectives :func:`autopar.strategies.reshard.reshard_steps` emits, priced per
 mesh axis with the alpha-beta model (:func:`axis_collective_time`). Memory (DESIGN §5): parameter,
 gradient and optimizer state of each parameter shard, plus every forward activation saved for the
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -20,13 +21,8 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autopar.cost_models.attention import (ATTENTION_KERNELS, attention_call, attention_seconds,
-                                           gathered_seconds)
 from autopar.cost_models.comm import axis_collective_time, axis_strides
-from autopar.cost_models.compute import flops_of_node, matmul_peak, op_time
-from autopar.cost_models.experts import experts_comm_time, experts_node_work
-from autopar.cost_models.ring import ring_axis, ring_seconds
-from autopar.strategies.rules import EXPERT_OPS, attention_is_causal
+from autopar.cost_models.node_compute import compute_time, is_free, numel, val_list
 from autopar.cost_models.topology import Topology
 from autopar.capture.layers import aten_ops, is_op
 from autopar.capture.remat import gather_dtype
@@ -38,16 +34,10 @@ from autopar.strategies.space import (
 )
 
 __all__ = ["REGATHERED_LAYERS", "SpaceCosts", "StepEndBucket", "alias_root", "deferred_gradient_matrix",
-           "deferred_placement", "is_free", "price_space",
-           "fused_edges", "roofline_terms",
+           "deferred_placement", "price_space",
+           "fused_edges",
            "recomputed_bytes", "reshard_time", "state_bytes_per_element", "step_end_buckets",
            "stored_dim", "stored_placement", "zero_placement"]
-
-# Ops that only alias or re-describe memory: no compute, no traffic.
-_FREE = aten_ops("detach", "t", "view", "_unsafe_view", "transpose", "permute", "expand",
-                 "unsqueeze", "squeeze", "alias", "split", "slice", "select", "as_strided",
-                 "unbind", "split_with_sizes", "reshape") | {operator.getitem}
-
 
 @dataclass(frozen=True)
 class SpaceCosts:
@@ -120,119 +110,10 @@ def _pricer(mesh_shape: tuple[int, ...], topo: Topology) -> Any:
     return hit[1]
 
 
-def _val_list(val: Any) -> list[Any]:
-    return list(val) if isinstance(val, (tuple, list)) else [val]
-
-
-def _meta_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(tuple(shape), dtype=dtype, device="meta")
-
-
-def _compute_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: Topology,
-                  fused: frozenset = frozenset(), skew: float = 1.0,
-                  balanced_axis: int | None = None) -> float:
-    if is_op(n, _FREE):
-        return 0.0
-    if n.target in EXPERT_OPS:
-        return _experts_time(n, s, mesh_shape, topo, skew)
-    flops, nbytes, dtype = roofline_terms(n, s.inputs, s.outputs, mesh_shape, fused)
-    seconds = op_time(flops, nbytes, topo, dtype, is_matmul=flops > 0)
-    ring_on = ring_axis(n.target, s.inputs)
-    ring = ring_on is not None
-    if n.target in ATTENTION_KERNELS:  # a fused kernel at its measured rate, where measured
-        q = ATTENTION_KERNELS[n.target][1]
-        q_shape, k_shape = (local_shape(a.meta["val"].shape, p, mesh_shape)
-                            for a, p in zip(tensor_inputs(n)[q:q + 2], s.inputs[q:q + 2]))
-        call = attention_call(n.target, n.args, n.kwargs, q_shape, k_shape)
-        if ring:  # (the ring's kernel runs whole blocks: ring_seconds halves the diagonal one)
-            call = replace(call, causal=False)
-        fused_s = attention_seconds(call, flops, nbytes, dtype, topo)
-        seconds = seconds if fused_s is None else fused_s
-        gathered = gathered_seconds(
-            call, flops, q_shape[0] * q_shape[1], tensor_inputs(n)[q].meta["val"].element_size(),
-            any(getattr(p, "dim", None) == 2 and a == balanced_axis
-                for a, p in enumerate(s.inputs[q])), topo,
-            lambda c, f: attention_seconds(c, f, 0.0, dtype, topo) or op_time(f, 0.0, topo, dtype, True))
-        seconds = seconds if gathered is None else gathered
-    if ring:  # (ring attention: the kernel on one block)
-        args = tensor_inputs(n)
-        return ring_seconds(n.target, s.inputs, [tuple(a.meta["val"].shape) for a in args],
-                            args[0].meta["val"].element_size(), mesh_shape, topo, seconds,
-                            attention_is_causal(n.target, n.args), ring_on == balanced_axis)
-    return seconds
-
-
-def roofline_terms(n: fx.Node, inputs: Sequence[Placements | None] | None = None,
-                   outputs: Sequence[Placements | None] | None = None,
-                   mesh_shape: tuple[int, ...] = (1,), fused: frozenset = frozenset()
-                   ) -> tuple[float, float, str]:
-    """The roofline terms the cost model prices node ``n`` with: ``(flops, bytes, dtype)`` on the
-    local shapes the ``inputs`` / ``outputs`` placements give on ``mesh_shape`` (``inputs`` or
-    ``outputs`` ``None``: the whole tensors, one device; an output placement ``None``: that
-    output not counted). Bytes are every tensor input and output once (a ``fused`` input's
-    name, or ``""`` for the outputs, costs no traffic); ``dtype`` is the matmul peak's
-    (:func:`autopar.cost_models.compute.matmul_peak`: "bf16", "bf16_unaligned" or "fp32").
-    View-like ops and expert ops are the caller's: they are priced apart (``_FREE``,
-    :func:`autopar.cost_models.experts.experts_node_work`)."""
-    args_in = tensor_inputs(n)
-    inputs = inputs if inputs is not None else [None] * len(args_in)
-    local_in = {}
-    nbytes = 0
-    for a, p in zip(args_in, inputs):
-        v = a.meta["val"]
-        shp = tuple(v.shape) if p is None else local_shape(v.shape, p, mesh_shape)
-        local_in[a] = _meta_tensor(shp, v.dtype)
-        nbytes += 0 if a.name in fused else _numel(shp) * v.element_size()
-    vals = _val_list(n.meta.get("val"))
-    outputs = outputs if outputs is not None else [()] * len(vals)
-    outs = []
-    for v, p in zip(vals, outputs):
-        if isinstance(v, torch.Tensor) and p is not None:
-            shp = tuple(v.shape) if p == () else local_shape(v.shape, p, mesh_shape)
-            outs.append(_meta_tensor(shp, v.dtype))
-            nbytes += 0 if "" in fused else _numel(shp) * v.element_size()
-    args = fx.node.map_arg(n.args, lambda a: local_in.get(a, a))
-    kwargs = fx.node.map_arg(n.kwargs, lambda a: local_in.get(a, a))
-    try:
-        flops = flops_of_node(n.target, args, kwargs, outs[0] if len(outs) == 1 else tuple(outs))
-    except (RuntimeError, TypeError, ValueError, IndexError, AssertionError):
-        # a FLOP formula that cannot take these (local, meta) arguments: price by traffic alone
-        flops = 0.0
-    # matmuls run at the peak of their dtype (16-bit tensor cores, fp32, or 16-bit with rows
-    # the tensor cores cannot load: judged on the whole tensors' strides)
-    dtype = matmul_peak(n.target, [a.meta["val"] for a in args_in]
-                        + [v for v in vals if isinstance(v, torch.Tensor)])
-    return flops, float(nbytes), dtype
-
-
-def is_free(n: fx.Node) -> bool:
-    """Whether node ``n`` only aliases or re-describes memory (a view, a split, ``getitem``):
-    no compute and no traffic in the cost model."""
-    return is_op(n, _FREE)
-
-
-def _experts_time(n: fx.Node, s: Strategy, mesh_shape: tuple[int, ...], topo: Topology,
-                  skew: float) -> float:
-    """An MoE experts op (``cost_models.experts``): its FLOPs at the rows its experts receive
-    and its memory traffic, plus its all-to-alls, which run inside it; the busiest rank's, at
-    load ``skew``."""
-    work, item = experts_node_work(n, s, mesh_shape, skew)
-    shapes = [tuple(a.meta["val"].shape) for a in tensor_inputs(n)]
-    return work.seconds(topo) + experts_comm_time(n.target, s.inputs, shapes, item,
-                                                       mesh_shape, topo, skew)
-
-
 # layers whose gathered parameters ZeRO-3 holds at once: the one computing and the one whose
 # gathers are issued ahead of it (FSDP2's default prefetch of one layer: Zhao et al., "PyTorch
 # FSDP", VLDB 2023, sec. 3.3; autopar's runtime: passes.overlap.prefetch_gathers)
 REGATHERED_LAYERS = 2
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
@@ -288,8 +169,8 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
                 cache[key] = np.zeros(len(ns.strategies))
             else:
                 # a recomputed node runs twice: forward, and again before its backward
-                cache[key] = np.array([_compute_time(n, s, mesh_shape, topology, fused,
-                                                     expert_skew, balanced_axis)
+                cache[key] = np.array([compute_time(n, s, mesh_shape, topology, fused,
+                                                    expert_skew, balanced_axis)
                                        for s in ns.strategies]) * (2.0 if again else 1.0)
             cache[key].flags.writeable = False  # (shared: docs/cost_passes.md)
         compute[name] = cache[key]
@@ -303,7 +184,7 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
             cache[mkey].flags.writeable = False
         memory[name] = cache[mkey]
         for k, (src, idx) in enumerate(ns.inputs):
-            val = _val_list(traced.node(src).meta["val"])[idx]
+            val = val_list(traced.node(src).meta["val"])[idx]
             ekey = ("e", id(space.nodes[src].strategies), idx, id(ns.strategies), k, tuple(val.shape),
                     val.element_size())
             if ekey not in cache:
@@ -366,7 +247,7 @@ def _leaf_readers(n: fx.Node) -> list[fx.Node]:
     """The nodes that read ``n``'s memory, looking through views and getitems."""
     out = []
     for u in n.users:
-        out += _leaf_readers(u) if is_op(u, _FREE) else [u]
+        out += _leaf_readers(u) if is_free(u) else [u]
     return out
 
 
@@ -377,7 +258,7 @@ def _fused_key(n: fx.Node, fused: frozenset) -> tuple:
 
 
 def _signature(n: fx.Node) -> tuple:
-    vals = _val_list(n.meta.get("val"))
+    vals = val_list(n.meta.get("val"))
     return (str(n.target), tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in vals))
 
 
@@ -605,7 +486,7 @@ def recomputed_bytes(n: fx.Node, strategies: Sequence[Strategy],
                      mesh_shape: tuple[int, ...]) -> np.ndarray:
     """Per strategy, the bytes a recomputed node's outputs occupy on one rank while its block's
     backward runs (nothing for a view or ``getitem``: its base holds the memory)."""
-    outs = tuple(i for i, v in enumerate(_val_list(n.meta.get("val")))
+    outs = tuple(i for i, v in enumerate(val_list(n.meta.get("val")))
                  if isinstance(v, torch.Tensor)) if alias_root(n)[0] is n else ()
     return _memory(n, strategies, mesh_shape, False, False, outs, "sgd")
 
@@ -615,11 +496,11 @@ def alias_root(a: fx.Node) -> tuple[fx.Node, int]:
     of the views, detaches and getitems that lead to it."""
     idx = 0
     while a.op == "call_function":
-        if not is_op(a, _FREE) or not a.all_input_nodes:
+        if not is_free(a) or not a.all_input_nodes:
             return a, idx
         if a.target is operator.getitem:
             src = a.args[0]
-            if src.op == "call_function" and not is_op(src, _FREE):
+            if src.op == "call_function" and not is_free(src):
                 return src, a.args[1]
             a, idx = src, 0
             continue
@@ -632,20 +513,20 @@ def _memory(n: fx.Node, strategies: Sequence[Strategy], mesh_shape: tuple[int, .
             dp_axes: Sequence[int] = (), zero_axes: Sequence[int] = (),
             gathered_share: float = 1.0) -> np.ndarray:
     out = np.zeros(len(strategies))
-    vals = _val_list(n.meta.get("val"))
+    vals = val_list(n.meta.get("val"))
     for j, s in enumerate(strategies):
         if n.op == "placeholder":
             v = vals[0]
-            local = _numel(local_shape(v.shape, s.outputs[0], mesh_shape))
+            local = numel(local_shape(v.shape, s.outputs[0], mesh_shape))
             if is_param and not is_tied:
                 # ZeRO once a step (``zero_axes``): stored as zero_placement, computed as placed
                 stored = (zero_placement(s.outputs[0], v.shape, mesh_shape, zero_axes)
                           if zero_axes else s.outputs[0])
-                out[j] = _numel(local_shape(v.shape, stored, mesh_shape)) * state_bytes_per_element(
+                out[j] = numel(local_shape(v.shape, stored, mesh_shape)) * state_bytes_per_element(
                     optimizer, v.element_size())
                 gathered = tuple(Replicate() if a in dp_axes else p for a, p in enumerate(s.outputs[0]))
                 if gathered != tuple(stored):  # ZeRO: the step computes with a gathered copy
-                    out[j] += (_numel(local_shape(v.shape, gathered, mesh_shape)) * v.element_size()
+                    out[j] += (numel(local_shape(v.shape, gathered, mesh_shape)) * v.element_size()
                                * gathered_share)
             elif not is_param:
                 out[j] = local * v.element_size()
@@ -653,7 +534,7 @@ def _memory(n: fx.Node, strategies: Sequence[Strategy], mesh_shape: tuple[int, .
         for i in saved_outputs:
             v, p = vals[i], s.outputs[i]
             if isinstance(v, torch.Tensor) and p is not None:
-                out[j] += _numel(local_shape(v.shape, p, mesh_shape)) * v.element_size()
+                out[j] += numel(local_shape(v.shape, p, mesh_shape)) * v.element_size()
     return out
 
 

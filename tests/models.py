@@ -187,7 +187,8 @@ def hf_moe(kind: str, vocab: int = 128, dim: int = 64, heads: int = 4, layers: i
 def slow_compute():
     """A cost topology with compute 1e4x slower than an A100 and links 10x faster than its
     NVLink: the solver shards every op it can, which exercises sharding on small models."""
-    from autopar.cost_models.topology import AxisLink, custom
+    from autopar.cost_models.links import AxisLink
+    from autopar.cost_models.topology import custom
 
     fast = AxisLink(bandwidth_Bps=2e12, latency_s=1e-9, launch_s=1e-9)
     return custom("slow-compute", base="a100-dgx", peak_flops={"fp32": 2e9, "bf16": 3e10},

@@ -14,7 +14,8 @@ from autopar.cost_models.calibration import (
     CollectiveSample, KernelSample, fit_compute, fit_link, predicted_kernel_time,
 )
 from autopar.cost_models.comm import collective_time
-from autopar.cost_models.topology import AxisLink, custom, get_preset, load_topology
+from autopar.cost_models.links import AxisLink
+from autopar.cost_models.topology import custom, get_preset, load_topology
 
 
 def _kernels(truth, noise: float, seed: int = 0) -> list[KernelSample]:

@@ -19,7 +19,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.calibrate import _call_of
 from autopar.cost_models.compute import matmul_peak, op_time
-from autopar.cost_models.sharding import roofline_terms
+from autopar.cost_models.node_compute import roofline_terms
 from autopar.cost_models.topology import get_preset
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,8 @@ import pytest
 
 from autopar.cost_models.comm import all_gather_time, all_reduce_time, axis_collective_time
 from autopar.cost_models.nccl_curves import H100_NODE_ALL_REDUCE_US, busbw_points
-from autopar.cost_models.topology import AxisLink, Topology, custom, get_preset
+from autopar.cost_models.links import AxisLink
+from autopar.cost_models.topology import Topology, custom, get_preset
 
 DATA = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "calibration.json"
 
