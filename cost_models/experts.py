@@ -59,7 +59,7 @@ class ExpertsWork:
     """What one experts op computes and moves through device memory on a rank: its FLOPs, the
     bytes of its token-sized tensors (read and written) and of its expert weights (read; the
     backward also writes their gradients). The weights' bytes shrink with ep
-    (``training_step``), the rest does not."""
+    (``step_price``), the rest does not."""
 
     flops: float
     activation_bytes: float

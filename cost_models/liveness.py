@@ -51,16 +51,16 @@ import torch.fx as fx
 from torch.distributed.tensor import Shard
 
 from autopar.capture.layers import is_backward
-from autopar.capture.remat import GatherRuns, gather_dtype, is_random
+from autopar.capture.remat import GatherRuns, is_random
+from autopar.cost_models.rank_bytes import persistent_bytes, weight_stash_bytes
 from autopar.cost_models.ring import ring_workspace_bytes
-from autopar.cost_models.sharding import state_bytes_per_element, zero_placement
 from autopar.graph import output_moves
 from autopar.placements import from_str
 from autopar.strategies.reshard import local_shape, reshard_steps
 from autopar.strategies.rules import SEQUENCE_ATTENTION_QUERY
 from autopar.strategies.space import tensor_inputs
 
-__all__ = ["StageRun", "StepMemory", "step_memory", "weight_stash_bytes"]
+__all__ = ["StageRun", "StepMemory", "step_memory"]
 
 
 @dataclass(frozen=True)
@@ -75,8 +75,8 @@ class StageRun:
     ``split_backward`` (zero-bubble, ``runtime.autograd.split_weight_backward``): the input
     gradients run first and the weight gradients later, so a microbatch in flight (counted up
     to its weight step) also holds the values the weight step reads from the input step
-    (:func:`weight_stash_bytes`); its weight step adds them into the same sum.
-    ``zero_axes`` (ZeRO-1 once a step): the parameters
+    (:func:`~autopar.cost_models.rank_bytes.weight_stash_bytes`); its weight step adds them into
+    the same sum. ``zero_axes`` (ZeRO-1 once a step): the parameters
     are stored as ``cost_models.sharding.zero_placement`` over these axes of the placement the
     program computes with, with their gradients and optimizer states; the stage gathers them
     before its first forward (the gathered flat buffer and the parameters made from it, both
@@ -504,42 +504,6 @@ def _owned(n: fx.Node) -> bool:
     return False
 
 
-def _persistent_bytes(traced: Any, nodes: dict, mesh_shape: tuple, optimizer: str,
-                      microbatches: int, zero_axes: tuple[int, ...] = ()) -> tuple[float, float]:
-    """What lives across steps, per rank: each parameter's local shard with its gradient and
-    optimizer states (``state_bytes_per_element``; a tied parameter once), the local shards of
-    the other program inputs, and the graph's constants. A pipeline stage's boundary
-    activations and their gradients arrive in receive buffers that ``torch.distributed.
-    pipelining`` makes once per microbatch and keeps (``_RecvInfo.buffer``): ``microbatches``
-    of each. ``zero_axes``: :class:`StageRun`'s; then each parameter's state is its stored
-    shard's, and its gathered copy is counted too. Returns the bytes, and of those the gathered
-    copies'."""
-    params = {p.node: p for p in traced.params}
-    per_microbatch = {*traced.boundary_inputs, *traced.boundary_tangents}
-    total = gathered = 0.0
-    for n in traced.gm.graph.nodes:
-        val = n.meta.get("val")
-        if n.op == "get_attr":
-            attr = getattr(traced.gm, n.target, None)
-            total += attr.numel() * attr.element_size() if isinstance(attr, torch.Tensor) else 0
-        if n.op != "placeholder" or not isinstance(val, torch.Tensor):
-            continue
-        shape = local_shape(tuple(val.shape), tuple(map(from_str, nodes[n.name].outputs[0])),
-                            mesh_shape)
-        local = float(np.prod(shape, dtype=np.float64))
-        p = params.get(n.name)
-        if p is None:
-            total += local * val.element_size() * (microbatches if n.name in per_microbatch else 1)
-        elif p.tied_to is None:
-            program = tuple(map(from_str, nodes[n.name].outputs[0]))
-            stored = zero_placement(program, tuple(val.shape), mesh_shape, zero_axes)
-            shard = float(np.prod(local_shape(tuple(val.shape), stored, mesh_shape), dtype=np.float64))
-            total += shard * state_bytes_per_element(optimizer, val.element_size())
-            if stored != program:  # (gathered cast when read only cast: bf16 autocast)
-                gathered += local * gather_dtype(n).itemsize
-    return total + gathered, gathered
-
-
 def step_memory(traced: Any, mesh_shape: Sequence[int], nodes: dict, outputs: Sequence,
                 buckets: Sequence[Sequence[int]] = (), recompute: frozenset[str] = frozenset(),
                 optimizer: str = "adam", stage: StageRun | None = None,
@@ -562,9 +526,9 @@ def step_memory(traced: Any, mesh_shape: Sequence[int], nodes: dict, outputs: Se
     walk.run(outputs, buckets)
     walk.flat_buckets()
     live, at, saved = walk.peak()
-    persistent, gathered = _persistent_bytes(traced, nodes, tuple(mesh_shape), optimizer,
-                                             stage.microbatches if stage is not None else 1,
-                                             stage.zero_axes if stage is not None else ())
+    persistent, gathered = persistent_bytes(traced, nodes, tuple(mesh_shape), optimizer,
+                                            stage.microbatches if stage is not None else 1,
+                                            stage.zero_axes if stage is not None else ())
     in_flight = stage.in_flight if stage is not None else 1
     stash = weight_stash_bytes(traced, mesh_shape, nodes) if stage and stage.split_backward else 0.0
     peak = persistent + live + (in_flight - 1) * (saved + stash) + stash + walk.largest_output
@@ -583,38 +547,3 @@ def step_memory(traced: Any, mesh_shape: Sequence[int], nodes: dict, outputs: Se
         held -= gathered
         return StepMemory(peak, persistent, saved + stash, min(held, peak), at, ahead)
     return StepMemory(peak, persistent, saved + stash, min(held, peak), at)
-
-
-def weight_stash_bytes(traced: Any, mesh_shape: Sequence[int], nodes: dict) -> float:
-    """Bytes per rank a split backward passes from its input-gradient step to its weight step:
-    the backward values both need, computed by the first and read by a node only the second
-    runs (the cut of ``runtime.autograd.split_weight_backward``, on the joint graph)."""
-    out = next(n for n in traced.gm.graph.nodes if n.op == "output").args[0]
-    roots_in = [out[i] for i in traced.boundary_grad_outputs if isinstance(out[i], fx.Node)]
-    roots_w = [out[p.grad_output_index] for p in traced.params
-               if p.grad_output_index is not None and isinstance(out[p.grad_output_index], fx.Node)]
-    first, second = _backward_ancestors(roots_in), _backward_ancestors(roots_w)
-    total = 0.0
-    for n in first & second:
-        val = n.meta.get("val")
-        if not isinstance(val, torch.Tensor) or n.name not in nodes:
-            continue
-        if any(u in second and u not in first for u in n.users) or n in roots_w:
-            pl = nodes[n.name].outputs[0]
-            shape = tuple(val.shape) if pl is None else local_shape(
-                tuple(val.shape), tuple(map(from_str, pl)), tuple(mesh_shape))
-            total += float(np.prod(shape, dtype=np.float64)) * val.element_size()
-    return total
-
-
-def _backward_ancestors(roots: Sequence[fx.Node]) -> set:
-    """The backward call nodes ``roots`` depend on (themselves included)."""
-    seen: set = set()
-    todo = [r for r in roots if r.op == "call_function" and is_backward(r)]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        todo += [a for a in n.all_input_nodes if a.op == "call_function" and is_backward(a)]
-    return seen

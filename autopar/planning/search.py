@@ -9,7 +9,7 @@ only two of them (``pre``, ``blocks.0``, ``blocks.1``, ``post``) is traced per m
 with autopar's own capture; its intra-operator ILP is solved once per distinct
 (tensor-parallel degree, microbatch size, sequence parallelism) on the ``tp`` submesh and cached
 (the same ILP, strategies and cost model the runtime's plans use). The per-layer costs of that
-solution price every candidate in closed form (:mod:`autopar.cost_models.training_step`);
+solution price every candidate in closed form (:mod:`autopar.cost_models.step_price`);
 candidates that do not fit the device memory are pruned with the reason kept. The data-parallel
 degree only splits the batch and adds the gradient reduction, priced per step.
 """
@@ -28,8 +28,9 @@ import torch.nn as nn
 from autopar.capture import model_fingerprint
 from autopar.config import Config
 from autopar.cost_models.compute import graph_flops
+from autopar.cost_models.step_price import price_setup
 from autopar.cost_models.training_step import (
-    RECOMPUTE, LayerCosts, Setup, StepCost, UnitCosts, price_setup,
+    RECOMPUTE, LayerCosts, Setup, StepCost, UnitCosts,
 )
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
@@ -94,7 +95,7 @@ class LayerSolver:
     def __init__(self, model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config,
                  cost_passes: Sequence[Callable[..., Any]]) -> None:
         # the layer ILP prices one microbatch's block as it runs; recomputation and ZeRO are
-        # priced in closed form on top of it (cost_models/training_step.py), not twice
+        # priced in closed form on top of it (cost_models/step_price.py), not twice
         self.config = dataclasses.replace(config, recompute="none", zero=0, dp_shard=None)
         self.mesh, self.cost_passes = mesh, cost_passes
         self.example_inputs = example_inputs

@@ -178,12 +178,18 @@ def _schedule_options(pp: int, m: int, num_blocks: int, config: Config) -> list[
     into the stages; Llama 3 405B's 126 layers ran interleaved on 16 stages with one layer
     fewer on the first and the last (Dubey et al., 2024, sec. 3.3.2), and autopar's pipeline
     runs stages of any block counts (the search prices the balanced split and the even one,
-    which differs by a block at most)."""
+    which differs by a block at most). A v whose largest stage holds as many blocks as a
+    smaller v's is left out, unless the ``Config`` asks for it: its bubble, (pp - 1) such
+    stages, is no shorter, and it sends more and holds more microbatches in flight."""
     if pp == 1:
         return [("none", 1)]
     out = [("1f1b", 1)] if m >= pp else []
+    largest = set()  # (the blocks of a v's largest stage)
     for v in range(2, _MAX_VIRTUAL + 1):
-        if pp * v <= num_blocks and m % pp == 0:
+        chunk = -(-num_blocks // (pp * v))
+        if pp * v <= num_blocks and m % pp == 0 and (chunk not in largest
+                                                     or config.virtual_stages == v):
+            largest.add(chunk)
             out.append(("interleaved-1f1b", v))
     return [(s, v) for s, v in out if (config.schedule in (None, s))
             and config.virtual_stages in (None, v)]

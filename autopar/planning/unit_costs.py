@@ -1,5 +1,5 @@
 """Per-unit costs of a two-block trace's solved intra-operator ILP (``pre``, one repeated block,
-``post``): what the setup search's closed form (``cost_models.training_step``) composes. A
+``post``): what the setup search's closed form (``cost_models.step_price``) composes. A
 model's leading blocks that differ from the repeated ones (DeepSeek-V3's dense first layers)
 count in ``pre``; the experts of MoE layers are recorded apart (their state, their all-to-alls'
 bytes, their work), for the closed form to split them over ep."""
@@ -116,7 +116,7 @@ def _add_state(traced: Any, costs: Any, choice: dict[str, int], unit_of: dict[st
             acc[u]["state"] += state
             acc[u]["elems"] += elems
             acc[u]["gbytes"] += elems * width
-            if n.name in experts:  # (split over ep in closed form: training_step)
+            if n.name in experts:  # (split over ep in closed form: step_price)
                 acc[u]["xstate"] += state
                 acc[u]["xelems"] += elems
                 acc[u]["xgbytes"] += elems * width

@@ -113,7 +113,8 @@ def test_cp_gradients_are_reduced_once_a_step_at_the_step_end():
     cp=8 that is the all-reduce of dp=8 without cp (same bytes, group and stride); with dp=4 x
     cp=2 both, each over its own group."""
     from autopar.cost_models.topology import get_preset
-    from autopar.cost_models.training_step import LayerCosts, Setup, UnitCosts, price_setup
+    from autopar.cost_models.step_price import price_setup
+    from autopar.cost_models.training_step import LayerCosts, Setup, UnitCosts
 
     unit = UnitCosts(1e-3, 2e-3, 0.0, 0.0, 1e9, 1e9, 2.5e8)
     lc = LayerCosts(unit, unit, unit, 4, 0.0, 0.0, 1e6, 1e6, 2, "adam")
@@ -306,7 +307,8 @@ def test_the_step_end_reduces_the_gradients_over_cp_on_the_links_of_its_order():
     nodes: the all-reduce over InfiniBand), inside tp stride 1 (inside a node): the same
     all-reduce as a dp=2 group's of the same stride and bytes."""
     from autopar.cost_models.topology import custom
-    from autopar.cost_models.training_step import LayerCosts, Setup, UnitCosts, price_setup
+    from autopar.cost_models.step_price import price_setup
+    from autopar.cost_models.training_step import LayerCosts, Setup, UnitCosts
 
     unit = UnitCosts(1e-3, 2e-3, 0.0, 0.0, 1e9, 1e9, 2.5e8)
     lc = LayerCosts(unit, unit, unit, 4, 0.0, 0.0, 1e6, 1e6, 2, "adam")
@@ -342,3 +344,19 @@ def test_the_search_prices_both_orders_and_the_plan_runs_the_one_chosen():
     forced = autopar.plan(model, mesh, inputs,
                           config=dataclasses.replace(config, cp_inside_tp=not best))
     assert forced.axis_names == (("cp", "tp") if best else ("tp", "cp"))
+
+
+def test_the_search_interleaves_uneven_stages_but_not_a_v_no_better_than_a_smaller_one():
+    """126 blocks on pp=16 (Llama 3 405B): no v > 1 splits them evenly, yet v=2..4 are tried,
+    their largest stages 4, 3 and 2 blocks; v=5..7 leave 2 too (no shorter bubble, more sends
+    and microbatches in flight) and v=8 would leave stages empty. On pp=8: v=5 and v=7 repeat
+    v=4's and v=6's largest stage; a Config asking for one gets it."""
+    from autopar.planning.setups import _schedule_options
+
+    free = autopar.Config()
+    assert _schedule_options(16, 16, 126, free) == [("1f1b", 1)] + [
+        ("interleaved-1f1b", v) for v in (2, 3, 4)]
+    assert [v for _, v in _schedule_options(8, 16, 126, free)] == [1, 2, 3, 4, 6, 8]
+    assert _schedule_options(8, 16, 126, autopar.Config(virtual_stages=7)) == [
+        ("interleaved-1f1b", 7)]
+    assert _schedule_options(16, 8, 126, free) == []  # (m < pp, not a multiple of it)

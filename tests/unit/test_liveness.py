@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 import autopar
-from autopar.cost_models.liveness import StageRun, step_memory, weight_stash_bytes
+from autopar.cost_models.liveness import StageRun, step_memory
 from autopar.cost_models.pipeline import action_order, in_flight, peak_held_bytes
+from autopar.cost_models.rank_bytes import weight_stash_bytes
 from autopar.plan_context import context_of
 from models import build
 

@@ -143,7 +143,8 @@ def test_the_setup_search_prices_ep_in_closed_form():
 
     from autopar.cost_models.comm import axis_collective_time
     from autopar.cost_models.topology import get_preset
-    from autopar.cost_models.training_step import LayerCosts, Setup, UnitCosts, price_setup
+    from autopar.cost_models.step_price import price_setup
+    from autopar.cost_models.training_step import LayerCosts, Setup, UnitCosts
 
     from autopar.cost_models.experts import ExpertsWork
 
@@ -275,7 +276,8 @@ def test_the_load_skew_prices_the_busiest_rank_where_experts_are_split():
 
     from autopar.cost_models.experts import ExpertsWork, experts_comm_time
     from autopar.cost_models.topology import get_preset
-    from autopar.cost_models.training_step import LayerCosts, Setup, UnitCosts, price_setup
+    from autopar.cost_models.step_price import price_setup
+    from autopar.cost_models.training_step import LayerCosts, Setup, UnitCosts
 
     topo = get_preset("h100-dgx")
     work = ExpertsWork(1e12, 8e6, 3.2e8)
@@ -340,7 +342,8 @@ def test_full_recomputation_does_not_run_the_experts_again():
     forward without the experts' seconds."""
     from autopar.capture.remat import recompute_nodes
     from autopar.cost_models.topology import get_preset
-    from autopar.cost_models.training_step import LayerCosts, Setup, UnitCosts, price_setup
+    from autopar.cost_models.step_price import price_setup
+    from autopar.cost_models.training_step import LayerCosts, Setup, UnitCosts
 
     model, inputs = build("mixtral")
     traced = capture(model, inputs)

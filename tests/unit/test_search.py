@@ -1,4 +1,4 @@
-"""The cluster-scale search (autopar.planning.search) and its step model (training_step).
+"""The cluster-scale search (autopar.planning.search) and its step model (training_step, step_price).
 
 - Megatron-LM's hand configurations of SC'21 Table 1 are predicted within 10% of the published
   TFLOP/s per GPU (three rows here; all ten in benchmarks/megatron_table1.py), and the search's
@@ -20,8 +20,9 @@ import pytest
 
 import autopar
 from autopar.planning.entry import model_fingerprint
+from autopar.cost_models.step_price import price_setup
 from autopar.cost_models.training_step import (
-    LayerCosts, Setup, UnitCosts, blocks_per_stage, price_setup,
+    LayerCosts, Setup, UnitCosts, blocks_per_stage,
 )
 from autopar.model_presets import megatron_gpt
 from autopar.planning.search import LayerSolver, only_when_needed, search

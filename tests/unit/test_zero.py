@@ -106,7 +106,7 @@ def test_a_model_that_fits_with_zero1_is_not_given_zero3():
 
 
 def test_zero3_price_shards_everything_and_gathers_twice():
-    """The closed form (cost_models.training_step): ZeRO-3 holds 1/dp of the state plus the
+    """The closed form (cost_models.step_price): ZeRO-3 holds 1/dp of the state plus the
     gathered layers in flight, and moves 1.5 times ZeRO-1's bytes over dp (Rajbhandari et al.,
     SC'20, sec. 7.2), priced not overlapped as ZeRO-1's are (the per-operator plan overlaps
     both as the runtime runs them)."""
