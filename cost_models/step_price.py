@@ -64,6 +64,14 @@ def _pre_parts(lc: LayerCosts, recompute: str) -> tuple[float, float, float]:
     return u.forward_s, u.backward_s, u.activation_bytes
 
 
+# _expert_parallel's answers by (id of the layer costs, ep, stride, id of the topology), each
+# with the two objects it was computed from (held, so that their ids cannot be reused while
+# the entry lives; checked by identity): the search prices thousands of setups on a few
+# LayerCosts, and the split is the same for every setup of one (ep, stride)
+_EXPERT_SPLITS: dict[tuple[int, int, int, int], tuple[LayerCosts, Topology, LayerCosts]] = {}
+_EXPERT_SPLITS_MAX = 512
+
+
 def _expert_parallel(lc: LayerCosts, setup: Setup, topology: Topology) -> LayerCosts:
     """``lc`` with the experts split over ``setup.ep``: each unit holds 1/ep of its experts'
     parameters and state, and its forward and backward add their all-to-alls over the ep
@@ -72,7 +80,20 @@ def _expert_parallel(lc: LayerCosts, setup: Setup, topology: Topology) -> LayerC
     read 1/ep of the experts' weights."""
     if setup.ep == 1:
         return lc
-    e, stride, skew = setup.ep, setup.cp * setup.tp, lc.expert_load_skew
+    key = (id(lc), setup.ep, setup.cp * setup.tp, id(topology))
+    hit = _EXPERT_SPLITS.get(key)
+    if hit is not None and hit[0] is lc and hit[1] is topology:
+        return hit[2]
+    out = _split_experts(lc, setup.ep, setup.cp * setup.tp, topology)
+    if len(_EXPERT_SPLITS) >= _EXPERT_SPLITS_MAX:
+        _EXPERT_SPLITS.pop(next(iter(_EXPERT_SPLITS)))
+    _EXPERT_SPLITS[key] = (lc, topology, out)
+    return out
+
+
+def _split_experts(lc: LayerCosts, e: int, stride: int, topology: Topology) -> LayerCosts:
+    """:func:`_expert_parallel`'s ``lc`` over ``e`` ranks of the given stride."""
+    skew = lc.expert_load_skew
 
     def split(u: UnitCosts) -> UnitCosts:
         # (the rows out and back at the busiest rank's load; the counts first, as they are)
@@ -168,29 +189,31 @@ def _stage_sums(lc: LayerCosts, counts: tuple[int, ...], send: float,
     (:func:`_block_parts`, :func:`_pre_parts`)."""
     (bf, bb, bact), (pf, pb, pact) = block, pre
     stages = len(counts)
-    fw, bw, act, state, elems, xstate, xelems = [], [], [], [], [], [], []
-    gathered, xgathered = [], []
-    units = (lc.block, lc.pre, lc.post)
+    widths = [u.gathered_bytes(lc.param_itemsize) for u in (lc.block, lc.pre, lc.post)]
+    sums: dict[tuple[int, bool, bool], tuple[float, ...]] = {}  # (the stages alike: one sum)
+    rows = []
     for j, n in enumerate(counts):
         first, last = j == 0, j == stages - 1
-        parts = [(k * g, k * x) for k, u in zip((n, first, last), units)
-                 for g, x in [u.gathered_bytes(lc.param_itemsize)]]
-        gathered.append(sum(g + x for g, x in parts)
-                        - (first and last) * lc.tied_elements * lc.param_itemsize)
-        xgathered.append(sum(x for _, x in parts))
-        fw.append(n * bf + first * pf + last * lc.post.forward_s + (not last) * send)
-        bw.append(n * bb + first * pb + last * lc.post.backward_s + (not first) * send)
-        act.append(n * bact + first * pact + last * lc.post.activation_bytes
-                   - _regathered_saved(lc, setup, n, first, last))
-        shared = first and last  # pre and post on one stage hold the tied weight once
-        state.append(n * lc.block.state_bytes + first * lc.pre.state_bytes
-                     + last * lc.post.state_bytes - shared * lc.tied_state_bytes)
-        elems.append(n * lc.block.param_elements + first * lc.pre.param_elements
-                     + last * lc.post.param_elements - shared * lc.tied_elements)
-        xstate.append(n * lc.block.expert_state_bytes + first * lc.pre.expert_state_bytes
-                      + last * lc.post.expert_state_bytes)
-        xelems.append(n * lc.block.expert_elements + first * lc.pre.expert_elements
-                      + last * lc.post.expert_elements)
+        if (n, first, last) not in sums:
+            parts = [(k * g, k * x) for k, (g, x) in zip((n, first, last), widths)]
+            shared = first and last  # pre and post on one stage hold the tied weight once
+            sums[(n, first, last)] = (
+                n * bf + first * pf + last * lc.post.forward_s + (not last) * send,
+                n * bb + first * pb + last * lc.post.backward_s + (not first) * send,
+                n * bact + first * pact + last * lc.post.activation_bytes
+                - _regathered_saved(lc, setup, n, first, last),
+                n * lc.block.state_bytes + first * lc.pre.state_bytes
+                + last * lc.post.state_bytes - shared * lc.tied_state_bytes,
+                n * lc.block.param_elements + first * lc.pre.param_elements
+                + last * lc.post.param_elements - shared * lc.tied_elements,
+                sum(g + x for g, x in parts) - shared * lc.tied_elements * lc.param_itemsize,
+                n * lc.block.expert_state_bytes + first * lc.pre.expert_state_bytes
+                + last * lc.post.expert_state_bytes,
+                n * lc.block.expert_elements + first * lc.pre.expert_elements
+                + last * lc.post.expert_elements,
+                sum(x for _, x in parts))
+        rows.append(sums[(n, first, last)])
+    fw, bw, act, state, elems, gathered, xstate, xelems, xgathered = map(list, zip(*rows))
     return _StageSums(fw, bw, act, state, elems, gathered, xstate, xelems, xgathered)
 
 
