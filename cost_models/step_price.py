@@ -67,7 +67,9 @@ def _pre_parts(lc: LayerCosts, recompute: str) -> tuple[float, float, float]:
 # _expert_parallel's answers by (id of the layer costs, ep, stride, id of the topology), each
 # with the two objects it was computed from (held, so that their ids cannot be reused while
 # the entry lives; checked by identity): the search prices thousands of setups on a few
-# LayerCosts, and the split is the same for every setup of one (ep, stride)
+# LayerCosts, and the split is the same for every setup of one (ep, stride). Both are frozen
+# dataclasses; a topology whose ``peak_flops`` dict were changed in place would be served a
+# stale split (the sharding prices' memo assumes the same)
 _EXPERT_SPLITS: dict[tuple[int, int, int, int], tuple[LayerCosts, Topology, LayerCosts]] = {}
 _EXPERT_SPLITS_MAX = 512
 

@@ -1,5 +1,5 @@
-"""Price one whole training step from per-layer costs: pipeline, recomputation, ZeRO, data
-parallelism and the optimizer.
+"""What the price of a whole training step reads and returns: per-layer costs, setups, the
+priced step (pipeline, recomputation, ZeRO, data parallelism and the optimizer).
 
 The per-layer costs (:class:`UnitCosts`) come from the intra-operator ILP solved on one layer of
 the model (see :mod:`autopar.planning.search`);
@@ -192,7 +192,7 @@ class Setup:
                 f"m={self.microbatches}{sched} recompute={self.recompute} zero={self.zero}"
                 f"{f' dp_shard={self.dp_shard}' if self.dp_shard else ''}"
                 f"{' sp' if self.sequence_parallel else ''}"
-                f"{' cp-inside-tp' if self.cp_inside_tp else ''}")
+                f"{' cp-inside-tp' if self.cp_inside_tp and self.cp > 1 and self.tp > 1 else ''}")
 
 
 @dataclass(frozen=True)

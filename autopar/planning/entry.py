@@ -52,7 +52,7 @@ from autopar.planning.search import (
     search_unsupported,
 )
 from autopar.cost_models.compute import mfu
-from autopar.cost_models.training_step import StepCost
+from autopar.cost_models.training_step import Setup, StepCost
 
 __all__ = ["COMPARED_DEGREES", "PER_UNIT_FALLBACK_LIMIT", "REALIZE_TRIES", "plan_model"]
 
@@ -221,7 +221,7 @@ def _realize_ranked(result: SearchResult, model: nn.Module, mesh: Mesh, example_
         if len(failed) - before + len(done) >= REALIZE_TRIES or (done and not small) \
                 or len(degrees) >= COMPARED_DEGREES:
             break
-        if (st.dp, st.tp, st.pp, st.cp, st.ep) in degrees or \
+        if (st.dp, st.tp, st.pp, st.cp, st.ep, layer_key(st)[-1]) in degrees or \
                 max(cost.rank_memory_bytes) * excess > budget:
             continue
         t0 = time.perf_counter()
@@ -236,7 +236,7 @@ def _realize_ranked(result: SearchResult, model: nn.Module, mesh: Mesh, example_
             if progress:
                 progress(f"setup {st.describe()} cannot be placed per operator: {_first_line(e)}")
             continue
-        degrees.add((st.dp, st.tp, st.pp, st.cp, st.ep))
+        degrees.add((st.dp, st.tp, st.pp, st.cp, st.ep, layer_key(st)[-1]))  # (and the order)
         elapsed = time.perf_counter() - t0
         if progress:
             progress(f"per-operator placements of {st.describe()} solved in {elapsed:.1f} s: "
@@ -254,9 +254,14 @@ def _concrete(config: Config, cost: StepCost) -> Config:
     st = cost.setup
     return dataclasses.replace(config, recompute=st.recompute, zero=st.zero, cp=st.cp,
                                dp_shard=st.dp_shard or config.dp_shard,
-                               cp_inside_tp=st.cp_inside_tp,
+                               cp_inside_tp=_order(config, st),
                                sequence_parallel=st.sequence_parallel if st.tp > 1
                                else config.sequence_parallel)
+
+
+def _order(config: Config, st: Setup) -> bool | None:
+    """The setup's order of cp and tp where it has both (the Config's otherwise: moot)."""
+    return st.cp_inside_tp if st.cp > 1 and st.tp > 1 else config.cp_inside_tp
 
 
 def _realize(cost: StepCost, model: nn.Module, mesh: Mesh, example_inputs: Any, config: Config,
@@ -267,7 +272,7 @@ def _realize(cost: StepCost, model: nn.Module, mesh: Mesh, example_inputs: Any, 
     budget = _budget(config, mesh)
     pinned = dataclasses.replace(config, dp=st.dp, tp=st.tp, pp=None, cp=st.cp, ep=st.ep,
                                  dp_shard=st.dp_shard or config.dp_shard,
-                                 cp_inside_tp=st.cp_inside_tp)
+                                 cp_inside_tp=_order(config, st))
     if st.pp == 1:
         if whole[0] is None:
             whole[0] = capture(model, example_inputs, config.mixed_precision)

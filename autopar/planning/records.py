@@ -89,6 +89,9 @@ def applied_techniques(traced: TracedGraph, config: Config, cand: Any,
                      f"(cp=1); set Config.cp > 1 for context parallelism")
     if config.cp_layout and "cp" not in cand.names:
         notes.append(f"cp_layout={config.cp_layout!r} changes nothing without a cp axis (cp=1)")
+    if config.cp_inside_tp is not None and not {"cp", "tp"} <= set(cand.names):
+        notes.append(f"cp_inside_tp={config.cp_inside_tp!r} changes nothing unless the mesh has "
+                     f"both a cp and a tp axis (cp and tp > 1): their order is moot here")
     if config.zero and not zero:
         notes.append(f"zero={config.zero} shards nothing on this mesh (no data-parallel axis, or "
                      f"no parameter dim divides by it); the optimizer state is not sharded")

@@ -89,7 +89,8 @@ def layer_key(setup: Setup) -> tuple[int, int, bool, int, bool]:
 
 
 class LayerSolver:
-    """A model's copy with two blocks, traced per microbatch size and solved per (tp, b, sp);
+    """A model's copy with two blocks, traced per microbatch size and solved per
+    :func:`layer_key` (tp, b, sp, cp and the order of cp and tp);
     pass one to several :func:`search` calls on the same model and mesh to share the work."""
 
     def __init__(self, model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config,

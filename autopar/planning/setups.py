@@ -173,8 +173,8 @@ def _allowed(config: Config, **values: Any) -> bool:
 
 def _schedule_options(pp: int, m: int, num_blocks: int, config: Config) -> list[tuple[str, int]]:
     """(schedule, v): gradient accumulation without a pipeline; with one, 1F1B and interleaved
-    1F1B with v > 1 chunks when m is a multiple of pp ([MEG] sec. 2.2.2) and every one of the
-    pp * v stages gets a block at least. Megatron-LM also asks the blocks to split evenly
+    1F1B with v > 1 chunks when m is a multiple of pp ([MEG] sec. 2.2.2) and there are at least
+    as many blocks as the pp * v stages. Megatron-LM also asks the blocks to split evenly
     into the stages; Llama 3 405B's 126 layers ran interleaved on 16 stages with one layer
     fewer on the first and the last (Dubey et al., 2024, sec. 3.3.2), and autopar's pipeline
     runs stages of any block counts (the search prices the balanced split and the even one,

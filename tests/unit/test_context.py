@@ -335,10 +335,14 @@ def test_the_search_prices_both_orders_and_the_plan_runs_the_one_chosen():
     mesh = autopar.Mesh.virtual("h100-dgx", nodes=2, gpus_per_node=2)
     config = autopar.Config(cp=2, tp=2, cp_attention="gather", recompute="none", zero=0)
     result = search(model, inputs, mesh, config)
-    by_order = {c.setup.cp_inside_tp: c for c in result.ranked}
-    assert set(by_order) == {False, True}
-    assert by_order[False].step_time_s != by_order[True].step_time_s
+    by_order = {o: min((c for c in result.ranked if c.setup.cp_inside_tp == o),
+                       key=lambda c: c.step_time_s) for o in (False, True)}
+    # (the gradients' all-reduce over cp at the step end: across the nodes with cp outside tp,
+    # inside one node with cp inside it)
+    assert by_order[True].parts["dp_comm_s"] < by_order[False].parts["dp_comm_s"]
     best = result.ranked[0].setup.cp_inside_tp
+    assert result.ranked[0].step_time_s == by_order[best].step_time_s < \
+        by_order[not best].step_time_s
     plan = autopar.plan(model, mesh, inputs, config=config)
     assert plan.axis_names == (("tp", "cp") if best else ("cp", "tp"))
     forced = autopar.plan(model, mesh, inputs,
@@ -360,3 +364,32 @@ def test_the_search_interleaves_uneven_stages_but_not_a_v_no_better_than_a_small
     assert _schedule_options(8, 16, 126, autopar.Config(virtual_stages=7)) == [
         ("interleaved-1f1b", 7)]
     assert _schedule_options(16, 8, 126, free) == []  # (m < pp, not a multiple of it)
+
+
+def test_a_v_the_search_skips_is_no_faster_and_holds_no_less_than_the_v_kept():
+    """126 blocks on pp=8: v=5 and v=7 repeat the largest stage of v=4 and v=6
+    (``setups._schedule_options``); priced (the better of the balanced and the even split, as
+    the search does), each is no faster than the kept v and holds at least as much."""
+    from autopar.cost_models.step_price import price_setup
+    from autopar.cost_models.topology import get_preset
+    from autopar.cost_models.training_step import LayerCosts, Setup, UnitCosts
+
+    unit = UnitCosts(1e-3, 2e-3, 0.0, 0.0, 1e9, 1e9, 2.5e8)
+    lc = LayerCosts(unit, unit, unit, 126, 0.0, 0.0, 1e6, 1e6, 2, "adam")
+    topo = get_preset("h100-dgx")
+
+    def cost(v: int):
+        setup = Setup(1, 1, 8, 1, 16, "interleaved-1f1b", v, "none", 0, False)
+        return min((price_setup(lc, dataclasses.replace(setup, even_split=e), topo, 1e15)
+                    for e in (False, True)), key=lambda c: c.step_time_s)
+
+    for skipped, kept in ((5, 4), (7, 6)):
+        a, b = cost(skipped), cost(kept)
+        assert a.step_time_s >= b.step_time_s, (skipped, a.step_time_s, b.step_time_s)
+        assert max(a.rank_memory_bytes) >= max(b.rank_memory_bytes), skipped
+
+
+def test_an_order_of_cp_and_tp_without_both_axes_is_said_to_change_nothing():
+    plan = _plan(2, 2, tp=1, cp_inside_tp=True)
+    assert plan.axis_names == ("cp",)
+    assert any("cp_inside_tp=True changes nothing" in w for w in plan.warnings), plan.warnings
