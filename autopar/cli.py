@@ -47,7 +47,7 @@ def parse_mesh(text: str, gpus_per_node: int) -> tuple[int, int]:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``plan``, ``simulate`` and ``calibrate``. ``--hardware`` offers the presets
     registered when it is built (:func:`autopar.cost_models.register_topology` adds more)."""
-    from autopar.config import CP_ATTENTION, CP_LAYOUTS, ZERO_STAGES
+    from autopar.config import ZERO_STAGES
     from autopar.cost_models.topology import preset_names
 
     parser = argparse.ArgumentParser(prog="python -m autopar", description=__doc__,
@@ -62,21 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"file written by `calibrate`")
     p.add_argument("--batch", type=int, required=True, help="global batch (sequences)")
     p.add_argument("--seq", type=int, default=2048, help="sequence length (default 2048)")
-    for name in ("dp", "tp", "pp", "cp", "ep", "microbatch-size", "dp-shard"):
-        p.add_argument(f"--{name}", type=int, default=None, help=f"fix {name} (default: searched)")
-    p.add_argument("--cp-attention", choices=CP_ATTENTION, default=None,
-                   help="attention over cp: keys and values gathered, or passed around a ring "
-                        "(default: the cheaper per attention)")
-    p.add_argument("--cp-layout", choices=CP_LAYOUTS, default=None,
-                   help="positions per cp rank: chunk pairs that balance causal attention, or "
-                        "contiguous blocks (default: balanced where the sequence divides)")
-    p.add_argument("--cp-order", choices=("outside-tp", "inside-tp"), default=None,
-                   help="the cp axis's place in the mesh when cp and tp are both > 1: outside "
-                        "tp (tp's ranks consecutive) or inside it (default: the faster where "
-                        "they differ)")
-    p.add_argument("--expert-load-skew", type=float, default=1.0,
-                   help="MoE routing skew the cost model assumes: the busiest rank's rows over "
-                        "the mean (default 1.0, uniform)")
+    _add_degrees(p)
     p.add_argument("--recompute", choices=("none", "selective", "full"), default=None)
     p.add_argument("--zero", type=int, choices=ZERO_STAGES, default=None)
     p.add_argument("--mixed-precision", choices=("fp32", "bf16"), default=None,
@@ -115,6 +101,27 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--timings", type=Path, default=None,
                    help="also write every timing (kernels, collectives) to this JSON file")
     return parser
+
+
+def _add_degrees(p: argparse.ArgumentParser) -> None:
+    """``plan``'s degrees and the context- and expert-parallel settings."""
+    from autopar.config import CP_ATTENTION, CP_LAYOUTS
+
+    for name in ("dp", "tp", "pp", "cp", "ep", "microbatch-size", "dp-shard"):
+        p.add_argument(f"--{name}", type=int, default=None, help=f"fix {name} (default: searched)")
+    p.add_argument("--cp-attention", choices=CP_ATTENTION, default=None,
+                   help="attention over cp: keys and values gathered, or passed around a ring "
+                        "(default: the cheaper per attention)")
+    p.add_argument("--cp-layout", choices=CP_LAYOUTS, default=None,
+                   help="positions per cp rank: chunk pairs that balance causal attention, or "
+                        "contiguous blocks (default: balanced where the sequence divides)")
+    p.add_argument("--cp-order", choices=("outside-tp", "inside-tp"), default=None,
+                   help="the cp axis's place in the mesh when cp and tp are both > 1: outside "
+                        "tp (tp's ranks consecutive) or inside it (default: the faster where "
+                        "they differ)")
+    p.add_argument("--expert-load-skew", type=float, default=1.0,
+                   help="MoE routing skew the cost model assumes: the busiest rank's rows over "
+                        "the mean (default 1.0, uniform)")
 
 
 def _hardware(text: str) -> Any:

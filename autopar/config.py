@@ -137,43 +137,9 @@ class Config:
                     f"Config.{name}={value!r}: must be a positive int, or None to let the search "
                     f"choose it."
                 )
-        if self.unknown_op not in _UNKNOWN_OP:
-            raise ValueError(
-                f"Config.unknown_op={self.unknown_op!r}: use one of {_UNKNOWN_OP}."
-            )
-        if self.cp_attention is not None and self.cp_attention not in CP_ATTENTION:
-            raise ValueError(f"Config.cp_attention={self.cp_attention!r}: use one of "
-                             f"{CP_ATTENTION}, or None to let the planner choose.")
-        if self.cp_layout is not None and self.cp_layout not in CP_LAYOUTS:
-            raise ValueError(f"Config.cp_layout={self.cp_layout!r}: use one of {CP_LAYOUTS}, or "
-                             f"None for the balanced one where the sequence divides.")
-        if not (self.cp_inside_tp is None or isinstance(self.cp_inside_tp, bool)):
-            raise ValueError(f"Config.cp_inside_tp={self.cp_inside_tp!r}: use True (cp the "
-                             f"innermost axis), False (tp innermost) or None to let the planner "
-                             f"choose.")
-        if self.schedule is not None and self.schedule not in SCHEDULES:
-            raise ValueError(f"Config.schedule={self.schedule!r}: use one of {SCHEDULES}, or None "
-                             f"to let the search choose.")
-        if self.recompute is not None and self.recompute not in _RECOMPUTE:
-            raise ValueError(f"Config.recompute={self.recompute!r}: use one of {_RECOMPUTE}, or "
-                             f"None to let the search choose.")
-        if self.zero is not None and (self.zero not in ZERO_STAGES or isinstance(self.zero, bool)):
-            raise ValueError(f"Config.zero={self.zero!r}: use a ZeRO stage of {ZERO_STAGES}, or "
-                             f"None to let the planner choose.")
+        self._check_choices()
         self._check_dp_shard()
-        if isinstance(self.expert_load_skew, bool) or not (
-                isinstance(self.expert_load_skew, (int, float)) and 1.0 <= self.expert_load_skew < math.inf):
-            raise ValueError(f"Config.expert_load_skew={self.expert_load_skew!r}: give the busiest "
-                             f"rank's routed rows over the mean, a finite number >= 1.0 (1.0: "
-                             f"uniform routing).")
-        if self.ep is not None and self.ep > 1 and self.dp is not None and self.dp % self.ep:
-            raise ValueError(f"Config(dp={self.dp}, ep={self.ep}): the expert-parallel ranks are "
-                             f"data-parallel ranks, so ep must divide dp; use a divisor of "
-                             f"{self.dp}.")
-        if self.ep is not None and self.ep > 1 and self.dp_shard is not None:
-            raise ValueError(f"Config(ep={self.ep}, dp_shard={self.dp_shard}): hybrid sharding "
-                             f"and expert parallelism both split the data-parallel ranks, which "
-                             f"autopar does not combine yet; leave one of them None.")
+        self._check_experts()
         if self.sequence_parallel not in (None, True, False):
             raise ValueError(f"Config.sequence_parallel={self.sequence_parallel!r}: use True, "
                              f"False or None.")
@@ -197,6 +163,48 @@ class Config:
             raise ValueError(
                 f"Config.solver_time_limit_s={self.solver_time_limit_s!r} must be positive."
             )
+
+    def _check_choices(self) -> None:
+        """The fields that take one of a few values."""
+        if self.unknown_op not in _UNKNOWN_OP:
+            raise ValueError(
+                f"Config.unknown_op={self.unknown_op!r}: use one of {_UNKNOWN_OP}."
+            )
+        if self.cp_attention is not None and self.cp_attention not in CP_ATTENTION:
+            raise ValueError(f"Config.cp_attention={self.cp_attention!r}: use one of "
+                             f"{CP_ATTENTION}, or None to let the planner choose.")
+        if self.cp_layout is not None and self.cp_layout not in CP_LAYOUTS:
+            raise ValueError(f"Config.cp_layout={self.cp_layout!r}: use one of {CP_LAYOUTS}, or "
+                             f"None for the balanced one where the sequence divides.")
+        if not (self.cp_inside_tp is None or isinstance(self.cp_inside_tp, bool)):
+            raise ValueError(f"Config.cp_inside_tp={self.cp_inside_tp!r}: use True (cp the "
+                             f"innermost axis), False (tp innermost) or None to let the planner "
+                             f"choose.")
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise ValueError(f"Config.schedule={self.schedule!r}: use one of {SCHEDULES}, or None "
+                             f"to let the search choose.")
+        if self.recompute is not None and self.recompute not in _RECOMPUTE:
+            raise ValueError(f"Config.recompute={self.recompute!r}: use one of {_RECOMPUTE}, or "
+                             f"None to let the search choose.")
+        if self.zero is not None and (self.zero not in ZERO_STAGES or isinstance(self.zero, bool)):
+            raise ValueError(f"Config.zero={self.zero!r}: use a ZeRO stage of {ZERO_STAGES}, or "
+                             f"None to let the planner choose.")
+
+    def _check_experts(self) -> None:
+        """The expert-parallel fields, and their fit with dp and hybrid sharding."""
+        if isinstance(self.expert_load_skew, bool) or not (
+                isinstance(self.expert_load_skew, (int, float)) and 1.0 <= self.expert_load_skew < math.inf):
+            raise ValueError(f"Config.expert_load_skew={self.expert_load_skew!r}: give the busiest "
+                             f"rank's routed rows over the mean, a finite number >= 1.0 (1.0: "
+                             f"uniform routing).")
+        if self.ep is not None and self.ep > 1 and self.dp is not None and self.dp % self.ep:
+            raise ValueError(f"Config(dp={self.dp}, ep={self.ep}): the expert-parallel ranks are "
+                             f"data-parallel ranks, so ep must divide dp; use a divisor of "
+                             f"{self.dp}.")
+        if self.ep is not None and self.ep > 1 and self.dp_shard is not None:
+            raise ValueError(f"Config(ep={self.ep}, dp_shard={self.dp_shard}): hybrid sharding "
+                             f"and expert parallelism both split the data-parallel ranks, which "
+                             f"autopar does not combine yet; leave one of them None.")
 
     def _check_dp_shard(self) -> None:
         if self.dp_shard is None:
