@@ -119,6 +119,9 @@ def _add_degrees(p: argparse.ArgumentParser) -> None:
                    help="the cp axis's place in the mesh when cp and tp are both > 1: outside "
                         "tp (tp's ranks consecutive) or inside it (default: the faster where "
                         "they differ)")
+    p.add_argument("--ep-from", choices=("dp", "cp"), default=None,
+                   help="where the expert-parallel ranks come from: cut from dp, or the cp "
+                        "ranks (ep = cp) (default: the faster where both fit)")
     p.add_argument("--expert-load-skew", type=float, default=1.0,
                    help="MoE routing skew the cost model assumes: the busiest rank's rows over "
                         "the mean (default 1.0, uniform)")
@@ -159,6 +162,7 @@ def _plan(args: argparse.Namespace) -> Any:
                             cp_attention=args.cp_attention, cp_layout=args.cp_layout,
                             cp_inside_tp=None if args.cp_order is None
                             else args.cp_order == "inside-tp",
+                            ep_in_cp=None if args.ep_from is None else args.ep_from == "cp",
                             expert_load_skew=args.expert_load_skew,
                             microbatch_size=args.microbatch_size,
                             recompute=args.recompute, zero=args.zero, dp_shard=args.dp_shard,

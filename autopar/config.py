@@ -54,7 +54,13 @@ class Config:
             torchtitan fold it), the (token, choice) pairs sent to their experts' ranks and
             back by all-to-all; every other part of the model sees them as data-parallel
             ranks. ``None``: the planner tries the divisors of dp for models with experts
-            (``autopar.capture.moe``), 1 for others.
+            (``autopar.capture.moe``), 1 for others. With context parallelism the ep ranks may
+            be the cp ranks instead (``ep_in_cp``).
+        ep_in_cp: where the expert-parallel ranks come from when cp > 1: ``True``: they are
+            the cp ranks (ep = cp; the experts split over the cp axis, each rank's sequence
+            chunk sending its pairs to the experts' ranks there: Megatron-LM's MoE parallel
+            folding and torchtitan take ep from cp so), ``False``: cut from dp (ep divides dp),
+            ``None``: the planner prices both where both fit and takes the faster.
         expert_load_skew: the routing skew the cost model assumes for MoE experts split over
             ranks: the busiest rank's rows over the mean (1.0: uniform routing; a trained
             router is rarely that even: ``benchmarks/moe_ep.py`` measures it). It scales the
@@ -114,6 +120,7 @@ class Config:
     cp_layout: str | None = None
     cp_inside_tp: bool | None = None
     ep: int | None = None
+    ep_in_cp: bool | None = None
     expert_load_skew: float = 1.0
     memory_bytes: float | None = None
     solver_time_limit_s: float = 30.0
@@ -197,10 +204,19 @@ class Config:
             raise ValueError(f"Config.expert_load_skew={self.expert_load_skew!r}: give the busiest "
                              f"rank's routed rows over the mean, a finite number >= 1.0 (1.0: "
                              f"uniform routing).")
-        if self.ep is not None and self.ep > 1 and self.dp is not None and self.dp % self.ep:
+        if not (self.ep_in_cp is None or isinstance(self.ep_in_cp, bool)):
+            raise ValueError(f"Config.ep_in_cp={self.ep_in_cp!r}: use True (the ep ranks are the "
+                             f"cp ranks), False (cut from dp) or None to let the planner choose.")
+        if self.ep_in_cp and (self.cp == 1 or self.ep == 1 or (
+                self.ep is not None and self.cp is not None and self.ep != self.cp)):
+            raise ValueError(f"Config(cp={self.cp}, ep={self.ep}, ep_in_cp=True): the ep ranks "
+                             f"taken from cp are all of cp's (ep = cp > 1); set ep and cp equal, "
+                             f"or leave ep_in_cp None.")
+        if self.ep is not None and self.ep > 1 and self.dp is not None and self.dp % self.ep \
+                and not (self.ep_in_cp is not False and self.ep == self.cp):
             raise ValueError(f"Config(dp={self.dp}, ep={self.ep}): the expert-parallel ranks are "
                              f"data-parallel ranks, so ep must divide dp; use a divisor of "
-                             f"{self.dp}.")
+                             f"{self.dp} (or ep = cp with ep_in_cp, the ep ranks taken from cp).")
         if self.ep is not None and self.ep > 1 and self.dp_shard is not None:
             raise ValueError(f"Config(ep={self.ep}, dp_shard={self.dp_shard}): hybrid sharding "
                              f"and expert parallelism both split the data-parallel ranks, which "

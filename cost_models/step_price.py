@@ -77,20 +77,28 @@ _EXPERT_SPLITS_MAX = 512
 def _expert_parallel(lc: LayerCosts, setup: Setup, topology: Topology) -> LayerCosts:
     """``lc`` with the experts split over ``setup.ep``: each unit holds 1/ep of its experts'
     parameters and state, and its forward and backward add their all-to-alls over the ep
-    ranks (stride cp * tp), which run inside the experts op, serial with it. Their compute is
-    unchanged: under uniform routing a rank's experts receive as many rows as it sends; they
+    ranks (:func:`_ep_stride`), which run inside the experts op, serial with it. Their compute
+    is unchanged: under uniform routing a rank's experts receive as many rows as it sends; they
     read 1/ep of the experts' weights."""
     if setup.ep == 1:
         return lc
-    key = (id(lc), setup.ep, setup.cp * setup.tp, id(topology))
+    key = (id(lc), setup.ep, _ep_stride(setup), id(topology))
     hit = _EXPERT_SPLITS.get(key)
     if hit is not None and hit[0] is lc and hit[1] is topology:
         return hit[2]
-    out = _split_experts(lc, setup.ep, setup.cp * setup.tp, topology)
+    out = _split_experts(lc, setup.ep, _ep_stride(setup), topology)
     if len(_EXPERT_SPLITS) >= _EXPERT_SPLITS_MAX:
         _EXPERT_SPLITS.pop(next(iter(_EXPERT_SPLITS)))
     _EXPERT_SPLITS[key] = (lc, topology, out)
     return out
+
+
+def _ep_stride(setup: Setup) -> int:
+    """The rank stride of ``setup``'s ep axis: cut from dp, cp * tp (the axes inside it); the
+    cp ranks (``ep_in_cp``), cp's stride: tp, or 1 with ``cp_inside_tp``."""
+    if setup.ep_in_cp:
+        return 1 if setup.cp_inside_tp else setup.tp
+    return setup.cp * setup.tp
 
 
 def _split_experts(lc: LayerCosts, e: int, stride: int, topology: Topology) -> LayerCosts:
@@ -154,7 +162,8 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
     dp_s, tied_s, opt_s = _step_end(lc, setup, per_rank[held] - x,
                                     sum(sums.gathered[held::p]) - xg, topology)
     if x:  # the experts' gradients, over the ranks holding the same experts
-        dp_x, _, opt_x = _step_end(lc, experts, x, xg, topology, outer=setup.ep, tied=False)
+        dp_x, _, opt_x = _step_end(lc, experts, x, xg, topology,
+                                   outer=1 if setup.ep_in_cp else setup.ep, tied=False)
         dp_s, opt_s = dp_s + dp_x, opt_s + opt_x
     if setup.grad_sync == "microbatch" and p > 1:
         dp_s = 0.0  # reduced inside every microbatch's backward (in fw, bw above)
@@ -352,9 +361,14 @@ def _gather_per_microbatch(setup: Setup, s: _StageSums, topology: Topology
 
 def _expert_setup(setup: Setup) -> Setup:
     """The setup the experts' parameters see: replicated (and ZeRO-sharded) over the dp / ep
-    ranks that hold the same experts."""
+    ranks that hold the same experts; with the ep ranks taken from cp, over dp, and not
+    reduced over cp (split there): priced as a setup without cp whose dp ranks lie cp * tp
+    apart (a tp of cp * tp)."""
     if setup.ep == 1:
         return setup
+    if setup.ep_in_cp:
+        return dataclasses.replace(setup, cp=1, tp=setup.cp * setup.tp, ep=1, ep_in_cp=False,
+                                   cp_inside_tp=False)
     return dataclasses.replace(setup, dp=setup.dp // setup.ep, ep=1, dp_shard=0)
 
 

@@ -176,6 +176,9 @@ class Setup:
     # the mesh order of cp and tp (both > 1): cp innermost, its ranks consecutive (stride 1),
     # tp outside it (stride cp), instead of tp innermost and cp at stride tp (Megatron-LM's)
     cp_inside_tp: bool = False
+    # the ep ranks are the cp ranks (ep == cp), not cut from dp: the experts split over the cp
+    # axis (stride tp, or 1 with cp_inside_tp), their gradients reduced over dp only
+    ep_in_cp: bool = False
 
     @property
     def shard(self) -> int:
@@ -187,7 +190,7 @@ class Setup:
         sched = "" if self.pp == 1 else f" {self.schedule}" + (
             f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
         return (f"dp={self.dp} tp={self.tp} pp={self.pp}{f' cp={self.cp}' if self.cp > 1 else ''}"
-                f"{f' ep={self.ep}' if self.ep > 1 else ''} "
+                f"{f' ep={self.ep}' if self.ep > 1 else ''}{' (cp)' if self.ep_in_cp else ''} "
                 f"b={self.microbatch_size} "
                 f"m={self.microbatches}{sched} recompute={self.recompute} zero={self.zero}"
                 f"{f' dp_shard={self.dp_shard}' if self.dp_shard else ''}"

@@ -12,14 +12,35 @@ held by other ranks of the whole-token axes) and the dispatching axis's process 
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from autopar.cost_models.experts import expert_weight_params
 from autopar.strategies.rules import EXPERT_OPS, dispatch_axes, expert_owners, splits_experts
 
-__all__ = ["needs_local", "run_local"]
+_BACKWARD = torch.ops.autopar.experts_backward.default
+
+__all__ = ["needs_local", "run_local", "weight_values"]
+
+# experts_backward's outputs: the hidden states' gradient, the routing weights', then the two
+# expert weights' (autopar.capture.moe)
+_WEIGHT_GRADS = (2, 3)
+
+
+def weight_values(nodes: Sequence[Any]) -> frozenset[str]:
+    """The FX ``nodes`` (their names) that hold MoE expert weights or their gradients: the
+    experts ops' weight placeholders and ``experts_backward``'s weight-gradient items. Their
+    dim 0 counts experts: split over the cp axis (the ep ranks taken from cp), it is no
+    sequence, and a balanced cp layout must not reorder it."""
+    out = set(expert_weight_params(nodes))
+    for n in nodes:
+        if n.op == "call_function" and n.target is operator.getitem and \
+                getattr(n.args[0], "target", None) is _BACKWARD and n.args[1] in _WEIGHT_GRADS:
+            out.add(n.name)
+    return frozenset(out)
 
 
 def needs_local(target: Any, in_placements: Sequence[tuple]) -> bool:

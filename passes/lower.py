@@ -129,6 +129,8 @@ class _Interpreter:
         self.layer = ""  # the layer of the node being lowered (which a ZeRO-3 gather serves)
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.layout = layout_of_plan(plan)  # the sequence's chunk pairs over cp, if balanced
+        # (values whose dims hold no sequence though split over cp: the experts' weights)
+        self.unsequenced = expert_ops.weight_values(list(gm.graph.nodes)) if self.layout else ()
 
     def run(self, *locals_: torch.Tensor) -> list[torch.Tensor | None]:
         moved: dict[tuple, DTensor] = {}
@@ -183,7 +185,7 @@ class _Interpreter:
         key = (a.name, dst)
         if key not in moved:
             with marked(REGATHER, self.layer if a.name in self.prefetch else None):  # ZeRO's copy
-                moved[key] = reshard(env[a.name], dst, self.mesh, self.layout)
+                moved[key] = reshard(env[a.name], dst, self.mesh, self._layout(a))
         return moved[key]
 
     def _regathered(self, a: fx.Node, dst: tuple, env: dict, moved: dict) -> DTensor:
@@ -201,8 +203,12 @@ class _Interpreter:
                 value = moved[("backward", a.name)]
             else:
                 value = moved[("backward", a.name)] = self._call(a, env, moved, backward=True)
-            moved[key] = reshard(value, dst, self.mesh, self.layout)
+            moved[key] = reshard(value, dst, self.mesh, self._layout(a))
         return moved[key]
+
+    def _layout(self, a: fx.Node) -> SequenceLayout | None:
+        """The balanced layout, for the values ``a`` whose split over cp is a sequence's."""
+        return None if a.name in self.unsequenced else self.layout
 
     def _call(self, n: fx.Node, env: dict, moved: dict, backward: bool | None = None) -> Any:
         choice = self.plan.nodes[n.name]

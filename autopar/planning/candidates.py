@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from autopar.config import Config
 from autopar.errors import PlanError
 
-__all__ = ['Candidate', 'HSDP_AXES', 'cp_orders', 'ep_degrees', 'memory_techniques', 'mesh_candidates']
+__all__ = ['Candidate', 'HSDP_AXES', 'cp_orders', 'ep_degrees', 'ep_in_cp', 'memory_techniques', 'mesh_candidates']
 
 
 @dataclass(frozen=True)
@@ -74,10 +74,11 @@ def mesh_candidates(world: int, config: Config, experts: int = 0,
             inner = inner[::-1] if inside else inner
             for shape, names, dp_axes, shard_axes, ep_axes in _expert_splits(data, dp, config,
                                                                               experts):
+                cp_axis = len(shape) + [n for n, _ in inner].index("cp") if cp > 1 else None
                 out.append(Candidate((*shape, *(d for _, d in inner)),
                                      (*names, *(n for n, _ in inner)), dp_axes, shard_axes,
-                                     (len(shape) + [n for n, _ in inner].index("cp"),)
-                                     if cp > 1 else (), ep_axes))
+                                     () if cp_axis is None else (cp_axis,),
+                                     (cp_axis,) if ep_axes == "cp" else ep_axes))
     if not out:
         raise PlanError(
             f"no (dp, tp) with dp * tp = {world // cp} devices (with cp={cp}) matches "
@@ -100,27 +101,42 @@ def cp_orders(config: Config, cp: int, tp: int, gpus_per_node: int | None) -> li
 
 
 def ep_degrees(config: Config, dp: int, experts: int) -> list[int]:
-    """The expert-parallel degrees to try for ``dp`` replicas and MoE layers of ``experts``
-    experts (0: none; several layers: the gcd of their counts): ``Config.ep`` when set (if it
-    divides dp), else 1 and every divisor of dp that splits the experts evenly."""
+    """The expert-parallel degrees cut from dp to try for ``dp`` replicas and MoE layers of
+    ``experts`` experts (0: none; several layers: the gcd of their counts): ``Config.ep`` when
+    set (if it divides dp), else 1 and every divisor of dp that splits the experts evenly; only
+    1 when ``Config.ep_in_cp`` takes the ep ranks from cp (:func:`ep_in_cp`)."""
+    if config.ep_in_cp:
+        return [1]
     if config.ep is not None:
         return [config.ep] if dp % config.ep == 0 and (config.ep == 1 or experts) else []
     return [1] + [e for e in range(2, dp + 1) if dp % e == 0 and experts and experts % e == 0]
 
 
+def ep_in_cp(config: Config, cp: int, experts: int) -> bool:
+    """Whether to try the experts split over the cp axis (ep = ``cp``, the ep ranks taken from
+    cp: Megatron-LM's MoE parallel folding): ``Config.ep_in_cp`` is not ``False``,
+    ``Config.ep`` is ``None`` or ``cp``, and the ``experts`` split evenly over cp > 1."""
+    return (config.ep_in_cp is not False and cp > 1 and config.ep in (None, cp)
+            and experts > 0 and experts % cp == 0)
+
+
 def _expert_splits(data: tuple, dp: int, config: Config, experts: int) -> list[tuple]:
     """The data axes ``data`` (shape, names, dp axes, shard axes) as they are (ep = 1), or with
     dp cut into (``dp``, ``ep``) for each expert-parallel degree > 1 of :func:`ep_degrees`
-    (not beside hybrid sharding's axes)."""
+    (not beside hybrid sharding's axes), each with its ep axes; ``"cp"`` for the ep ranks taken
+    from cp (:func:`ep_in_cp`: the data axes as they are)."""
     hybrid = data[1] == HSDP_AXES
     out = []
     for ep in ep_degrees(config, dp, experts) if not hybrid else [1]:
         if ep == 1:
-            out.append((*data, ()))
+            if config.ep in (None, 1):
+                out.append((*data, ()))
         elif ep == dp:
             out.append(((ep,), ("ep",), (0,), None, (0,)))
         else:
             out.append(((dp // ep, ep), ("dp", "ep"), (0, 1), None, (1,)))
+    if not hybrid and ep_in_cp(config, config.cp or 1, experts):
+        out.append((*data, "cp"))
     return out
 
 

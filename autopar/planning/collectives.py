@@ -93,7 +93,8 @@ class _Walk:
         self.res.per_node[who] = self.res.per_node.get(who, 0.0) + t
         self.res.comms.append(Comm(start_after, None if consumer == "output" else consumer, t))
         merged = (gather_bucket_key(phase, layer, axis, gather)
-                  if gather is not None and bucket and kind == "all_gather" else None)
+                  if gather is not None and bucket and kind == "all_gather" else
+                  _CUT if gather is not None else None)
         self.merge.append((merged, who, t))
 
     def _add_steps(self, arg: fx.Node, dst: tuple[str, ...], phase: str, layer: str,
@@ -263,18 +264,27 @@ def step_collectives(traced: TracedGraph, shape: Sequence[int], names: Sequence[
     return _merge_buckets(walk.res, walk.merge, shape, mesh)
 
 
+# the merge key of a ZeRO chain's later step (it reads a gather's result): the runtime has
+# waited for that gather before issuing it, so no gather after it joins the run before it
+_CUT = ("cut",)
+
+
 def _merge_buckets(res: StepCollectives, merge: list[tuple[tuple | None, str, float]],
                    shape: Sequence[int], mesh: Mesh) -> StepCollectives:
     """ZeRO's flat gather buckets (the runtime's ``passes.gather_buckets``): consecutive
     bucketed gathers (in the channel's order; the other collectives between them do not
     count) with one bucket key become one all-gather of their bytes, listed where the first
     was, needed by the first of them (its node waits for all of them), priced as one
-    collective."""
+    collective. A chain's later step (a parameter sharded over two data axes, gathered over
+    one then the other) ends the run: it reads the run's gather, which the runtime waits for
+    first, and the runtime cuts a run at a member's first wait."""
     strides = axis_strides(shape)
     out = StepCollectives(per_node=dict(res.per_node))
     last_key, first, first_who = None, 0, ""
     for c, comm, (key, who, t) in zip(res.collectives, res.comms, merge):
         out.per_node[who] -= t
+        if key is _CUT:
+            last_key, key = None, None
         if key is not None and key == last_key:
             prev = out.collectives[first]
             axis = key[2]  # (the mesh axis: the gather's process group)

@@ -134,6 +134,8 @@ def _check_forced(plan: Plan, config: Config) -> None:
     sizes = dict(zip(plan.axis_names, plan.mesh_shape))
     held |= {k: sizes.get(k, 1) for k in ("dp", "tp", "pp", "cp", "ep")}
     held["dp"] *= held["ep"]  # (the ep axis is cut out of dp)
+    held["ep"] = plan.degrees["ep"]  # (or is the cp axis: ep_in_cp)
+    held["ep_in_cp"] = None if held["ep"] == 1 else "ep" not in sizes
     if HSDP_AXES[0] in sizes:  # (hybrid sharding cuts dp in two axes)
         held["dp"] = math.prod(sizes[a] for a in HSDP_AXES)
     if sizes.get("cp", 1) > 1 and sizes.get("tp", 1) > 1:  # (one order otherwise)
@@ -221,7 +223,7 @@ def _realize_ranked(result: SearchResult, model: nn.Module, mesh: Mesh, example_
         if len(failed) - before + len(done) >= REALIZE_TRIES or (done and not small) \
                 or len(degrees) >= COMPARED_DEGREES:
             break
-        if (st.dp, st.tp, st.pp, st.cp, st.ep, layer_key(st)[-1]) in degrees or \
+        if (st.dp, st.tp, st.pp, st.cp, st.ep, st.ep_in_cp, layer_key(st)[-1]) in degrees or \
                 max(cost.rank_memory_bytes) * excess > budget:
             continue
         t0 = time.perf_counter()
@@ -236,7 +238,7 @@ def _realize_ranked(result: SearchResult, model: nn.Module, mesh: Mesh, example_
             if progress:
                 progress(f"setup {st.describe()} cannot be placed per operator: {_first_line(e)}")
             continue
-        degrees.add((st.dp, st.tp, st.pp, st.cp, st.ep, layer_key(st)[-1]))  # (and the order)
+        degrees.add((st.dp, st.tp, st.pp, st.cp, st.ep, st.ep_in_cp, layer_key(st)[-1]))  # (and the order)
         elapsed = time.perf_counter() - t0
         if progress:
             progress(f"per-operator placements of {st.describe()} solved in {elapsed:.1f} s: "
@@ -272,7 +274,8 @@ def _realize(cost: StepCost, model: nn.Module, mesh: Mesh, example_inputs: Any, 
     budget = _budget(config, mesh)
     pinned = dataclasses.replace(config, dp=st.dp, tp=st.tp, pp=None, cp=st.cp, ep=st.ep,
                                  dp_shard=st.dp_shard or config.dp_shard,
-                                 cp_inside_tp=_order(config, st))
+                                 cp_inside_tp=_order(config, st),
+                                 ep_in_cp=st.ep_in_cp if st.ep > 1 else None)
     if st.pp == 1:
         if whole[0] is None:
             whole[0] = capture(model, example_inputs, config.mixed_precision)
@@ -307,7 +310,7 @@ def _logical_mesh(cost: StepCost) -> dict[str, tuple]:
     with ``cp_inside_tp``) where larger than 1 (a lone ``tp`` of one device when all are 1)."""
     st = cost.setup
     data = [(HSDP_AXES[0], st.dp // st.dp_shard), (HSDP_AXES[1], st.dp_shard)] if st.dp_shard \
-        else [("dp", st.dp // st.ep), ("ep", st.ep)]
+        else [("dp", st.dp)] if st.ep_in_cp else [("dp", st.dp // st.ep), ("ep", st.ep)]
     inner = (("tp", st.tp), ("cp", st.cp)) if st.cp_inside_tp else (("cp", st.cp), ("tp", st.tp))
     axes = [(n, d) for n, d in (*data, *inner) if d > 1] or [("tp", 1)]
     if st.pp > 1:

@@ -11,7 +11,7 @@ import torch
 
 from autopar.config import Config
 from autopar.cost_models.training_step import RECOMPUTE, Setup
-from autopar.planning.candidates import cp_orders, ep_degrees
+from autopar.planning.candidates import cp_orders, ep_degrees, ep_in_cp
 
 __all__ = ["CP_MAX", "CP_MIN_SEQUENCE", "TP_ACROSS_NODES_MAX", "candidate_setups", "cp_degrees",
            "sequence_length", "sequences_beside_cp", "tp_degrees", "tried_last", "zero_stages"]
@@ -79,11 +79,15 @@ def candidate_setups(num_devices: int, gpus_per_node: int, batch: int, num_block
                                 # the runtime reduces a pipeline's gradients once a step
                                 # (runtime.pipeline, every schedule), with ZeRO-1 as
                                 # reduce-scatter and a gather of the parameters
-                                eps = ep_degrees(config, dp, experts)
-                                for ep in eps if not shard else [e for e in eps if e == 1]:
+                                eps = [(e, False) for e in ep_degrees(config, dp, experts)
+                                       if e == 1 and config.ep in (None, 1) or e > 1]
+                                if ep_in_cp(config, cp, experts):
+                                    eps.append((cp, True))
+                                for ep, in_cp in eps if not shard else [e for e in eps if e == (1, False)]:
                                     yield Setup(dp, tp, pp, b, m, schedule, v, rc, zero, sp,
                                                 grad_sync=_grad_sync(zero, pp), dp_shard=shard,
-                                                cp=cp, ep=ep, cp_inside_tp=inside)
+                                                cp=cp, ep=ep, cp_inside_tp=inside,
+                                                ep_in_cp=in_cp)
 
 
 # the shortest sequence for which the search tries context parallelism when Config.cp is None.

@@ -185,7 +185,7 @@ def _pin_axes(traced: TracedGraph, space: StrategySpace, config: Config, cand: C
     for axis in range(len(cand.shape)):
         if axis in cand.cp_axes:
             _pin_attention(traced, space, axis, form=config.cp_attention)
-            _sequence_only(traced, space, axis, balanced == axis)
+            _sequence_only(traced, space, axis, balanced == axis, axis in cand.ep_axes)
         else:
             _pin_attention(traced, space, axis, sequence=False)
         _pin_experts(traced, space, axis, axis in cand.ep_axes)
@@ -366,7 +366,7 @@ def _shapes(val: Any) -> list[tuple[int, ...] | None]:
 
 
 def _sequence_only(traced: TracedGraph, space: StrategySpace, axis: int,
-                   balanced: bool = False) -> None:
+                   balanced: bool = False, experts: bool = False) -> None:
     """Context parallelism: on the cp ``axis``, keep the strategies that shard only dims as
     long as the sequence (or nothing: replicated, partial). The cp axis splits the sequence;
     splitting a hidden or head dim over it too would be tensor parallelism on the wrong axis,
@@ -376,11 +376,14 @@ def _sequence_only(traced: TracedGraph, space: StrategySpace, axis: int,
     ``autopar.sequence_layout`` arranges only the sequence). ``balanced``: the plan holds the
     sequence in chunk pairs, which a dim split on an axis before cp too (nested inside that
     axis's blocks) cannot follow: such strategies are dropped. A node left with none keeps all
-    of its own."""
+    of its own. ``experts``: the axis is the ep axis too (the ep ranks taken from cp): the MoE
+    experts ops and their weights keep their strategies (:func:`_pin_experts` splits them)."""
     seq = graph_sequence_length(traced)
     if seq is None:
         return
     params = {p.node for p in traced.params}
+    free = set(expert_weight_params(traced.gm.graph.nodes)) | {
+        n.name for n in traced.gm.graph.nodes if n.target in EXPERT_OPS} if experts else set()
 
     def ok(pl: Any, shape: tuple[int, ...] | None) -> bool:
         p = pl[axis]
@@ -398,7 +401,7 @@ def _sequence_only(traced: TracedGraph, space: StrategySpace, axis: int,
             shape[p.dim] == seq * getattr(p, "split_factor", 1) * outer
 
     for name, ns in space.nodes.items():
-        if len(ns.strategies) <= 1:
+        if len(ns.strategies) <= 1 or name in free:
             continue
         outs = _shapes(traced.node(name).meta.get("val"))
         ins = [_shapes(traced.node(v[0]).meta.get("val"))[v[1]] for v in ns.inputs]

@@ -116,9 +116,12 @@ CONTEXT_SLOW = {2: [f"llama:cp=2,{_G}", f"llama:cp=2,{_R}", f"gpt:cp=2,{_R},reco
 # capture.moe, passes.experts); the other families, forced meshes, DeepSeek-V3 and ep on 4
 # processes in test_slow.py
 MOE = ["mixtral:", "jetmoe:"]
-EXPERT_PARALLEL = {2: ["mixtral:ep=2"],
+EXPERT_PARALLEL = {2: ["mixtral:ep=2", "mixtral:cp=2,ep=2"],  # (the second: ep ranks from cp)
                    4: [f"{m}:{mesh}" for m in ("mixtral", "qwen3moe", "deepseekv3")
-                       for mesh in ("ep=4", "ep=2,tp=2", "pp=2,ep=2")]}
+                       for mesh in ("ep=4", "ep=2,tp=2", "pp=2,ep=2")]
+                   + ["mixtral:dp=2,cp=2,ep=2,ep_in_cp=1", "deepseekv3:cp=2,tp=2,ep=2",
+                      # (ZeRO-3 gathering the dense weights over two data axes, dp and ep)
+                      "mixtral:dp=4,ep=2,zero=3", "mixtral:dp=2,cp=2,ep=2,ep_in_cp=1,zero=3"]}
 # Large batch, narrow layers, solver free -> data parallelism.
 DATA_PARALLEL = {n: f"gpt:dim=64,batch={128 * n},seq=128,topo=a100-dgx" for n in (2, 4)}
 
@@ -203,13 +206,19 @@ def test_hugging_face_moe_models_equal_one_process(world):
 
 
 def check_expert_parallel(check: str, r: dict) -> None:
-    """An expert-parallel run: equal to one process on every rank, the plan's degrees and its
+    """An expert-parallel run: equal to one process on every rank, the plan's degrees (the ep
+    ranks cut from dp, or with cp in the check, the cp axis's) and its
     all-to-alls (three per MoE layer and microbatch, forward and backward each: the counts,
     the pairs out, the results back) counted at run time on every rank as its plan says,
     their bytes summed over the ranks equal to the plan's."""
     assert_matches_one_process(_ok(r), BF16_TOL if "bf16" in check else FP32_TOL, check)
-    ep = int(check.split("ep=")[1].split(",")[0])
-    assert r["degrees"]["ep"] == ep and r["degrees"]["dp"] % ep == 0, (check, r["degrees"])
+    ep = int(check.split(",ep=" if ",ep=" in check else ":ep=")[1].split(",")[0])
+    # (ep cut from dp, or the cp axis itself: no ep axis of its own)
+    names = r.get("axis_names")  # (a pipeline's record has its stages' meshes instead)
+    from_cp = names is not None and "ep" not in names and r["degrees"]["cp"] == ep
+    assert r["degrees"]["ep"] == ep and (r["degrees"]["dp"] % ep == 0 or from_cp), \
+        (check, r["degrees"], names)
+    assert from_cp == ("cp=" in check), (check, names)
     # (some rank sends: a pipeline's first stage may hold no MoE layer)
     assert r["runtime_bytes_all_ranks"].get("all_to_all", 0) > 0, (check, r)
     assert r["runtime_counts"] == r["plan_counts"], (check, r["runtime_counts"], r["plan_counts"])

@@ -2,7 +2,7 @@
 
 Usage: torchrun --nproc_per_node=N worker.py OUT.json CHECK [CHECK ...]
 A CHECK is ``kind:key=value,key=value`` (kind in mlp, gpt, gpt2, llama, t5, bart, pegasus, marian, mbart; keys: dp, tp, pp,
-schedule, virtual_stages, microbatch_size, recompute, zero, sequence_parallel (0/1), cp_inside_tp (0/1), cp_attention,
+schedule, virtual_stages, microbatch_size, recompute, zero, sequence_parallel (0/1), cp_inside_tp (0/1), ep_in_cp (0/1), cp_attention,
 mixed_precision for the Config, dim/batch/seq/layers/heads/explicit (attention)/tied for the model, topo for the topology
 preset; memory=1 also measures the peak memory of a step, curve=1 records a 20-step loss curve
 instead), ``example:NAME`` to run a training example of ``examples/`` (``examples_check.py``), or
@@ -55,7 +55,7 @@ def _parse(check: str) -> tuple[str, dict, dict, str]:
             mk["_" + k] = bool(int(v))
         elif k in _MODEL_KEYS:
             mk[k] = int(v)
-        elif k in ("sequence_parallel", "cp_inside_tp"):
+        elif k in ("sequence_parallel", "cp_inside_tp", "ep_in_cp"):
             cfg[k] = bool(int(v))
         else:
             cfg[k] = v if k in _TEXT_KEYS else int(v)
