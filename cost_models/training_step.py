@@ -181,6 +181,11 @@ class Setup:
     ep_in_cp: bool = False
 
     @property
+    def cp_innermost(self) -> bool:
+        """``cp_inside_tp`` where it is an order (cp and tp both > 1), else ``False``."""
+        return self.cp_inside_tp and self.cp > 1 and self.tp > 1
+
+    @property
     def shard(self) -> int:
         """The ranks a parameter is sharded over under ZeRO (dp, or the hybrid group)."""
         return self.dp_shard or self.dp
@@ -195,7 +200,7 @@ class Setup:
                 f"m={self.microbatches}{sched} recompute={self.recompute} zero={self.zero}"
                 f"{f' dp_shard={self.dp_shard}' if self.dp_shard else ''}"
                 f"{' sp' if self.sequence_parallel else ''}"
-                f"{' cp-inside-tp' if self.cp_inside_tp and self.cp > 1 and self.tp > 1 else ''}")
+                f"{' cp-inside-tp' if self.cp_innermost else ''}")
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from autopar.config import Config
 from autopar.errors import PlanError
 
-__all__ = ['Candidate', 'HSDP_AXES', 'cp_orders', 'ep_degrees', 'ep_in_cp', 'memory_techniques', 'mesh_candidates']
+__all__ = ['Candidate', 'HSDP_AXES', 'cp_orders', 'ep_degrees', 'ep_in_cp', 'inner_axes', 'memory_techniques', 'mesh_candidates']
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,7 @@ def mesh_candidates(world: int, config: Config, experts: int = 0,
         else:
             data = ((), (), (), None)
         for inside in cp_orders(config, cp, tp, gpus_per_node):
-            inner = [(n, d) for n, d in (("cp", cp), ("tp", tp)) if d > 1]
-            inner = inner[::-1] if inside else inner
+            inner = inner_axes(cp, tp, inside)
             for shape, names, dp_axes, shard_axes, ep_axes in _expert_splits(data, dp, config,
                                                                               experts):
                 cp_axis = len(shape) + [n for n, _ in inner].index("cp") if cp > 1 else None
@@ -85,6 +84,13 @@ def mesh_candidates(world: int, config: Config, experts: int = 0,
             f"Config(dp={config.dp}, tp={config.tp}, ep={config.ep}); choose degrees whose product is the mesh "
             f"size, or leave them None.")
     return out
+
+
+def inner_axes(cp: int, tp: int, cp_inside_tp: bool) -> list[tuple[str, int]]:
+    """The cp and tp axes larger than 1, as ``(name, size)`` outermost first: cp then tp
+    (Megatron-LM's order), or tp then cp with ``cp_inside_tp`` (the one owner of that order)."""
+    axes = [(n, d) for n, d in (("cp", cp), ("tp", tp)) if d > 1]
+    return axes[::-1] if cp_inside_tp else axes
 
 
 def cp_orders(config: Config, cp: int, tp: int, gpus_per_node: int | None) -> list[bool]:

@@ -42,7 +42,7 @@ from autopar.plan import Plan
 from autopar.solver.ilp import InfeasibleMemoryError, format_bytes
 from autopar.planning.pipeline import ModelFacts, PipelineSetup, build_pipeline_plan
 from autopar.planning.assembly import traced_flops
-from autopar.planning.candidates import HSDP_AXES, mesh_candidates
+from autopar.planning.candidates import HSDP_AXES, inner_axes, mesh_candidates
 from autopar.capture.moe import has_expert_blocks
 from autopar.planning.per_unit import make_plan
 from autopar.planning.solve import solve_candidate
@@ -311,8 +311,8 @@ def _logical_mesh(cost: StepCost) -> dict[str, tuple]:
     st = cost.setup
     data = [(HSDP_AXES[0], st.dp // st.dp_shard), (HSDP_AXES[1], st.dp_shard)] if st.dp_shard \
         else [("dp", st.dp)] if st.ep_in_cp else [("dp", st.dp // st.ep), ("ep", st.ep)]
-    inner = (("tp", st.tp), ("cp", st.cp)) if st.cp_inside_tp else (("cp", st.cp), ("tp", st.tp))
-    axes = [(n, d) for n, d in (*data, *inner) if d > 1] or [("tp", 1)]
+    axes = [(n, d) for n, d in data if d > 1] + inner_axes(st.cp, st.tp, st.cp_inside_tp) \
+        or [("tp", 1)]
     if st.pp > 1:
         axes.insert(0, ("pp", st.pp))
     return {"mesh_shape": tuple(d for _, d in axes), "axis_names": tuple(n for n, _ in axes)}

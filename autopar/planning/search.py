@@ -40,7 +40,7 @@ from autopar.capture.layers import (
 )
 from autopar.planning.pipeline import batch_size
 from autopar.planning.records import NORMS
-from autopar.planning.candidates import Candidate
+from autopar.planning.candidates import Candidate, inner_axes
 from autopar.planning.setups import (
     TP_ACROSS_NODES_MAX, candidate_setups, sequence_length, tp_degrees, tried_last,
 )
@@ -84,8 +84,7 @@ class SearchResult:
 def layer_key(setup: Setup) -> tuple[int, int, bool, int, bool]:
     """The arguments of :meth:`LayerSolver.costs` for ``setup`` (its key there): tp, microbatch
     size, sequence parallelism, cp, and the cp-inside-tp order where it is one (cp, tp > 1)."""
-    inside = setup.cp_inside_tp and setup.cp > 1 and setup.tp > 1
-    return setup.tp, setup.microbatch_size, setup.sequence_parallel, setup.cp, inside
+    return setup.tp, setup.microbatch_size, setup.sequence_parallel, setup.cp, setup.cp_innermost
 
 
 class LayerSolver:
@@ -128,9 +127,7 @@ class LayerSolver:
         if key not in self.solved:
             traced, fwd = self._trace(b)
             t0 = time.perf_counter()
-            axes = [(n, d) for n, d in (("cp", cp), ("tp", tp)) if d > 1] or [("tp", 1)]
-            if inside:
-                axes.reverse()
+            axes = inner_axes(cp, tp, inside) or [("tp", 1)]
             cand = Candidate(tuple(d for _, d in axes), tuple(n for n, _ in axes), (),
                              cp_axes=(axes.index(("cp", cp)),) if cp > 1 else ())
             if (b, tp, cp, inside) not in self.spaces:  # shared by the sp on/off solves
