@@ -210,17 +210,17 @@ class Config:
         if self.ep_in_cp and (self.cp == 1 or self.ep == 1 or (
                 self.ep is not None and self.cp is not None and self.ep != self.cp)):
             raise ValueError(f"Config(cp={self.cp}, ep={self.ep}, ep_in_cp=True): the ep ranks "
-                             f"taken from cp are all of cp's (ep = cp > 1); set ep and cp equal, "
-                             f"or leave ep_in_cp None.")
+                             f"taken from cp are all of cp's, so ep = cp > 1; set cp > 1 and ep "
+                             f"to cp (or None), or leave ep_in_cp None.")
         if self.ep is not None and self.ep > 1 and self.dp is not None and self.dp % self.ep \
                 and not (self.ep_in_cp is not False and self.ep == self.cp):
             raise ValueError(f"Config(dp={self.dp}, ep={self.ep}): the expert-parallel ranks are "
                              f"data-parallel ranks, so ep must divide dp; use a divisor of "
                              f"{self.dp} (or ep = cp with ep_in_cp, the ep ranks taken from cp).")
         if self.ep is not None and self.ep > 1 and self.dp_shard is not None:
-            raise ValueError(f"Config(ep={self.ep}, dp_shard={self.dp_shard}): hybrid sharding "
-                             f"and expert parallelism both split the data-parallel ranks, which "
-                             f"autopar does not combine yet; leave one of them None.")
+            raise ValueError(f"Config(ep={self.ep}, dp_shard={self.dp_shard}): autopar does not "
+                             f"combine hybrid sharding with expert parallelism yet (from dp or "
+                             f"from cp); leave one of them None.")
 
     def _check_dp_shard(self) -> None:
         if self.dp_shard is None:

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from autopar.config import Config
 from autopar.errors import PlanError
 
-__all__ = ['Candidate', 'HSDP_AXES', 'cp_orders', 'ep_degrees', 'ep_in_cp', 'inner_axes', 'memory_techniques', 'mesh_candidates']
+__all__ = ['Candidate', 'HSDP_AXES', 'cp_orders', 'ep_degrees', 'ep_in_cp', 'ep_options', 'inner_axes',
+           'memory_techniques', 'mesh_candidates']
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,9 @@ def mesh_candidates(world: int, config: Config, experts: int = 0,
     if not out:
         raise PlanError(
             f"no (dp, tp) with dp * tp = {world // cp} devices (with cp={cp}) matches "
-            f"Config(dp={config.dp}, tp={config.tp}, ep={config.ep}); choose degrees whose product is the mesh "
-            f"size, or leave them None.")
+            f"Config(dp={config.dp}, tp={config.tp}, ep={config.ep}, ep_in_cp={config.ep_in_cp}); "
+            f"choose degrees whose product is the mesh size (ep dividing dp, or ep = cp > 1 with "
+            f"ep_in_cp), or leave them None.")
     return out
 
 
@@ -126,23 +128,34 @@ def ep_in_cp(config: Config, cp: int, experts: int) -> bool:
             and experts > 0 and experts % cp == 0)
 
 
+def ep_options(config: Config, dp: int, cp: int, experts: int, hybrid: bool = False
+               ) -> list[tuple[int, bool]]:
+    """The expert-parallel choices to try as ``(ep, from cp)``: ep = 1 unless ``Config.ep``
+    asks for more, each degree > 1 cut from dp (:func:`ep_degrees`), and the cp ranks
+    (:func:`ep_in_cp`); beside hybrid sharding's axes (``hybrid``) ep = 1 only (the one owner
+    of these rules: the per-operator candidates and the setup search both ask it)."""
+    if hybrid:
+        return [(1, False)] if config.ep in (None, 1) else []
+    out = [(e, False) for e in ep_degrees(config, dp, experts) if e > 1 or config.ep in (None, 1)]
+    if ep_in_cp(config, cp, experts):
+        out.append((cp, True))
+    return out
+
+
 def _expert_splits(data: tuple, dp: int, config: Config, experts: int) -> list[tuple]:
-    """The data axes ``data`` (shape, names, dp axes, shard axes) as they are (ep = 1), or with
-    dp cut into (``dp``, ``ep``) for each expert-parallel degree > 1 of :func:`ep_degrees`
-    (not beside hybrid sharding's axes), each with its ep axes; ``"cp"`` for the ep ranks taken
-    from cp (:func:`ep_in_cp`: the data axes as they are)."""
-    hybrid = data[1] == HSDP_AXES
+    """The data axes ``data`` (shape, names, dp axes, shard axes) for each choice of
+    :func:`ep_options`, with their ep axes: as they are (ep = 1), with dp cut into (``dp``,
+    ``ep``), or as they are with the ep axis ``"cp"`` (the ep ranks taken from cp)."""
     out = []
-    for ep in ep_degrees(config, dp, experts) if not hybrid else [1]:
-        if ep == 1:
-            if config.ep in (None, 1):
-                out.append((*data, ()))
+    for ep, from_cp in ep_options(config, dp, config.cp or 1, experts, data[1] == HSDP_AXES):
+        if from_cp:
+            out.append((*data, "cp"))
+        elif ep == 1:
+            out.append((*data, ()))
         elif ep == dp:
             out.append(((ep,), ("ep",), (0,), None, (0,)))
         else:
             out.append(((dp // ep, ep), ("dp", "ep"), (0, 1), None, (1,)))
-    if not hybrid and ep_in_cp(config, config.cp or 1, experts):
-        out.append((*data, "cp"))
     return out
 
 

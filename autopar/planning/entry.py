@@ -96,6 +96,10 @@ def plan_model(model: nn.Module, mesh: Mesh, example_inputs: Any, config: Config
         plan = make_plan(traced, mesh, config, cost_passes, progress, model, example_inputs)
         plan = _replace(plan, solver={**plan.solver, "path": f"per-unit ILPs ({reason})"})
     _check_forced(plan, config)
+    if config.ep_in_cp is not None and plan.degrees["ep"] == 1:  # (the realized Config drops it)
+        plan = _replace(plan, warnings=(*plan.warnings, f"ep_in_cp={config.ep_in_cp!r} changes "
+                                        f"nothing without expert parallelism (ep=1): no experts "
+                                        f"are split"))
     return _replace(plan, model_fingerprint=model_fingerprint(model, example_inputs),
                     solver={**plan.solver, "planning_time_s": time.perf_counter() - t0})
 
@@ -238,7 +242,7 @@ def _realize_ranked(result: SearchResult, model: nn.Module, mesh: Mesh, example_
             if progress:
                 progress(f"setup {st.describe()} cannot be placed per operator: {_first_line(e)}")
             continue
-        degrees.add((st.dp, st.tp, st.pp, st.cp, st.ep, st.ep_in_cp, layer_key(st)[-1]))  # (and the order)
+        degrees.add((st.dp, st.tp, st.pp, st.cp, st.ep, st.ep_in_cp, layer_key(st)[-1]))  # (+ order)
         elapsed = time.perf_counter() - t0
         if progress:
             progress(f"per-operator placements of {st.describe()} solved in {elapsed:.1f} s: "
@@ -256,6 +260,7 @@ def _concrete(config: Config, cost: StepCost) -> Config:
     st = cost.setup
     return dataclasses.replace(config, recompute=st.recompute, zero=st.zero, cp=st.cp,
                                dp_shard=st.dp_shard or config.dp_shard,
+                               ep_in_cp=config.ep_in_cp if st.cp > 1 else None,
                                cp_inside_tp=_order(config, st),
                                sequence_parallel=st.sequence_parallel if st.tp > 1
                                else config.sequence_parallel)
@@ -272,8 +277,9 @@ def _realize(cost: StepCost, model: nn.Module, mesh: Mesh, example_inputs: Any, 
     st = cost.setup
     concrete = _concrete(config, cost)
     budget = _budget(config, mesh)
+    # (a dp_shard equal to dp is the setup's 0: ZeRO over all of dp, which ep may cut)
     pinned = dataclasses.replace(config, dp=st.dp, tp=st.tp, pp=None, cp=st.cp, ep=st.ep,
-                                 dp_shard=st.dp_shard or config.dp_shard,
+                                 dp_shard=st.dp_shard or (None if st.ep > 1 else config.dp_shard),
                                  cp_inside_tp=_order(config, st),
                                  ep_in_cp=st.ep_in_cp if st.ep > 1 else None)
     if st.pp == 1:

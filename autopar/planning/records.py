@@ -92,9 +92,6 @@ def applied_techniques(traced: TracedGraph, config: Config, cand: Any,
     if config.cp_inside_tp is not None and not {"cp", "tp"} <= set(cand.names):
         notes.append(f"cp_inside_tp={config.cp_inside_tp!r} changes nothing unless the mesh has "
                      f"both a cp and a tp axis (cp and tp > 1): their order is moot here")
-    if config.ep_in_cp is not None and not cand.ep_axes:
-        notes.append(f"ep_in_cp={config.ep_in_cp!r} changes nothing without expert parallelism "
-                     f"(ep=1): no experts are split")
     if config.zero and not zero:
         notes.append(f"zero={config.zero} shards nothing on this mesh (no data-parallel axis, or "
                      f"no parameter dim divides by it); the optimizer state is not sharded")

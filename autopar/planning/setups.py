@@ -11,7 +11,7 @@ import torch
 
 from autopar.config import Config
 from autopar.cost_models.training_step import RECOMPUTE, Setup
-from autopar.planning.candidates import cp_orders, ep_degrees, ep_in_cp
+from autopar.planning.candidates import cp_orders, ep_options
 
 __all__ = ["CP_MAX", "CP_MIN_SEQUENCE", "TP_ACROSS_NODES_MAX", "candidate_setups", "cp_degrees",
            "sequence_length", "sequences_beside_cp", "tp_degrees", "tried_last", "zero_stages"]
@@ -42,7 +42,7 @@ def candidate_setups(num_devices: int, gpus_per_node: int, batch: int, num_block
                      seq: int | None = None, experts: int = 0) -> Iterator[Setup]:
     """Every setup allowed by ``config``: (dp, tp, pp, cp) with tp dividing a node, cp of
     :func:`cp_degrees` for a sequence of ``seq`` tokens in the mesh orders of
-    :func:`~autopar.planning.candidates.cp_orders`, ep of :func:`ep_degrees` for MoE
+    :func:`~autopar.planning.candidates.cp_orders`, ep of :func:`~autopar.planning.candidates.ep_options` for MoE
     layers of ``experts`` experts, microbatch size
     ``b`` a power of two up to 8 dividing the per-replica batch (Megatron-LM's range, SC'21
     Fig. 7) with a pipeline, the whole per-replica batch without one (the runtime does not
@@ -79,11 +79,7 @@ def candidate_setups(num_devices: int, gpus_per_node: int, batch: int, num_block
                                 # the runtime reduces a pipeline's gradients once a step
                                 # (runtime.pipeline, every schedule), with ZeRO-1 as
                                 # reduce-scatter and a gather of the parameters
-                                eps = [(e, False) for e in ep_degrees(config, dp, experts)
-                                       if e == 1 and config.ep in (None, 1) or e > 1]
-                                if ep_in_cp(config, cp, experts):
-                                    eps.append((cp, True))
-                                for ep, in_cp in eps if not shard else [e for e in eps if e == (1, False)]:
+                                for ep, in_cp in ep_options(config, dp, cp, experts, bool(shard)):
                                     yield Setup(dp, tp, pp, b, m, schedule, v, rc, zero, sp,
                                                 grad_sync=_grad_sync(zero, pp), dp_shard=shard,
                                                 cp=cp, ep=ep, cp_inside_tp=inside,

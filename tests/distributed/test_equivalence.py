@@ -120,6 +120,7 @@ EXPERT_PARALLEL = {2: ["mixtral:ep=2", "mixtral:cp=2,ep=2"],  # (the second: ep 
                    4: [f"{m}:{mesh}" for m in ("mixtral", "qwen3moe", "deepseekv3")
                        for mesh in ("ep=4", "ep=2,tp=2", "pp=2,ep=2")]
                    + ["mixtral:dp=2,cp=2,ep=2,ep_in_cp=1", "deepseekv3:cp=2,tp=2,ep=2",
+                      "mixtral:pp=2,cp=2,ep=2",
                       # (ZeRO-3 gathering the dense weights over two data axes, dp and ep)
                       "mixtral:dp=4,ep=2,zero=3", "mixtral:dp=2,cp=2,ep=2,ep_in_cp=1,zero=3"]}
 # Large batch, narrow layers, solver free -> data parallelism.
@@ -212,13 +213,14 @@ def check_expert_parallel(check: str, r: dict) -> None:
     the pairs out, the results back) counted at run time on every rank as its plan says,
     their bytes summed over the ranks equal to the plan's."""
     assert_matches_one_process(_ok(r), BF16_TOL if "bf16" in check else FP32_TOL, check)
-    ep = int(check.split(",ep=" if ",ep=" in check else ":ep=")[1].split(",")[0])
+    asked = dict(kv.split("=") for kv in check.split(":", 1)[1].split(",") if kv)
+    ep = int(asked["ep"])
     # (ep cut from dp, or the cp axis itself: no ep axis of its own)
-    names = r.get("axis_names")  # (a pipeline's record has its stages' meshes instead)
-    from_cp = names is not None and "ep" not in names and r["degrees"]["cp"] == ep
+    names = r["axis_names"]
+    from_cp = "ep" not in names and r["degrees"]["cp"] == ep
     assert r["degrees"]["ep"] == ep and (r["degrees"]["dp"] % ep == 0 or from_cp), \
         (check, r["degrees"], names)
-    assert from_cp == ("cp=" in check), (check, names)
+    assert from_cp == ("cp" in asked and asked.get("ep_in_cp") != "0"), (check, names)
     # (some rank sends: a pipeline's first stage may hold no MoE layer)
     assert r["runtime_bytes_all_ranks"].get("all_to_all", 0) > 0, (check, r)
     assert r["runtime_counts"] == r["plan_counts"], (check, r["runtime_counts"], r["plan_counts"])

@@ -79,7 +79,7 @@ def test_more_hugging_face_moe_models_equal_one_process(results_dir):
 def test_expert_parallel_on_four_processes(results_dir):
     """Mixtral, Qwen3-MoE and DeepSeek-V3 (a dense first layer, a shared expert) with their
     experts split over ep=4, ep=2 x tp=2 and pp=2 x ep=2, and over the cp ranks (dp=2 x cp=2,
-    cp=2 x tp=2; on 2 processes cp=2, with bf16 too); Qwen3-MoE and DeepSeek-V3 over ep=2
+    cp=2 x tp=2, pp=2 x cp=2; on 2 processes cp=2, with bf16 too); Qwen3-MoE and DeepSeek-V3 over ep=2
     on 2 processes, and Mixtral's ep=2 with ZeRO-1, ZeRO-3 and bf16 autocast: each equal to one
     process, the all-to-alls counted as planned."""
     from test_equivalence import EXPERT_PARALLEL, check_expert_parallel

@@ -217,8 +217,8 @@ def _pipeline_record(pm, model, ref, inputs, ref_loss, setup_s: float) -> dict:
         "count_mismatch_ranks": int(mismatch.item()), "schedule": pipe.schedule,
         "microbatches": pipe.microbatches, "virtual_stages": pipe.virtual_stages,
         "stage_of_unit": list(pipe.stage_of_unit), "units": list(pipe.units),
-        "mesh_shape": list(plan.mesh_shape), "setup_s": setup_s,
-        "params": {k: list(v) for k, v in plan.params.items()},
+        "mesh_shape": list(plan.mesh_shape), "axis_names": list(plan.axis_names),
+        "setup_s": setup_s, "params": {k: list(v) for k, v in plan.params.items()},
         "collectives": [[c.kind, c.phase, c.bytes, c.node] for c in plan.collectives],
         "predicted_step_s": plan.predicted["step_time_s"],
         # dp collectives the plan lists for this rank's stages once a step, by kind (a bucket's

@@ -117,3 +117,25 @@ def test_a_plan_splits_the_experts_over_the_cp_axis():
     with pytest.raises(autopar.PlanError, match="ep=2"):
         autopar.plan(model, autopar.Mesh.virtual("cpu-gloo", 1, 2), inputs,
                      config=Config(cp=2, ep=2, ep_in_cp=False))
+
+
+def test_ep_in_cp_is_moot_where_the_search_finds_no_cp():
+    """``Config(ep_in_cp=True)`` with cp left to the planner, on a sequence too short for cp:
+    the plan has no cp (so ep from cp cannot hold, and ep stays 1) and says so in a note,
+    rather than failing on the realized setup's Config (cp=1 with ep_in_cp, refused alone)."""
+    model, inputs = build("mixtral")
+    plan = autopar.plan(model, autopar.Mesh.virtual("cpu-gloo", 1, 2), inputs,
+                        config=Config(ep_in_cp=True))
+    assert plan.degrees["cp"] == 1 and plan.degrees["ep"] == 1
+    assert any("ep_in_cp=True changes nothing" in w for w in plan.warnings), plan.warnings
+
+
+def test_ep_options_is_the_one_list_of_folds():
+    from autopar.planning.candidates import ep_options
+
+    assert ep_options(Config(), 4, 2, 4) == [(1, False), (2, False), (4, False), (2, True)]
+    assert ep_options(Config(ep=2), 4, 2, 4) == [(2, False), (2, True)]
+    assert ep_options(Config(ep=2, ep_in_cp=False), 4, 2, 4) == [(2, False)]
+    assert ep_options(Config(ep_in_cp=True), 4, 2, 4) == [(1, False), (2, True)]
+    assert ep_options(Config(), 4, 2, 4, hybrid=True) == [(1, False)]
+    assert ep_options(Config(), 4, 1, 0) == [(1, False)]  # (no experts, no cp)
