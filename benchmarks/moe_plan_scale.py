@@ -61,11 +61,13 @@ _CHILD = textwrap.dedent("""
         print(json.dumps(out))
         sys.exit(0)
     t0 = time.perf_counter()
-    layers = LayerSolver(model, inputs, mesh, autopar.Config(), ())
+    workers = None if sys.argv[5] == "auto" else int(sys.argv[5])
+    layers = LayerSolver(model, inputs, mesh, autopar.Config(), (), workers=workers)
     res = search(model, inputs, mesh, autopar.Config(), layers=layers)
     out["search_s"] = time.perf_counter() - t0
     out["timings"] = res.timings
     out["layer_ilps"], out["evaluated"], out["bounded"] = res.layer_solves, res.evaluated, res.bounded
+    out["over"] = res.over_memory
     out["best"] = [res.best.setup.describe(), res.best.step_time_s, gib(res.best)]
     out["per_ep"] = {c.setup.ep: [c.setup.describe(), c.step_time_s, gib(c)]
                      for c in reversed(res.ranked)}
@@ -132,11 +134,14 @@ def main() -> None:
     ap.add_argument("--plan", action="store_true", help="also run the whole autopar.plan")
     ap.add_argument("--agreement", action="store_true",
                     help="one setup's closed-form price against its per-operator plan")
+    ap.add_argument("--workers", default="auto",
+                    help="processes solving layer costs ahead of the search (LayerSolver.workers; "
+                         "default: one fewer than the CPUs; 0: none)")
     args = ap.parse_args()
     mode = "agreement" if args.agreement else "plan" if args.plan else "search"
     for name in args.rows:
         proc = subprocess.run([sys.executable, "-c", _CHILD, name, json.dumps(ROWS[name]), mode,
-                               os.path.dirname(os.path.abspath(__file__))],
+                               os.path.dirname(os.path.abspath(__file__)), args.workers],
                               capture_output=True, text=True)
         if proc.returncode:
             raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
@@ -148,9 +153,10 @@ def main() -> None:
                   f"{a['plan_s']:.2f} s, stages {', '.join(f'{g:.1f}' for g in a['plan_gib'])} GiB")
             continue
         t = out["timings"]
-        print(f"{name}: search {out['search_s']:.1f} s (traces {t['trace_s']:.1f}, "
-              f"{out['layer_ilps']} layer ILPs {t['layer_ilp_s']:.1f}, pricing {t['price_s']:.1f}; "
-              f"{out['evaluated']} setups priced, {out['bounded']} skipped by their bound)")
+        print(f"{name}: search {out['search_s']:.1f} s with {t['workers']} worker(s) (traces "
+              f"{t['trace_s']:.1f}, {out['layer_ilps']} layer ILPs {t['layer_ilp_s']:.1f}, "
+              f"pricing {t['price_s']:.1f}; {out['evaluated']} setups, {out['over']} of them set "
+              f"aside by their memory floor, {out['bounded']} skipped by their bound)")
         print(f"  best: {out['best'][0]}  {out['best'][1]:.2f} s  {out['best'][2]:.1f} GiB")
         for ep, (setup, s, gib) in sorted(out["per_ep"].items(), key=lambda kv: int(kv[0])):
             print(f"  best with ep={ep}: {setup}  {s:.2f} s  {gib:.1f} GiB")

@@ -27,7 +27,7 @@ from autopar.cost_models.training_step import (
     LayerCosts, Setup, StepCost, UnitCosts, blocks_per_stage, optimizer_step_time,
 )
 
-__all__ = ["price_setup"]
+__all__ = ["memory_floor", "price_setup"]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -173,6 +173,29 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
     return StepCost(setup, pipe + dp_s + tied_s + opt_s, parts, counts,
                     tuple(f + b for f, b in zip(fw, bw)), tuple(memory), budget_bytes,
                     tuple(stage_memory), tuple(fw))
+
+
+def memory_floor(lc: LayerCosts, setup: Setup, topology: Topology) -> float:
+    """A lower bound of :func:`price_setup`'s largest per-rank memory, without pricing: the
+    training state alone (:func:`_state_memory`, the experts' over their own ranks), averaged
+    over the pipeline ranks. It holds for any split of the blocks into stages: a rank's memory
+    is its stages' state plus buffers, peaks and gathered copies, all at least zero, and the
+    largest is at least the mean; the state of a stage is linear in its parameters' bytes, so
+    the stages' sum is the state of the whole model (a stage holding ``pre`` and ``post``
+    counts the tied weight once). Lets the search drop setups whose state alone is over the
+    budget (most of those that do not fit at scale) at a hundredth of a pricing's cost."""
+    lc = _expert_parallel(lc, setup, topology)
+    units = (lc.block, lc.pre, lc.post)
+    counts = (lc.num_blocks, 1, 1)
+    total = lambda field: sum(n * getattr(u, field) for n, u in zip(counts, units))  # noqa: E731
+    tied = setup.pp * setup.virtual_stages == 1  # (one stage holds pre and post)
+    widths = [u.gathered_bytes(lc.param_itemsize) for u in units]
+    xstate, xgathered = total("expert_state_bytes"), sum(n * w[1] for n, w in zip(counts, widths))
+    state = total("state_bytes") - tied * lc.tied_state_bytes - xstate
+    gathered = sum(n * w[0] for n, w in zip(counts, widths)) \
+        - tied * lc.tied_elements * lc.param_itemsize
+    return (_state_memory(lc, setup, state, gathered)
+            + _state_memory(lc, _expert_setup(setup), xstate, xgathered)) / setup.pp
 
 
 @dataclass(frozen=True)

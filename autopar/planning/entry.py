@@ -351,7 +351,8 @@ def _record_search(plan: Plan, cost: StepCost, result: SearchResult, failed: lis
                   "replica_microbatch_size": st.microbatch_size, "microbatches": st.microbatches}
     solver = {**plan.solver, "path": "setup search + per-operator ILPs",
               "setup": st.describe(), "setups_evaluated": result.evaluated,
-              "setups_pruned_memory": len(result.pruned), "layer_solves": result.layer_solves,
+              "setups_pruned_memory": len(result.pruned) + result.over_memory,
+              "layer_solves": result.layer_solves,
               "search_s": result.timings["total_s"], "placement_s": realize_s,
               "pruned_examples": pruned_examples(result)}
     predicted = {**plan.predicted, "search_step_time_s": float(cost.step_time_s),

@@ -28,7 +28,7 @@ import torch.nn as nn
 from autopar.capture import model_fingerprint
 from autopar.config import Config
 from autopar.cost_models.compute import graph_flops
-from autopar.cost_models.step_price import price_setup
+from autopar.cost_models.step_price import memory_floor, price_setup
 from autopar.cost_models.training_step import (
     RECOMPUTE, LayerCosts, Setup, StepCost, UnitCosts,
 )
@@ -38,6 +38,7 @@ from autopar.capture.moe import expert_count
 from autopar.capture.layers import (
     block_fingerprint, block_prefix, identical_blocks, is_op, leading_blocks,
 )
+from autopar.planning.ahead import AheadSolver, LayerKey, TraceFacts, default_workers
 from autopar.planning.pipeline import batch_size
 from autopar.planning.records import NORMS
 from autopar.planning.candidates import Candidate, inner_axes
@@ -49,7 +50,8 @@ from autopar.planning.unit_costs import layer_costs
 from autopar.cost_models.experts import ExpertsWork
 from autopar.capture.stages import capture_with_forward, first_microbatch
 
-__all__ = ["LayerSolver", "SearchResult", "layer_key", "model_flops", "only_when_needed",
+__all__ = ["AHEAD_AFTER_S", "LayerSolver", "SearchResult", "layer_key", "model_flops",
+           "only_when_needed", "start_ahead",
            "pipelines_always", "pruned_examples", "search", "search_unsupported", "two_block_copy"]
 
 # Two-block traces of the last models searched in this process, by model fingerprint (structure,
@@ -57,6 +59,9 @@ __all__ = ["LayerSolver", "SearchResult", "layer_key", "model_flops", "only_when
 # it, as a job planning several configurations of one model does) and whether under autocast
 _TRACES: dict[tuple[str, bool], tuple[Any, Any]] = {}
 _TRACE_CACHE_SIZE = 8
+# A search forks workers (LayerSolver.workers) when its first trace takes this long: forking a
+# process and sending results back costs tens of milliseconds
+AHEAD_AFTER_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,9 @@ class SearchResult:
     """The search's answer: feasible setups best first, and the pruned ones with their reason.
 
     ``ranked[0]`` is the best. ``timings``: seconds spent tracing, solving the per-layer ILPs and
-    pricing candidates; ``layer_solves``: distinct per-layer ILPs solved.
+    pricing candidates (the traces and ILPs of workers solving ahead counted too: with
+    ``timings["workers"]`` > 0 they may add up to more than ``total_s``); ``layer_solves``:
+    distinct per-layer ILPs solved.
     """
 
     ranked: tuple[StepCost, ...]
@@ -74,6 +81,9 @@ class SearchResult:
     timings: dict[str, float]
     num_devices: int
     bounded: int = 0  # setups with cp or tp > 1 skipped: their lower bound no better than the best
+    # setups not priced (not in ``pruned``): their training state alone is over the budget
+    # (step_price.memory_floor); all are priced into ``pruned`` when nothing fits
+    over_memory: int = 0
 
     @property
     def best(self) -> StepCost:
@@ -90,10 +100,14 @@ def layer_key(setup: Setup) -> tuple[int, int, bool, int, bool]:
 class LayerSolver:
     """A model's copy with two blocks, traced per microbatch size and solved per
     :func:`layer_key` (tp, b, sp, cp and the order of cp and tp);
-    pass one to several :func:`search` calls on the same model and mesh to share the work."""
+    pass one to several :func:`search` calls on the same model and mesh to share the work.
+
+    ``workers``: processes that a search forks to solve layer costs ahead of it
+    (:mod:`autopar.planning.ahead`; ``None``: one fewer than the CPUs, 0: none), started when
+    a trace takes :data:`AHEAD_AFTER_S` seconds or more."""
 
     def __init__(self, model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config,
-                 cost_passes: Sequence[Callable[..., Any]]) -> None:
+                 cost_passes: Sequence[Callable[..., Any]], workers: int | None = None) -> None:
         # the layer ILP prices one microbatch's block as it runs; recomputation and ZeRO are
         # priced in closed form on top of it (cost_models/step_price.py), not twice
         self.config = dataclasses.replace(config, recompute="none", zero=0, dp_shard=None)
@@ -111,7 +125,9 @@ class LayerSolver:
         self.traces: dict[int, tuple[Any, Any]] = {}
         self.solved: dict[tuple[int, int, bool, int, bool], LayerCosts] = {}  # layer_key
         self.spaces: dict[tuple[int, int, int, bool], Any] = {}
-        self._shards: dict[int, bool] = {}  # shards_sequence, per microbatch size
+        self._facts: dict[int, TraceFacts] = {}  # per microbatch size
+        self.workers = default_workers() if workers is None else workers
+        self.ahead: AheadSolver | None = None  # (while a search runs: start_ahead)
         self._priced: dict = {}  # (prices shared by the spaces: cost_models.sharding.price_space)
         self.seq = sequence_length(example_inputs)
         self.num_experts = expert_count(model)  # (of its MoE layers; 0 without)
@@ -124,6 +140,11 @@ class LayerSolver:
         ``cp_inside_tp``, attention's queries split on the sequence over cp)."""
         inside = cp_inside_tp and cp > 1 and tp > 1
         key = (tp, b, sp, cp, inside)
+        if key not in self.solved and self.ahead is not None:
+            done = self.ahead.take(key)
+            if done is not None:
+                self.solved[key] = done[0]
+                self.solve_s += done[1]
         if key not in self.solved:
             traced, fwd = self._trace(b)
             t0 = time.perf_counter()
@@ -151,10 +172,24 @@ class LayerSolver:
         norm op for it to split (:data:`~autopar.planning.records.NORMS`; a norm written out
         in pointwise ops, as DeepSeek-V3's RMSNorm, has none), so that a setup with it is not
         the same program as one without, priced as if its block inputs were split."""
-        if b not in self._shards:  # (asked once per setup priced: the graph walked once)
+        return self.facts(b).shards_sequence
+
+    def facts(self, b: int, flops: bool = False) -> TraceFacts:
+        """What the trace of microbatch size ``b`` tells besides its layer ILPs (asked once per
+        setup priced: the graph walked once per size); its FLOPs counted only when ``flops``
+        asks for them (or a worker counted them)."""
+        if b not in self._facts and self.ahead is not None:
+            done = self.ahead.take_facts(b)
+            if done is not None:
+                self._facts[b] = done[0]
+                self.trace_s += done[1]
+        if b not in self._facts:
             traced, _ = self._trace(b)
-            self._shards[b] = any(is_op(n, NORMS) for n in traced.gm.graph.nodes)
-        return self._shards[b]
+            self._facts[b] = TraceFacts(any(is_op(n, NORMS) for n in traced.gm.graph.nodes))
+        if flops and self._facts[b].flops is None:
+            self._facts[b] = dataclasses.replace(self._facts[b],
+                                                 flops=_trace_flops(self, self._trace(b)[0]))
+        return self._facts[b]
 
     def bound(self, setup: Setup, budget_bytes: float) -> StepCost:
         """A lower bound of ``setup``'s price, for a setup with ``cp > 1`` or ``tp > 1``, from
@@ -224,6 +259,8 @@ class LayerSolver:
 
     def _trace(self, b: int) -> tuple[Any, Any]:
         if b not in self.traces:
+            if self.ahead is not None:
+                self.ahead.claim(b)
             t0 = time.perf_counter()
             inputs = first_microbatch(self.example_inputs, self.batch // b)
             key = (model_fingerprint(self.model, inputs), self.config.mixed_precision == "bf16")
@@ -369,30 +406,90 @@ def search(model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config | N
     order = lambda s: (s.cp > 1, s.microbatch_size)  # noqa: E731
     queue = sorted((s for s in setups if s not in later), key=order)
     later.sort(key=order)
-    ranked, pruned, bounded, price_s = _price_all(rep, queue, later, config, budget, progress)
-    if not ranked and last:  # (setups.tried_last)
-        more = _price_all(rep, sorted(last, key=order), [], config, budget, progress)
-        ranked, pruned, bounded, price_s = more[0], pruned + more[1], bounded + more[2], \
-            price_s + more[3]
+    rep.ahead = start_ahead(rep, setups + last, config)
+    workers = len(rep.ahead.procs) if rep.ahead is not None else 0
+    try:
+        done = _price_all(rep, queue, later, config, budget, progress)
+        if not done.ranked and last:  # (setups.tried_last)
+            done = done.then(_price_all(rep, sorted(last, key=order), [], config, budget,
+                                        progress))
+    finally:
+        if rep.ahead is not None:
+            for b, (facts, seconds) in rep.ahead.facts_received().items():
+                if b not in rep._facts:  # (the FLOPs of the sizes traced there: model_flops)
+                    rep._facts[b] = facts
+                    rep.trace_s += seconds
+            rep.ahead.close()
+            rep.ahead = None
+    ranked, pruned = done.ranked, done.pruned
+    if not ranked:  # (priced after all, for the smallest need the error names)
+        pruned = pruned + [_price_either_split(rep, st, budget) for st in done.over]
     ranked = _ranked_or_raise(ranked, pruned, mesh, rep.batch, config, budget)
-    timings = {"trace_s": rep.trace_s, "layer_ilp_s": rep.solve_s, "price_s": price_s,
-               "total_s": time.perf_counter() - t0}
-    return SearchResult(tuple(ranked), tuple(pruned), len(ranked) + len(pruned), len(rep.solved),
-                        timings, mesh.size, bounded)
+    timings = {"trace_s": rep.trace_s, "layer_ilp_s": rep.solve_s, "price_s": done.price_s,
+               "total_s": time.perf_counter() - t0, "workers": workers}
+    over = len(done.over) if done.ranked else 0
+    return SearchResult(tuple(ranked), tuple(pruned), len(ranked) + len(pruned) + over,
+                        len(rep.solved), timings, mesh.size, done.bounded, over)
+
+
+def start_ahead(rep: LayerSolver, setups: Sequence[Setup], config: Config
+                ) -> AheadSolver | None:
+    """Workers solving ``setups``' layer costs ahead of the search (:mod:`~autopar.planning.
+    ahead`): every key of theirs without cp (with cp: the keys their bound asks for), of every
+    microbatch size but the smallest, which the search traces now, first. ``None`` (nothing
+    started) with ``rep.workers`` below 1, one microbatch size, or a trace under
+    :data:`AHEAD_AFTER_S` seconds (where forking would cost more than it saves)."""
+    keys: set[LayerKey] = set()
+    for s in setups:
+        b = s.microbatch_size
+        keys.add(layer_key(s) if s.cp == 1 else (s.tp, b, s.sequence_parallel, 1, False))
+        if s.tp > 1 or s.cp > 1:
+            keys.add((1, b, False, 1, False))
+    sizes = sorted({k[1] for k in keys})
+    if rep.workers < 1 or len(sizes) < 2:
+        return None
+    t0 = time.perf_counter()
+    rep.facts(sizes[0])
+    if time.perf_counter() - t0 < AHEAD_AFTER_S:
+        return None
+    keys = {k for k in keys if k[1] != sizes[0] and k not in rep.solved}
+    return AheadSolver(rep, sorted(keys), min(rep.workers, len(sizes) - 1),
+                       skip_unsplit=config.sequence_parallel is None)
+
+
+@dataclass(frozen=True)
+class _Priced:
+    """What :func:`_price_all` found: the setups that fit, those priced that do not, those
+    whose :func:`~autopar.cost_models.step_price.memory_floor` is over the budget (not priced),
+    how many its bound skipped, and the seconds spent pricing."""
+
+    ranked: list[StepCost]
+    pruned: list[StepCost]
+    over: list[Setup]
+    bounded: int
+    price_s: float
+
+    def then(self, more: "_Priced") -> "_Priced":
+        """This pass followed by ``more``."""
+        return _Priced(self.ranked + more.ranked, self.pruned + more.pruned,
+                       self.over + more.over, self.bounded + more.bounded,
+                       self.price_s + more.price_s)
 
 
 def _price_all(rep: LayerSolver, queue: list[Setup], later: list[Setup], config: Config,
-               budget: float, progress: Callable[[str], None] | None
-               ) -> tuple[list[StepCost], list[StepCost], int, float]:
+               budget: float, progress: Callable[[str], None] | None) -> _Priced:
     """Price the setups of ``queue`` in order, then those of ``later`` (pipelines on one node)
-    if none of ``queue`` fits: the setups that fit, those that do not, how many were skipped by
-    their bound (:meth:`LayerSolver.bound`) and the seconds spent pricing. A setup skipped by its
-    bound whose layer ILP another setup solved after all is priced at the end (cheaply), so that
-    :func:`only_when_needed` sees every twin that fits."""
+    if none of ``queue`` fits. A setup whose training state alone is over the budget
+    (:func:`~autopar.cost_models.step_price.memory_floor`) is set aside unpriced. A setup
+    skipped by its bound (:meth:`LayerSolver.bound`) whose layer ILP another setup solved
+    after all is priced at the end (cheaply), so that :func:`only_when_needed` sees every
+    twin that fits."""
     ranked: list[StepCost] = []
     pruned: list[StepCost] = []
     skipped: list[Setup] = []
+    over: list[Setup] = []
     price_s, best_s, n = 0.0, float("inf"), 0
+    topo = rep.mesh.topology
     while queue or (later and not ranked):
         if not queue:  # nothing fits without a pipeline
             queue, later = later, []
@@ -406,8 +503,12 @@ def _price_all(rep: LayerSolver, queue: list[Setup], later: list[Setup], config:
                 best_s < float("inf") and rep.bound(setup, budget).step_time_s >= best_s:
             skipped.append(setup)
             continue
-        rep.costs(*layer_key(setup))
+        lc = rep.costs(*layer_key(setup))
         t1 = time.perf_counter()
+        if memory_floor(lc, setup, topo) > budget:
+            over.append(setup)
+            price_s += time.perf_counter() - t1
+            continue
         cost = _price_either_split(rep, setup, budget)
         price_s += time.perf_counter() - t1
         (ranked if cost.fits else pruned).append(cost)
@@ -418,9 +519,8 @@ def _price_all(rep: LayerSolver, queue: list[Setup], later: list[Setup], config:
             progress(f"{n} setups priced, {len(rep.solved)} layer ILPs solved; best so far: "
                      + (f"{best.setup.describe()} {best.step_time_s:.3f} s" if best else "none fits"))
     late = [_price_either_split(rep, st, budget) for st in skipped if layer_key(st) in rep.solved]
-    ranked += [c for c in late if c.fits]
-    pruned += [c for c in late if not c.fits]
-    return ranked, pruned, len(skipped) - len(late), price_s
+    return _Priced(ranked + [c for c in late if c.fits], pruned + [c for c in late if not c.fits],
+                   over, len(skipped) - len(late), price_s)
 
 
 def _price_either_split(rep: LayerSolver, setup: Setup, budget: float) -> StepCost:
@@ -459,7 +559,11 @@ def model_flops(layers: LayerSolver, b: int) -> float:
     """The model's FLOPs for one microbatch of ``b`` samples (forward and backward, without
     recomputation), from the two-block trace: everything outside the repeated blocks (the
     leading ones included) plus the number of repeated blocks times the second one's count."""
-    traced, _ = layers._trace(b)
+    return layers.facts(b, flops=True).flops
+
+
+def _trace_flops(layers: LayerSolver, traced: Any) -> float:
+    """:func:`model_flops` of the two-block trace ``traced``."""
     kept = len(layers.lead_runs)
     of = lambda j: {n for n, layer in traced.node_layer.items()  # noqa: E731
                     if layer == f"{layers.prefix}.{j}"}

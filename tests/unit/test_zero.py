@@ -81,12 +81,16 @@ def test_search_gives_a_70b_llama_zero3_on_64_h100s_when_nothing_else_fits():
     Llama 2 70B on 64 H100s with tp = pp = 1. ZeRO-1 holds a gathered bf16 copy of all 69B
     parameters (138 GB) at the step's peak: nothing but ZeRO-3 fits 80 GB."""
     model, inputs, mesh = _llama_on_64_h100s("llama2-70b")
-    result = search(model, inputs, mesh, autopar.Config(tp=1, pp=1))
+    cfg = autopar.Config(tp=1, pp=1)
+    layers = LayerSolver(model, inputs, mesh, cfg, ())
+    result = search(model, inputs, mesh, cfg, layers=layers)
     best = result.best
     assert best.setup.zero == 3 and best.setup.dp == 64, best.setup.describe()
     assert max(best.rank_memory_bytes) <= 80e9
     assert all(c.setup.zero == 3 for c in result.ranked)
-    zero1 = [c for c in result.pruned if c.setup.zero == 1]
+    # (priced here: the search sets most of them aside by their state alone, unpriced)
+    zero1 = [layers.price(s) for s in candidate_setups(64, 8, 64, layers.num_blocks, cfg,
+                                                         seq=layers.seq) if s.zero == 1]
     assert zero1 and all(max(c.rank_memory_bytes) > 138e9 for c in zero1)
 
 
@@ -154,8 +158,10 @@ def test_hybrid_sharding_shards_within_groups_and_replicates_across_them():
             autopar.Config(**bad)
     # the search: every shard group of each ZeRO setup, or the one forced
     big, big_inputs, h100s = _llama_on_64_h100s("llama2-70b")
-    found = search(big, big_inputs, h100s, autopar.Config(tp=1, pp=1))
-    groups = {c.setup.dp_shard for c in (*found.ranked, *found.pruned) if c.setup.zero}
+    cfg = autopar.Config(tp=1, pp=1)
+    layers = LayerSolver(big, big_inputs, h100s, cfg, ())
+    groups = {s.dp_shard for s in candidate_setups(64, 8, 64, layers.num_blocks, cfg,
+                                                   seq=layers.seq) if s.zero}
     assert groups == {0, 2, 4, 8, 16, 32}
     forced = search(big, big_inputs, h100s, autopar.Config(tp=1, pp=1, dp_shard=32))
     assert {c.setup.dp_shard for c in (*forced.ranked, *forced.pruned)} == {32}

@@ -1,0 +1,212 @@
+"""Layer costs solved ahead of the search, in worker processes forked from it.
+
+The setup search (:mod:`autopar.planning.search`) traces its two-block copy once per microbatch
+size and solves one layer ILP per :func:`~autopar.planning.search.layer_key`; it asks for them in
+order, the smallest microbatch first, pricing setups in between. On a large model a trace takes
+seconds (DeepSeek-V3's: about 4.5 s in ``torch.export`` and the joint graph, on this project's
+2-core CI machine) and the search is mostly that work, one core at a time.
+
+Workers forked from the search take the largest microbatch sizes not yet claimed, trace each,
+solve every key of that size the search can ask for without context parallelism (those with cp
+stay with the search: its bound skips most of them), and send each
+:class:`~autopar.cost_models.training_step.LayerCosts` back. The search claims a size when it
+traces one itself. It reads a worker's result only when it asks for that key, so what it prices,
+skips and ranks is what it would without workers: they change when, not what.
+
+A worker that fails on a size sends its error; the search then computes that size itself (so a
+real error is raised there, with its traceback) and warns with the worker's message. Workers need
+the ``fork`` start method (the model, possibly under ``FakeTensorMode``, is shared with them, not
+pickled); none is started without it, inside a process group (a fork would share its sockets),
+once CUDA is initialized (a forked child cannot use it) or on one CPU.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+__all__ = ["AheadSolver", "LayerKey", "TraceFacts", "default_workers"]
+
+LayerKey = tuple[int, int, bool, int, bool]  # (tp, b, sp, cp, cp inside tp): search.layer_key
+
+# A worker silent this long (while alive) is given up, its sizes computed by the search: the
+# dearest single step seen, a DeepSeek-V3 layer ILP with cp, is tens of seconds
+_SILENCE_S = 600.0
+
+
+@dataclass(frozen=True)
+class TraceFacts:
+    """What the search reads from a microbatch size's trace besides its layer ILPs: whether
+    sequence parallelism splits anything (``LayerSolver.shards_sequence``) and the model's FLOPs
+    for one microbatch (``search.model_flops``; a worker counts them, the search only when
+    asked)."""
+
+    shards_sequence: bool
+    flops: float | None = None  # (None: not counted yet)
+
+
+def default_workers() -> int:
+    """Workers to start: one fewer than the CPUs this process may use (at most 7), none where
+    forking is not available or safe (no ``fork`` start method, inside a process group or a
+    daemonic process, or once CUDA is initialized)."""
+    import torch
+    import torch.distributed as dist
+
+    if "fork" not in mp.get_all_start_methods():
+        return 0
+    if dist.is_available() and dist.is_initialized() or mp.current_process().daemon:
+        return 0  # (a daemonic process may not start others)
+    if torch.cuda.is_initialized():
+        return 0  # (CUDA cannot be used again in a forked child)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(0, min(7, (cpus or 1) - 1))
+
+
+class AheadSolver:
+    """``workers`` processes forked now, solving ``keys`` of ``solver`` (a
+    :class:`~autopar.planning.search.LayerSolver`), the largest microbatch sizes first.
+
+    ``skip_unsplit``: the keys with sequence parallelism are solved only where the trace has
+    something for it to split (the search skips them otherwise; pass False when forced).
+    Close with :meth:`close` (the workers still busy are stopped)."""
+
+    def __init__(self, solver: Any, keys: Sequence[LayerKey], workers: int,
+                 skip_unsplit: bool = True) -> None:
+        self.sizes = sorted({k[1] for k in keys})
+        self.keys = {b: sorted({k for k in keys if k[1] == b}) for b in self.sizes}
+        ctx = mp.get_context("fork")
+        # per size: 0 free, -1 the search's, i > 0 worker i's
+        self._claims = ctx.Array("i", len(self.sizes))
+        self._queue = ctx.Queue()
+        self._ready: dict[LayerKey, tuple[Any, float]] = {}
+        self._facts: dict[int, tuple[TraceFacts, float]] = {}
+        self._failed: dict[int, str] = {}
+        self._done: set[int] = set()  # sizes a worker has sent all it will send of
+        self.skip_unsplit = skip_unsplit
+        self.delivered = 0  # results the search took from the workers
+        self._heard = time.monotonic()
+        self.procs = [ctx.Process(target=_work, daemon=True,
+                                   args=(solver, self, i + 1, skip_unsplit))
+                       for i in range(workers)]
+        for p in self.procs:
+            p.start()
+
+    def claim(self, b: int) -> None:
+        """The search is about to trace size ``b`` itself: no worker starts it."""
+        if b in self.sizes:
+            with self._claims.get_lock():
+                i = self.sizes.index(b)
+                if self._claims[i] == 0:
+                    self._claims[i] = -1
+
+    def take(self, key: LayerKey) -> tuple[Any, float] | None:
+        """A worker's ``(LayerCosts, seconds)`` for ``key``, waiting for it while a live worker
+        has its size and will solve it; ``None`` when the search must solve it itself."""
+        while key not in self._ready:
+            if not self._pending(key[1]) or key not in self.keys.get(key[1], ()):
+                return None
+            facts = self._facts.get(key[1])
+            if key[2] and self.skip_unsplit and facts and not facts[0].shards_sequence:
+                return None  # (not solved there: nothing for sequence parallelism to split)
+            self._receive()
+        self.delivered += 1
+        return self._ready.pop(key)
+
+    def take_facts(self, b: int) -> tuple[TraceFacts, float] | None:
+        """A worker's ``(TraceFacts, trace seconds)`` for size ``b``, as :meth:`take`."""
+        while b not in self._facts:
+            if not self._pending(b):
+                return None
+            self._receive()
+        return self._facts[b]
+
+    def facts_received(self) -> dict[int, tuple[TraceFacts, float]]:
+        """The ``(TraceFacts, trace seconds)`` received so far, by size (every size whose
+        costs the search took among them: a worker sends a size's facts first)."""
+        return dict(self._facts)
+
+    def close(self) -> None:
+        """Stop the workers (those done have exited) and release the queue."""
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+            p.join(timeout=10)
+        self._queue.close()
+        self._queue.cancel_join_thread()
+
+    def next_size(self, worker: int) -> int | None:
+        """(In worker ``worker``.) Claim the largest free size; ``None`` when none is left."""
+        with self._claims.get_lock():
+            for i in reversed(range(len(self.sizes))):
+                if self._claims[i] == 0:
+                    self._claims[i] = worker
+                    return self.sizes[i]
+        return None
+
+    def send(self, *message: Any) -> None:
+        """(In a worker.) Pass ``message`` to the search."""
+        self._queue.put(message)
+
+    def _pending(self, b: int) -> bool:
+        """Whether a live worker has size ``b`` and has not given it up."""
+        if b not in self.sizes or b in self._failed or b in self._done:
+            return False
+        owner = self._claims[self.sizes.index(b)]
+        if owner <= 0:
+            return False
+        if not self.procs[owner - 1].is_alive() and self._queue.empty():
+            self._give_up(b, f"worker {owner} exited (code {self.procs[owner - 1].exitcode})")
+            return False
+        return True
+
+    def _receive(self) -> None:
+        try:
+            message = self._queue.get(timeout=1.0)
+        except queue.Empty:
+            if time.monotonic() - self._heard > _SILENCE_S:
+                for i, b in enumerate(self.sizes):
+                    if self._claims[i] > 0 and b not in self._failed:
+                        self._give_up(b, f"no word from worker {self._claims[i]} in "
+                                         f"{_SILENCE_S:.0f} s")
+            return
+        self._heard = time.monotonic()
+        kind, what, *rest = message
+        if kind == "costs":
+            self._ready[what] = (rest[0], rest[1])
+        elif kind == "facts":
+            self._facts[what] = (rest[0], rest[1])
+        elif kind == "done":
+            self._done.add(what)
+        elif kind == "failed":
+            self._give_up(what, rest[0])
+
+    def _give_up(self, b: int, why: str) -> None:
+        self._failed[b] = why
+        warnings.warn(f"autopar: a search worker gave up microbatch size {b} ({why}); the "
+                      f"search solves it itself.", RuntimeWarning, stacklevel=4)
+
+
+def _work(solver: Any, ahead: AheadSolver, me: int, skip_unsplit: bool) -> None:
+    """A worker's loop: claim a size, trace it, solve its keys, send each result."""
+    solver.ahead = None  # (this copy computes; it waits for no one)
+    while (b := ahead.next_size(me)) is not None:
+        try:
+            t0 = time.perf_counter()
+            facts = solver.facts(b, flops=True)
+            ahead.send("facts", b, facts, time.perf_counter() - t0)
+            for key in ahead.keys[b]:
+                if key[2] and skip_unsplit and not facts.shards_sequence:
+                    continue
+                t0 = time.perf_counter()
+                costs = solver.costs(*key)
+                ahead.send("costs", key, costs, time.perf_counter() - t0)
+            ahead.send("done", b)
+        except Exception as e:  # (told to the search, which solves the size itself)
+            text = str(e).strip().splitlines()
+            ahead.send("failed", b, f"{type(e).__name__}: {text[0] if text else ''}")
+            return
