@@ -137,7 +137,8 @@ def gpt3_search_time() -> None:
     total = time.perf_counter() - t0
     flops = model_flops_megatron(1536, 2048, 96, 12288, 51200)
     print(f"\nGPT-3 175B on 1,024 A100s, batch 1,536: {res.evaluated} setups "
-          f"({len(res.pruned)} over memory), {res.layer_solves} layer ILPs, search {total:.1f} s "
+          f"({len(res.pruned) + res.over_memory} over memory), {res.layer_solves} layer ILPs, "
+          f"search {total:.1f} s "
           f"(trace {res.timings['trace_s']:.1f}, ILPs {res.timings['layer_ilp_s']:.1f}, pricing "
           f"{res.timings['price_s']:.1f}); best {res.best.setup.describe()}, "
           f"{flops / res.best.step_time_s / 1024 / 1e12:.1f} TFLOP/s per GPU")

@@ -11,13 +11,17 @@ solve every key of that size the search can ask for without context parallelism 
 stay with the search: its bound skips most of them), and send each
 :class:`~autopar.cost_models.training_step.LayerCosts` back. The search claims a size when it
 traces one itself. It reads a worker's result only when it asks for that key, so what it prices,
-skips and ranks is what it would without workers: they change when, not what.
+skips and ranks is what it would without workers: they change when, not what (as long as each
+layer ILP finishes within ``Config.solver_time_limit_s``: one stopped by the limit keeps its best
+plan so far, which the machine's load can change, with or without workers).
 
 A worker that fails on a size sends its error; the search then computes that size itself (so a
 real error is raised there, with its traceback) and warns with the worker's message. Workers need
 the ``fork`` start method (the model, possibly under ``FakeTensorMode``, is shared with them, not
-pickled); none is started without it, inside a process group (a fork would share its sockets),
-once CUDA is initialized (a forked child cannot use it) or on one CPU.
+pickled); none is started without it, on macOS (where forking a process that has started
+threads is unsafe), inside a process group (a fork would share its sockets), in a daemonic
+process, once CUDA is initialized (a forked child cannot use it) or on one CPU. A worker silent
+for longer than its sizes' ILPs may take is stopped, and its sizes are solved by the search.
 """
 
 from __future__ import annotations
@@ -25,17 +29,18 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import sys
 import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["AheadSolver", "LayerKey", "TraceFacts", "default_workers"]
+__all__ = ["AheadSolver", "LayerKey", "TraceFacts", "default_workers", "fork_is_safe"]
 
 LayerKey = tuple[int, int, bool, int, bool]  # (tp, b, sp, cp, cp inside tp): search.layer_key
 
-# A worker silent this long (while alive) is given up, its sizes computed by the search: the
-# dearest single step seen, a DeepSeek-V3 layer ILP with cp, is tens of seconds
+# A worker silent for this long plus twice its sizes' ILP time limits (while alive) is stopped,
+# its sizes solved by the search: DeepSeek-V3's trace takes about 5 s, its layer ILPs 0.1-5 s
 _SILENCE_S = 600.0
 
 
@@ -50,51 +55,63 @@ class TraceFacts:
     flops: float | None = None  # (None: not counted yet)
 
 
-def default_workers() -> int:
-    """Workers to start: one fewer than the CPUs this process may use (at most 7), none where
-    forking is not available or safe (no ``fork`` start method, inside a process group or a
-    daemonic process, or once CUDA is initialized)."""
+def fork_is_safe() -> bool:
+    """Whether this process may fork workers: the ``fork`` start method exists, not on macOS,
+    outside a process group and a daemonic process, and before CUDA is initialized."""
     import torch
     import torch.distributed as dist
 
-    if "fork" not in mp.get_all_start_methods():
-        return 0
+    if "fork" not in mp.get_all_start_methods() or sys.platform == "darwin":
+        return False
     if dist.is_available() and dist.is_initialized() or mp.current_process().daemon:
-        return 0  # (a daemonic process may not start others)
-    if torch.cuda.is_initialized():
-        return 0  # (CUDA cannot be used again in a forked child)
+        return False  # (a daemonic process may not start others)
+    return not torch.cuda.is_initialized()  # (CUDA cannot be used again in a forked child)
+
+
+def default_workers() -> int:
+    """Workers to start by default: one fewer than the CPUs this process may use, at most 7
+    (the search takes the smallest microbatch sizes itself)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(0, min(7, (cpus or 1) - 1))
 
 
 class AheadSolver:
-    """``workers`` processes forked now, solving ``keys`` of ``solver`` (a
-    :class:`~autopar.planning.search.LayerSolver`), the largest microbatch sizes first.
+    """Up to ``workers`` processes forked now (where :func:`fork_is_safe`), solving ``keys`` of
+    ``solver`` (a :class:`~autopar.planning.search.LayerSolver`), the largest microbatch sizes
+    first. ``time_limit_s``: a layer ILP's time limit (``Config.solver_time_limit_s``), which
+    sets how long a worker may stay silent.
 
     ``skip_unsplit``: the keys with sequence parallelism are solved only where the trace has
     something for it to split (the search skips them otherwise; pass False when forced).
     Close with :meth:`close` (the workers still busy are stopped)."""
 
     def __init__(self, solver: Any, keys: Sequence[LayerKey], workers: int,
-                 skip_unsplit: bool = True) -> None:
+                 skip_unsplit: bool = True, time_limit_s: float = 30.0) -> None:
         self.sizes = sorted({k[1] for k in keys})
         self.keys = {b: sorted({k for k in keys if k[1] == b}) for b in self.sizes}
-        ctx = mp.get_context("fork")
+        ctx = mp.get_context("fork") if fork_is_safe() else None
         # per size: 0 free, -1 the search's, i > 0 worker i's
-        self._claims = ctx.Array("i", len(self.sizes))
-        self._queue = ctx.Queue()
+        self._claims = (ctx or mp).Array("i", len(self.sizes))
+        self._queue = (ctx or mp).Queue()
         self._ready: dict[LayerKey, tuple[Any, float]] = {}
         self._facts: dict[int, tuple[TraceFacts, float]] = {}
         self._failed: dict[int, str] = {}
         self._done: set[int] = set()  # sizes a worker has sent all it will send of
         self.skip_unsplit = skip_unsplit
         self.delivered = 0  # results the search took from the workers
-        self._heard = time.monotonic()
-        self.procs = [ctx.Process(target=_work, daemon=True,
-                                   args=(solver, self, i + 1, skip_unsplit))
-                       for i in range(workers)]
-        for p in self.procs:
-            p.start()
+        most = max((len(k) for k in self.keys.values()), default=0)
+        self._silence_s = _SILENCE_S + 2 * time_limit_s * most
+        self.procs: list[Any] = []
+        for i in range(workers if ctx is not None else 0):
+            p = ctx.Process(target=_work, daemon=True, args=(solver, self, i + 1, skip_unsplit))
+            try:
+                p.start()
+            except OSError as e:  # (out of processes or memory: fewer workers, or none)
+                warnings.warn(f"autopar: a search worker could not start ({e}); the search "
+                              f"goes on with {i}.", RuntimeWarning, stacklevel=2)
+                break
+            self.procs.append(p)
+        self._heard = [time.monotonic()] * len(self.procs)
 
     def claim(self, b: int) -> None:
         """The search is about to trace size ``b`` itself: no worker starts it."""
@@ -149,7 +166,7 @@ class AheadSolver:
         return None
 
     def send(self, *message: Any) -> None:
-        """(In a worker.) Pass ``message`` to the search."""
+        """(In a worker.) Pass ``message`` (the worker's number first) to the search."""
         self._queue.put(message)
 
     def _pending(self, b: int) -> bool:
@@ -160,7 +177,8 @@ class AheadSolver:
         if owner <= 0:
             return False
         if not self.procs[owner - 1].is_alive() and self._queue.empty():
-            self._give_up(b, f"worker {owner} exited (code {self.procs[owner - 1].exitcode})")
+            self._give_up(owner, f"worker {owner} stopped (exit code "
+                                 f"{self.procs[owner - 1].exitcode})")
             return False
         return True
 
@@ -168,14 +186,15 @@ class AheadSolver:
         try:
             message = self._queue.get(timeout=1.0)
         except queue.Empty:
-            if time.monotonic() - self._heard > _SILENCE_S:
-                for i, b in enumerate(self.sizes):
-                    if self._claims[i] > 0 and b not in self._failed:
-                        self._give_up(b, f"no word from worker {self._claims[i]} in "
-                                         f"{_SILENCE_S:.0f} s")
+            now = time.monotonic()
+            for i, p in enumerate(self.procs):
+                if p.is_alive() and now - self._heard[i] > self._silence_s:
+                    p.terminate()
+                    self._give_up(i + 1, f"no word from worker {i + 1} in "
+                                         f"{self._silence_s:.0f} s; stopped")
             return
-        self._heard = time.monotonic()
-        kind, what, *rest = message
+        worker, kind, what, *rest = message
+        self._heard[worker - 1] = time.monotonic()
         if kind == "costs":
             self._ready[what] = (rest[0], rest[1])
         elif kind == "facts":
@@ -183,12 +202,18 @@ class AheadSolver:
         elif kind == "done":
             self._done.add(what)
         elif kind == "failed":
-            self._give_up(what, rest[0])
+            self._give_up(worker, rest[0], what)
 
-    def _give_up(self, b: int, why: str) -> None:
-        self._failed[b] = why
-        warnings.warn(f"autopar: a search worker gave up microbatch size {b} ({why}); the "
-                      f"search solves it itself.", RuntimeWarning, stacklevel=4)
+    def _give_up(self, worker: int, why: str, only: int | None = None) -> None:
+        """The sizes of ``worker`` (or size ``only``) not finished are the search's now."""
+        lost = [b for i, b in enumerate(self.sizes) if self._claims[i] == worker
+                and b not in self._done and b not in self._failed and only in (None, b)]
+        for b in lost:
+            self._failed[b] = why
+        if lost:
+            warnings.warn(f"autopar: a search worker did not solve microbatch size(s) "
+                          f"{', '.join(map(str, lost))} ({why}); the search solves them itself.",
+                          RuntimeWarning, stacklevel=2)
 
 
 def _work(solver: Any, ahead: AheadSolver, me: int, skip_unsplit: bool) -> None:
@@ -198,15 +223,15 @@ def _work(solver: Any, ahead: AheadSolver, me: int, skip_unsplit: bool) -> None:
         try:
             t0 = time.perf_counter()
             facts = solver.facts(b, flops=True)
-            ahead.send("facts", b, facts, time.perf_counter() - t0)
+            ahead.send(me, "facts", b, facts, time.perf_counter() - t0)
             for key in ahead.keys[b]:
                 if key[2] and skip_unsplit and not facts.shards_sequence:
                     continue
                 t0 = time.perf_counter()
                 costs = solver.costs(*key)
-                ahead.send("costs", key, costs, time.perf_counter() - t0)
-            ahead.send("done", b)
+                ahead.send(me, "costs", key, costs, time.perf_counter() - t0)
+            ahead.send(me, "done", b)
         except Exception as e:  # (told to the search, which solves the size itself)
             text = str(e).strip().splitlines()
-            ahead.send("failed", b, f"{type(e).__name__}: {text[0] if text else ''}")
+            ahead.send(me, "failed", b, f"{type(e).__name__}: {text[0] if text else ''}")
             return

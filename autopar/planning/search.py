@@ -38,7 +38,9 @@ from autopar.capture.moe import expert_count
 from autopar.capture.layers import (
     block_fingerprint, block_prefix, identical_blocks, is_op, leading_blocks,
 )
-from autopar.planning.ahead import AheadSolver, LayerKey, TraceFacts, default_workers
+from autopar.planning.ahead import (
+    AheadSolver, LayerKey, TraceFacts, default_workers, fork_is_safe,
+)
 from autopar.planning.pipeline import batch_size
 from autopar.planning.records import NORMS
 from autopar.planning.candidates import Candidate, inner_axes
@@ -51,8 +53,8 @@ from autopar.cost_models.experts import ExpertsWork
 from autopar.capture.stages import capture_with_forward, first_microbatch
 
 __all__ = ["AHEAD_AFTER_S", "LayerSolver", "SearchResult", "layer_key", "model_flops",
-           "only_when_needed", "start_ahead",
-           "pipelines_always", "pruned_examples", "search", "search_unsupported", "two_block_copy"]
+           "only_when_needed", "pipelines_always", "pruned_examples", "search",
+           "search_unsupported", "start_ahead", "two_block_copy"]
 
 # Two-block traces of the last models searched in this process, by model fingerprint (structure,
 # shapes and dtypes: a trace is priced, never run, so another instance of the same model reuses
@@ -82,8 +84,14 @@ class SearchResult:
     num_devices: int
     bounded: int = 0  # setups with cp or tp > 1 skipped: their lower bound no better than the best
     # setups not priced (not in ``pruned``): their training state alone is over the budget
-    # (step_price.memory_floor); all are priced into ``pruned`` when nothing fits
-    over_memory: int = 0
+    # (step_price.memory_floor); when nothing fits, the search prices them too (for the
+    # smallest need its InfeasibleMemoryError names) and returns no result
+    set_aside: tuple[Setup, ...] = ()
+
+    @property
+    def over_memory(self) -> int:
+        """How many setups were set aside by their memory floor, unpriced."""
+        return len(self.set_aside)
 
     @property
     def best(self) -> StepCost:
@@ -406,9 +414,10 @@ def search(model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config | N
     order = lambda s: (s.cp > 1, s.microbatch_size)  # noqa: E731
     queue = sorted((s for s in setups if s not in later), key=order)
     later.sort(key=order)
-    rep.ahead = start_ahead(rep, setups + last, config)
-    workers = len(rep.ahead.procs) if rep.ahead is not None else 0
+    workers = 0
     try:
+        rep.ahead = start_ahead(rep, setups + last, config)
+        workers = len(rep.ahead.procs) if rep.ahead is not None else 0
         done = _price_all(rep, queue, later, config, budget, progress)
         if not done.ranked and last:  # (setups.tried_last)
             done = done.then(_price_all(rep, sorted(last, key=order), [], config, budget,
@@ -423,30 +432,31 @@ def search(model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config | N
             rep.ahead = None
     ranked, pruned = done.ranked, done.pruned
     if not ranked:  # (priced after all, for the smallest need the error names)
-        pruned = pruned + [_price_either_split(rep, st, budget) for st in done.over]
-    ranked = _ranked_or_raise(ranked, pruned, mesh, rep.batch, config, budget)
+        pruned = pruned + tuple(_price_either_split(rep, st, budget) for st in done.over)
+    ranked = _ranked_or_raise(list(ranked), list(pruned), mesh, rep.batch, config, budget)
     timings = {"trace_s": rep.trace_s, "layer_ilp_s": rep.solve_s, "price_s": done.price_s,
                "total_s": time.perf_counter() - t0, "workers": workers}
-    over = len(done.over) if done.ranked else 0
-    return SearchResult(tuple(ranked), tuple(pruned), len(ranked) + len(pruned) + over,
-                        len(rep.solved), timings, mesh.size, done.bounded, over)
+    return SearchResult(tuple(ranked), tuple(pruned), len(ranked) + len(pruned) + len(done.over),
+                        len(rep.solved), timings, mesh.size, done.bounded, done.over)
 
 
 def start_ahead(rep: LayerSolver, setups: Sequence[Setup], config: Config
                 ) -> AheadSolver | None:
     """Workers solving ``setups``' layer costs ahead of the search (:mod:`~autopar.planning.
-    ahead`): every key of theirs without cp (with cp: the keys their bound asks for), of every
-    microbatch size but the smallest, which the search traces now, first. ``None`` (nothing
-    started) with ``rep.workers`` below 1, one microbatch size, or a trace under
-    :data:`AHEAD_AFTER_S` seconds (where forking would cost more than it saves)."""
+    ahead`): every key of theirs without cp, with the one-device keys the bound of a tp > 1
+    setup reads (with cp: the keys without it that their bound reads), of every microbatch
+    size but the smallest, which the search traces now, first. ``None`` (nothing started) with
+    ``rep.workers`` below 1, where forking is not safe (:func:`~autopar.planning.ahead.
+    fork_is_safe`), with one microbatch size, or a trace under :data:`AHEAD_AFTER_S` seconds
+    (where forking would cost more than it saves)."""
     keys: set[LayerKey] = set()
     for s in setups:
         b = s.microbatch_size
         keys.add(layer_key(s) if s.cp == 1 else (s.tp, b, s.sequence_parallel, 1, False))
-        if s.tp > 1 or s.cp > 1:
+        if s.cp == 1 and s.tp > 1:
             keys.add((1, b, False, 1, False))
     sizes = sorted({k[1] for k in keys})
-    if rep.workers < 1 or len(sizes) < 2:
+    if rep.workers < 1 or len(sizes) < 2 or not fork_is_safe():
         return None
     t0 = time.perf_counter()
     rep.facts(sizes[0])
@@ -454,7 +464,8 @@ def start_ahead(rep: LayerSolver, setups: Sequence[Setup], config: Config
         return None
     keys = {k for k in keys if k[1] != sizes[0] and k not in rep.solved}
     return AheadSolver(rep, sorted(keys), min(rep.workers, len(sizes) - 1),
-                       skip_unsplit=config.sequence_parallel is None)
+                       skip_unsplit=config.sequence_parallel is None,
+                       time_limit_s=config.solver_time_limit_s)
 
 
 @dataclass(frozen=True)
@@ -463,9 +474,9 @@ class _Priced:
     whose :func:`~autopar.cost_models.step_price.memory_floor` is over the budget (not priced),
     how many its bound skipped, and the seconds spent pricing."""
 
-    ranked: list[StepCost]
-    pruned: list[StepCost]
-    over: list[Setup]
+    ranked: tuple[StepCost, ...]
+    pruned: tuple[StepCost, ...]
+    over: tuple[Setup, ...]
     bounded: int
     price_s: float
 
@@ -518,9 +529,12 @@ def _price_all(rep: LayerSolver, queue: list[Setup], later: list[Setup], config:
             best = min(ranked, key=lambda c: c.step_time_s) if ranked else None
             progress(f"{n} setups priced, {len(rep.solved)} layer ILPs solved; best so far: "
                      + (f"{best.setup.describe()} {best.step_time_s:.3f} s" if best else "none fits"))
-    late = [_price_either_split(rep, st, budget) for st in skipped if layer_key(st) in rep.solved]
-    return _Priced(ranked + [c for c in late if c.fits], pruned + [c for c in late if not c.fits],
-                   over, len(skipped) - len(late), price_s)
+    late = [st for st in skipped if layer_key(st) in rep.solved]
+    over += [st for st in late if memory_floor(rep.costs(*layer_key(st)), st, topo) > budget]
+    priced = [_price_either_split(rep, st, budget) for st in late if st not in over]
+    return _Priced(tuple(ranked + [c for c in priced if c.fits]),
+                   tuple(pruned + [c for c in priced if not c.fits]), tuple(over),
+                   len(skipped) - len(late), price_s)
 
 
 def _price_either_split(rep: LayerSolver, setup: Setup, budget: float) -> StepCost:

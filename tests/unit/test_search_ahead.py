@@ -3,13 +3,14 @@ workers (autopar.planning.ahead) and setups set aside by their memory floor
 (step_price.memory_floor) give the same ranking as the search without them.
 
 The model is a 4-layer GPT of 512 hidden on 4 nodes of 8 H100s, batch 64 x 512: its search
-has four microbatch sizes (1 to 8 per replica), tp of 1 to 8, pipelines and ZeRO, and many setups
+has five microbatch sizes (1 to 16 per replica), tp of 1 to 8, pipelines and ZeRO, and many setups
 over memory (the budget is cut to 0.4 GiB so that the floor has work to do: 10 setups fit, 978
 are priced over it, 123 set aside by the floor).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 
@@ -20,6 +21,7 @@ import autopar.planning.search as search_mod
 from autopar.cost_models.step_price import memory_floor
 from autopar.model_presets import megatron_gpt
 from autopar.planning.search import LayerSolver, layer_key, model_flops, search
+from models import build
 
 _BUDGET = 0.4 * 2**30
 
@@ -32,24 +34,36 @@ def _problem():
 
 def _summary(result):
     rows = lambda cs: [(c.setup, c.step_time_s, c.rank_memory_bytes) for c in cs]  # noqa: E731
-    return rows(result.ranked), rows(result.pruned), result.over_memory, result.layer_solves
+    return (rows(result.ranked), rows(result.pruned), result.set_aside, result.bounded,
+            result.layer_solves)
 
 
-@pytest.fixture(scope="module")
-def alone():
-    model, inputs, mesh, cfg = _problem()
-    layers = LayerSolver(model, inputs, mesh, cfg, (), workers=0)
-    return layers, search(model, inputs, mesh, cfg, layers=layers)
+_SEARCHES: dict[float, tuple] = {}
 
 
-def test_workers_solving_ahead_change_nothing(alone, monkeypatch):
-    _, expected = alone
+def _alone(budget: float):
+    """The search without workers at ``budget`` (searched once for the module): at 0.4 GiB
+    setups are set aside by their floor and none is skipped by the bound; at 4 GiB setups are
+    skipped by the bound and priced late, and none is set aside."""
+    if budget not in _SEARCHES:
+        model, inputs, mesh, _ = _problem()
+        cfg = autopar.Config(memory_bytes=budget)
+        layers = LayerSolver(model, inputs, mesh, cfg, (), workers=0)
+        _SEARCHES[budget] = layers, search(model, inputs, mesh, cfg, layers=layers), cfg
+    return _SEARCHES[budget]
+
+
+@pytest.mark.parametrize("budget", [_BUDGET, 4 * 2**30], ids=["0.4GiB", "4GiB"])
+def test_workers_solving_ahead_change_nothing(budget, monkeypatch):
+    alone = _alone(budget)
+    _, expected, cfg = alone
     assert expected.timings["workers"] == 0
-    model, inputs, mesh, cfg = _problem()
+    assert expected.bounded > 0 or expected.over_memory > 0
+    model, inputs, mesh, _ = _problem()
     # (this model traces in well under AHEAD_AFTER_S: workers are forced for the test)
     monkeypatch.setattr(search_mod, "AHEAD_AFTER_S", 0.0)
     search_mod._TRACES.clear()  # (so that the workers trace, not read the cache they inherit)
-    layers = LayerSolver(model, inputs, mesh, cfg, (), workers=2)
+    layers = LayerSolver(model, inputs, mesh, cfg, (), workers=2)  # (two claiming sizes)
     taken = []
     close = search_mod.AheadSolver.close
     monkeypatch.setattr(search_mod.AheadSolver, "close",
@@ -90,23 +104,37 @@ def test_a_worker_that_fails_is_reported_and_its_sizes_solved_by_the_search(monk
     assert _summary(result) == _summary(expected)
 
 
-def test_the_memory_floor_is_below_every_price_and_sets_setups_aside(alone):
-    layers, result = alone
+def test_the_memory_floor_is_below_every_price_and_sets_setups_aside():
+    layers, result, _ = _alone(_BUDGET)
     assert result.over_memory > 0 and result.ranked
     topo = layers.mesh.topology
-    every = [c for c in result.ranked + result.pruned]
-    for c in every:
-        floor = memory_floor(layers.costs(*layer_key(c.setup)), c.setup, topo)
-        assert floor <= max(c.rank_memory_bytes) * (1 + 1e-12), c.setup.describe()
-    # the setups set aside, priced: none fits, and the floor is below their price too
-    priced = {c.setup for c in every}
-    over = [s for s in _candidates(layers, autopar.Config(memory_bytes=_BUDGET))
-            if s not in priced and memory_floor(layers.costs(*layer_key(s)), s, topo) > _BUDGET]
-    assert result.bounded == 0 and len(over) == result.over_memory
-    for s in over[::5]:
-        c = layers.price(s, _BUDGET)
-        assert not c.fits and max(c.rank_memory_bytes) >= memory_floor(
-            layers.costs(*layer_key(s)), s, topo)
+    floor = lambda s: memory_floor(layers.costs(*layer_key(s)), s, topo)  # noqa: E731
+    for c in result.ranked + result.pruned:
+        assert floor(c.setup) <= max(c.rank_memory_bytes) * (1 + 1e-12), c.setup.describe()
+    # the setups set aside, priced here: over the floor, over the budget, none priced there
+    assert not set(result.set_aside) & {c.setup for c in result.ranked + result.pruned}
+    for s in result.set_aside:
+        c = search_mod._price_either_split(layers, s, _BUDGET)
+        assert floor(s) > _BUDGET and not c.fits and max(c.rank_memory_bytes) >= floor(s)
+
+
+def test_the_memory_floor_is_below_the_price_of_expert_parallel_setups():
+    """Mixtral (4 experts, top-2) on 2 nodes of 8 H100s: every candidate, ep 1, 2 and 4, ZeRO
+    0, 1 and 3, pipelines balanced and even; the floor is the state alone, so some are at
+    half their price or more (not a floor of zero)."""
+    model, inputs = build("mixtral")
+    mesh = autopar.Mesh.virtual("h100-dgx", nodes=2, gpus_per_node=8)
+    cfg = autopar.Config(memory_bytes=2**20)
+    layers = LayerSolver(model, inputs, mesh, cfg, (), workers=0)
+    topo, seen, close = mesh.topology, set(), 0
+    for s in _candidates(layers, cfg)[::2]:
+        floor = memory_floor(layers.costs(*layer_key(s)), s, topo)
+        for even in (False, True) if s.pp > 1 else (False,):
+            c = layers.price(dataclasses.replace(s, even_split=even), 2**20)
+            assert floor <= max(c.rank_memory_bytes) * (1 + 1e-12), s.describe()
+            close += floor >= 0.5 * max(c.rank_memory_bytes)
+        seen.add((s.ep, s.zero))
+    assert {e for e, _ in seen} == {1, 2, 4} and {z for _, z in seen} >= {0, 1, 3} and close
 
 
 def test_nothing_fits_names_the_smallest_need_among_the_setups_set_aside():

@@ -88,9 +88,9 @@ def test_search_gives_a_70b_llama_zero3_on_64_h100s_when_nothing_else_fits():
     assert best.setup.zero == 3 and best.setup.dp == 64, best.setup.describe()
     assert max(best.rank_memory_bytes) <= 80e9
     assert all(c.setup.zero == 3 for c in result.ranked)
-    # (priced here: the search sets most of them aside by their state alone, unpriced)
-    zero1 = [layers.price(s) for s in candidate_setups(64, 8, 64, layers.num_blocks, cfg,
-                                                         seq=layers.seq) if s.zero == 1]
+    # (those the search set aside by their state alone, unpriced, priced here)
+    zero1 = [c for c in result.pruned if c.setup.zero == 1]
+    zero1 += [layers.price(s) for s in result.set_aside if s.zero == 1]
     assert zero1 and all(max(c.rank_memory_bytes) > 138e9 for c in zero1)
 
 
@@ -158,13 +158,13 @@ def test_hybrid_sharding_shards_within_groups_and_replicates_across_them():
             autopar.Config(**bad)
     # the search: every shard group of each ZeRO setup, or the one forced
     big, big_inputs, h100s = _llama_on_64_h100s("llama2-70b")
-    cfg = autopar.Config(tp=1, pp=1)
-    layers = LayerSolver(big, big_inputs, h100s, cfg, ())
-    groups = {s.dp_shard for s in candidate_setups(64, 8, 64, layers.num_blocks, cfg,
-                                                   seq=layers.seq) if s.zero}
+    found = search(big, big_inputs, h100s, autopar.Config(tp=1, pp=1))
+    groups = {s.dp_shard for s in (*(c.setup for c in (*found.ranked, *found.pruned)),
+                                   *found.set_aside) if s.zero}
     assert groups == {0, 2, 4, 8, 16, 32}
     forced = search(big, big_inputs, h100s, autopar.Config(tp=1, pp=1, dp_shard=32))
-    assert {c.setup.dp_shard for c in (*forced.ranked, *forced.pruned)} == {32}
+    assert {s.dp_shard for s in (*(c.setup for c in (*forced.ranked, *forced.pruned)),
+                                 *forced.set_aside)} == {32}
 
 
 def test_zero3_in_a_pipeline_gathers_every_microbatch_and_holds_one_stage_gathered():
