@@ -218,6 +218,11 @@ class AheadSolver:
 
 def _work(solver: Any, ahead: AheadSolver, me: int, skip_unsplit: bool) -> None:
     """A worker's loop: claim a size, trace it, solve its keys, send each result."""
+    import torch
+
+    # a kernel run here (a real model's trace runs some) must not start an OpenMP team: the
+    # parent's pool of threads is not in the fork, and libgomp would wait for it forever
+    torch.set_num_threads(1)
     solver.ahead = None  # (this copy computes; it waits for no one)
     while (b := ahead.next_size(me)) is not None:
         try:

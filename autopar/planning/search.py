@@ -52,7 +52,7 @@ from autopar.planning.unit_costs import layer_costs
 from autopar.cost_models.experts import ExpertsWork
 from autopar.capture.stages import capture_with_forward, first_microbatch
 
-__all__ = ["AHEAD_AFTER_S", "LayerSolver", "SearchResult", "layer_key", "model_flops",
+__all__ = ["AHEAD_AFTER_S", "AHEAD_MIN_PARAMS", "LayerSolver", "SearchResult", "layer_key", "model_flops",
            "only_when_needed", "pipelines_always", "pruned_examples", "search",
            "search_unsupported", "start_ahead", "two_block_copy"]
 
@@ -61,8 +61,10 @@ __all__ = ["AHEAD_AFTER_S", "LayerSolver", "SearchResult", "layer_key", "model_f
 # it, as a job planning several configurations of one model does) and whether under autocast
 _TRACES: dict[tuple[str, bool], tuple[Any, Any]] = {}
 _TRACE_CACHE_SIZE = 8
-# A search forks workers (LayerSolver.workers) when its first trace takes this long: forking a
-# process and sending results back costs tens of milliseconds
+# A search forks workers (LayerSolver.workers) for a model of this many parameters or more
+# whose first trace takes this long: forking a process and sending results back costs tens of
+# milliseconds, and a small model's first trace can take seconds of torch.export's own start-up
+AHEAD_MIN_PARAMS = 10**9
 AHEAD_AFTER_S = 1.0
 
 
@@ -112,7 +114,8 @@ class LayerSolver:
 
     ``workers``: processes that a search forks to solve layer costs ahead of it
     (:mod:`autopar.planning.ahead`; ``None``: one fewer than the CPUs, 0: none), started when
-    a trace takes :data:`AHEAD_AFTER_S` seconds or more."""
+    the model has :data:`AHEAD_MIN_PARAMS` parameters or more and a trace takes
+    :data:`AHEAD_AFTER_S` seconds or more."""
 
     def __init__(self, model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config,
                  cost_passes: Sequence[Callable[..., Any]], workers: int | None = None) -> None:
@@ -124,6 +127,7 @@ class LayerSolver:
         self.batch = batch_size(example_inputs)
         # (num_blocks: the repeated blocks after the ``lead`` leading ones that differ, traced
         # one per run of identical ones: ``lead_runs``)
+        self.params = sum(p.numel() for p in model.parameters())  # (the whole model's)
         self.model, self.prefix, self.num_blocks, self.lead_runs = two_block_copy(model)
         self.lead = sum(self.lead_runs)
         block = repr([block_fingerprint(b) for b in
@@ -447,8 +451,9 @@ def start_ahead(rep: LayerSolver, setups: Sequence[Setup], config: Config
     setup reads (with cp: the keys without it that their bound reads), of every microbatch
     size but the smallest, which the search traces now, first. ``None`` (nothing started) with
     ``rep.workers`` below 1, where forking is not safe (:func:`~autopar.planning.ahead.
-    fork_is_safe`), with one microbatch size, or a trace under :data:`AHEAD_AFTER_S` seconds
-    (where forking would cost more than it saves)."""
+    fork_is_safe`), with one microbatch size, a model under :data:`AHEAD_MIN_PARAMS`
+    parameters or a first trace under :data:`AHEAD_AFTER_S` seconds (where forking would cost
+    more than it saves)."""
     keys: set[LayerKey] = set()
     for s in setups:
         b = s.microbatch_size
@@ -456,7 +461,8 @@ def start_ahead(rep: LayerSolver, setups: Sequence[Setup], config: Config
         if s.cp == 1 and s.tp > 1:
             keys.add((1, b, False, 1, False))
     sizes = sorted({k[1] for k in keys})
-    if rep.workers < 1 or len(sizes) < 2 or not fork_is_safe():
+    if rep.workers < 1 or len(sizes) < 2 or rep.params < AHEAD_MIN_PARAMS or \
+            not fork_is_safe():
         return None
     t0 = time.perf_counter()
     rep.facts(sizes[0])
@@ -530,8 +536,9 @@ def _price_all(rep: LayerSolver, queue: list[Setup], later: list[Setup], config:
             progress(f"{n} setups priced, {len(rep.solved)} layer ILPs solved; best so far: "
                      + (f"{best.setup.describe()} {best.step_time_s:.3f} s" if best else "none fits"))
     late = [st for st in skipped if layer_key(st) in rep.solved]
-    over += [st for st in late if memory_floor(rep.costs(*layer_key(st)), st, topo) > budget]
-    priced = [_price_either_split(rep, st, budget) for st in late if st not in over]
+    aside = {st for st in late if memory_floor(rep.costs(*layer_key(st)), st, topo) > budget}
+    over += [st for st in late if st in aside]
+    priced = [_price_either_split(rep, st, budget) for st in late if st not in aside]
     return _Priced(tuple(ranked + [c for c in priced if c.fits]),
                    tuple(pruned + [c for c in priced if not c.fits]), tuple(over),
                    len(skipped) - len(late), price_s)

@@ -32,6 +32,11 @@ def _problem():
     return model, inputs, mesh, autopar.Config(memory_bytes=_BUDGET)
 
 
+def _force_workers(monkeypatch):
+    monkeypatch.setattr(search_mod, "AHEAD_AFTER_S", 0.0)
+    monkeypatch.setattr(search_mod, "AHEAD_MIN_PARAMS", 0)
+
+
 def _summary(result):
     rows = lambda cs: [(c.setup, c.step_time_s, c.rank_memory_bytes) for c in cs]  # noqa: E731
     return (rows(result.ranked), rows(result.pruned), result.set_aside, result.bounded,
@@ -60,8 +65,8 @@ def test_workers_solving_ahead_change_nothing(budget, monkeypatch):
     assert expected.timings["workers"] == 0
     assert expected.bounded > 0 or expected.over_memory > 0
     model, inputs, mesh, _ = _problem()
-    # (this model traces in well under AHEAD_AFTER_S: workers are forced for the test)
-    monkeypatch.setattr(search_mod, "AHEAD_AFTER_S", 0.0)
+    # (this model is small and traces in well under AHEAD_AFTER_S: workers forced for the test)
+    _force_workers(monkeypatch)
     search_mod._TRACES.clear()  # (so that the workers trace, not read the cache they inherit)
     layers = LayerSolver(model, inputs, mesh, cfg, (), workers=2)  # (two claiming sizes)
     taken = []
@@ -85,7 +90,7 @@ def test_a_worker_that_fails_is_reported_and_its_sizes_solved_by_the_search(monk
     cfg = autopar.Config(tp=1, memory_bytes=2**29)  # (the layer ILPs on one device: cheap)
     expected = search(model, inputs, mesh, cfg,
                       layers=LayerSolver(model, inputs, mesh, cfg, (), workers=0))
-    monkeypatch.setattr(search_mod, "AHEAD_AFTER_S", 0.0)
+    _force_workers(monkeypatch)
     search_mod._TRACES.clear()
     parent, costs = os.getpid(), LayerSolver.costs
 
@@ -157,3 +162,36 @@ def _candidates(layers, cfg):
                                         layers.batch, layers.num_blocks, cfg, seq=layers.seq,
                                         experts=layers.num_experts)
             if not (s.sequence_parallel and not layers.shards_sequence(s.microbatch_size))]
+
+
+_AFTER_THREADS = """
+import torch
+import autopar
+import autopar.planning.search as S
+from models import build
+
+x = torch.randn(2048, 1024)
+torch.nn.functional.layer_norm(x @ x.T, (2048,))  # (this process's OpenMP threads started)
+S.AHEAD_AFTER_S, S.AHEAD_MIN_PARAMS = 0.0, 0
+model, inputs = build("gpt", dim=64, layers=2, batch=16, seq=32)
+mesh = autopar.Mesh.virtual("cpu-gloo", gpus_per_node=4)
+cfg = autopar.Config(mixed_precision="bf16")
+res = S.search(model, inputs, mesh, cfg, layers=S.LayerSolver(model, inputs, mesh, cfg, (), workers=1))
+assert res.timings["workers"] == 1
+"""
+
+
+def test_a_worker_forked_after_the_parent_ran_threaded_kernels_does_not_hang():
+    """A real model's bf16 trace runs its stages on real tensors; in a child forked after the
+    parent's OpenMP threads started, a kernel starting a team of them waited forever for threads
+    the fork does not copy (a CLI test hung so). The worker runs on one thread now. In its own
+    process, so that a hang fails the test after two minutes instead of hanging the suite."""
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(here, ".."),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _AFTER_THREADS], env=env, timeout=120,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
