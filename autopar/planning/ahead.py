@@ -56,11 +56,18 @@ class TraceFacts:
 
 
 def fork_is_safe() -> bool:
-    """Whether this process may fork workers: the ``fork`` start method exists, not on macOS,
-    outside a process group and a daemonic process, and before CUDA is initialized."""
+    """Whether this process may fork workers: torch 2.13 or later, the ``fork`` start method,
+    not on macOS, outside a process group and a daemonic process, and before CUDA is
+    initialized. torch 2.11 refuses autograd in a process forked after its parent ran a
+    backward ("Unable to handle autograd's threading in combination with fork-based
+    multiprocessing"), as the search's own first trace does; 2.12 is not checked."""
     import torch
     import torch.distributed as dist
 
+    from autopar import _torch_private as private
+
+    if private.older_than("2.13"):
+        return False
     if "fork" not in mp.get_all_start_methods() or sys.platform == "darwin":
         return False
     if dist.is_available() and dist.is_initialized() or mp.current_process().daemon:

@@ -19,6 +19,7 @@ import pytest
 import autopar
 import autopar.planning.search as search_mod
 from autopar.cost_models.step_price import memory_floor
+from autopar.planning.ahead import fork_is_safe
 from autopar.model_presets import megatron_gpt
 from autopar.planning.search import LayerSolver, layer_key, model_flops, search
 from models import build
@@ -30,6 +31,11 @@ def _problem():
     model, inputs = megatron_gpt(dict(hidden=512, layers=4, heads=8), batch=64, seq=512)
     mesh = autopar.Mesh.virtual("h100-dgx", nodes=4, gpus_per_node=8)
     return model, inputs, mesh, autopar.Config(memory_bytes=_BUDGET)
+
+
+# (no worker before torch 2.13: ahead.fork_is_safe; the search without them is the one above)
+_NEEDS_WORKERS = pytest.mark.skipif(not fork_is_safe(), reason="workers are not started here "
+                                    "(torch before 2.13, no fork, or macOS): ahead.fork_is_safe")
 
 
 def _force_workers(monkeypatch):
@@ -58,6 +64,7 @@ def _alone(budget: float):
     return _SEARCHES[budget]
 
 
+@_NEEDS_WORKERS
 @pytest.mark.parametrize("budget", [_BUDGET, 4 * 2**30], ids=["0.4GiB", "4GiB"])
 def test_workers_solving_ahead_change_nothing(budget, monkeypatch):
     alone = _alone(budget)
@@ -85,6 +92,7 @@ def test_workers_solving_ahead_change_nothing(budget, monkeypatch):
     assert len(layers.traces) < len(sizes)
 
 
+@_NEEDS_WORKERS
 def test_a_worker_that_fails_is_reported_and_its_sizes_solved_by_the_search(monkeypatch):
     model, inputs, mesh, _ = _problem()
     cfg = autopar.Config(tp=1, memory_bytes=2**29)  # (the layer ILPs on one device: cheap)
@@ -181,6 +189,7 @@ assert res.timings["workers"] == 1
 """
 
 
+@_NEEDS_WORKERS
 def test_a_worker_forked_after_the_parent_ran_threaded_kernels_does_not_hang():
     """A real model's bf16 trace runs its stages on real tensors; in a child forked after the
     parent's OpenMP threads started, a kernel starting a team of them waited forever for threads
