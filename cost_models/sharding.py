@@ -22,6 +22,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 from autopar.cost_models.comm import axis_collective_time, axis_strides
+from autopar.cost_models.experts import expert_weight_params
 from autopar.cost_models.node_compute import compute_time, is_free, numel, val_list
 from autopar.cost_models.topology import Topology
 from autopar.capture.layers import aten_ops, is_op
@@ -120,7 +121,7 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
                 optimizer: str = "adam", recompute: frozenset[str] = frozenset(),
                 zero_axes: Sequence[int] = (), gathered_share: float = 1.0,
                 expert_skew: float = 1.0, memo: dict | None = None,
-                balanced_axis: int | None = None) -> SpaceCosts:
+                balanced_axis: int | None = None, ep_axes: Sequence[int] = ()) -> SpaceCosts:
     """Price every strategy and every edge of ``space`` on ``topology``.
 
     ``zero_axes``: the parameters are stored as :func:`zero_placement` over these axes and
@@ -133,6 +134,8 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
     alike; the plan's peak is the liveness walk, ``cost_models.liveness``).
 
     ``expert_skew``: the load skew of MoE experts split over ranks (``cost_models.experts``).
+    ``ep_axes``: the expert-parallel axes, data axes on which the experts' weights stay split
+    when the step computes (the copy ZeRO gathers of them is whole on the other data axes only).
     ``balanced_axis``: the cp axis whose sequence is held in chunk pairs
     (``autopar.sequence_layout``), where causal ring attention computes half a block a step.
 
@@ -157,6 +160,7 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
     recomputed: dict[str, np.ndarray] = {}
     tied = {p.node for p in traced.params if p.tied_to is not None}
     params = {p.node for p in traced.params}
+    experts = expert_weight_params(traced.gm.graph.nodes) if ep_axes else set()
     fusion = fused_edges(traced)
     for name, ns in space.nodes.items():
         n = traced.node(name)
@@ -176,11 +180,12 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
         compute[name] = cache[key]
         if again:
             recomputed[name] = recomputed_bytes(n, ns.strategies, mesh_shape)
-        mkey = ("m", id(ns.strategies), sig, name in params, name in tied, saved.get(name))
+        split = tuple(ep_axes) if name in experts else ()
+        mkey = ("m", id(ns.strategies), sig, name in params, name in tied, saved.get(name), split)
         if mkey not in cache:
             cache[mkey] = _memory(n, ns.strategies, mesh_shape, name in params, name in tied,
                                   saved.get(name, ()), optimizer, space.dp_axes,
-                                  tuple(zero_axes), gathered_share)
+                                  tuple(zero_axes), gathered_share, split)
             cache[mkey].flags.writeable = False
         memory[name] = cache[mkey]
         for k, (src, idx) in enumerate(ns.inputs):
@@ -511,7 +516,7 @@ def alias_root(a: fx.Node) -> tuple[fx.Node, int]:
 def _memory(n: fx.Node, strategies: Sequence[Strategy], mesh_shape: tuple[int, ...],
             is_param: bool, is_tied: bool, saved_outputs: Sequence[int], optimizer: str,
             dp_axes: Sequence[int] = (), zero_axes: Sequence[int] = (),
-            gathered_share: float = 1.0) -> np.ndarray:
+            gathered_share: float = 1.0, split_axes: Sequence[int] = ()) -> np.ndarray:
     out = np.zeros(len(strategies))
     vals = val_list(n.meta.get("val"))
     for j, s in enumerate(strategies):
@@ -524,7 +529,9 @@ def _memory(n: fx.Node, strategies: Sequence[Strategy], mesh_shape: tuple[int, .
                           if zero_axes else s.outputs[0])
                 out[j] = numel(local_shape(v.shape, stored, mesh_shape)) * state_bytes_per_element(
                     optimizer, v.element_size())
-                gathered = tuple(Replicate() if a in dp_axes else p for a, p in enumerate(s.outputs[0]))
+                # (whole on the data axes, but the experts' split over ep, ``split_axes``)
+                gathered = tuple(Replicate() if a in dp_axes and a not in split_axes else p
+                                 for a, p in enumerate(s.outputs[0]))
                 if gathered != tuple(stored):  # ZeRO: the step computes with a gathered copy
                     out[j] += (numel(local_shape(v.shape, gathered, mesh_shape)) * v.element_size()
                                * gathered_share)

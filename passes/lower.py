@@ -40,6 +40,7 @@ from autopar.plan import Plan
 from autopar.sequence_layout import SequenceLayout, layout_of_plan
 from autopar.strategies import fused
 from autopar.strategies.nested_views import VIEW_OPS
+from autopar.strategies.rules import NEW_FACTORIES
 from autopar.strategies.reshard import local_shape, reshard_steps
 
 __all__ = ["lower_to_local", "placements_of", "reshard"]
@@ -246,7 +247,7 @@ class _Interpreter:
             return _local_view(n, args[0], placements_of(choice.outputs[0]), self.mesh, self.layout)
         if n.target is torch.ops.aten.expand.default and _strided(choice.outputs[0]):
             return _local_expand(n, args[0], placements_of(choice.outputs[0]), self.mesh)
-        if n.target in _NEW_FACTORIES:
+        if n.target in NEW_FACTORIES:  # (new_empty_strided: DTensor's, its strides global)
             return _local_factory(n, args, kwargs, placements_of(choice.outputs[0]), self.mesh)
         if _all_replicated(choice) and not _seeded(n.target):
             # nothing to move and nothing sharded: the op on the full tensors, without DTensor's
@@ -380,12 +381,6 @@ def _local_view(n: fx.Node, x: DTensor, out_placements: tuple, mesh: Any,
     local = torch.ops.aten.reshape.default(x.to_local(), list(shape))
     return DTensor.from_local(local, mesh, out_placements, run_check=False,
                               shape=out.shape, stride=out.stride())
-
-
-# ``Tensor.new_*``: a new tensor whose values do not depend on the input's (only its dtype and
-# device); ``new_empty_strided`` is left to DTensor (its strides are global)
-_NEW_FACTORIES = (torch.ops.aten.new_zeros.default, torch.ops.aten.new_ones.default,
-                  torch.ops.aten.new_full.default, torch.ops.aten.new_empty.default)
 
 
 def _local_factory(n: fx.Node, args: Any, kwargs: dict, out_placements: tuple, mesh: Any) -> DTensor:

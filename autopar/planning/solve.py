@@ -35,7 +35,7 @@ from autopar.capture.remat import recompute_nodes
 from autopar.strategies.rules import (
     EXPERT_OPS, SEQ_DIM, SEQUENCE_ATTENTION_QUERY, dispatches_experts, splits_experts,
 )
-from autopar.strategies.space import Strategy, StrategySpace, build_space
+from autopar.strategies.space import Strategy, StrategySpace, build_space, share_equal_strategies
 
 __all__ = ['gradient_axes', 'regathered_share', 'replace_plan', 'solve_candidate', 'solve_space',
            'unpinned_space']
@@ -104,12 +104,14 @@ def priced_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidat
         _pin_norms(traced, space, cand.names.index("tp"), sequence_parallel)
     balanced = balanced_axis(traced, config, cand)
     _pin_axes(traced, space, config, cand, balanced)
-    _pin_data_axes(traced, mesh, config, cand, space)
+    _pin_data_axes(traced, mesh, config, cand, space, gradient_share)
+    space = share_equal_strategies(space, base_space)  # (identical layers priced once)
     recompute = recompute_nodes(traced, config.recompute or "none")
     share = regathered_share(traced) if config.zero == 3 and not zero_once else 1.0
     costs = run_cost_passes(price_space(traced, space, mesh.topology, config.optimizer, recompute,
                                         zero_axes, share, config.expert_load_skew,
-                                        memo=price_memo, balanced_axis=balanced),
+                                        memo=price_memo, balanced_axis=balanced,
+                                        ep_axes=cand.ep_axes),
                             space, mesh.topology, cost_passes)
     if activation_scale != 1:
         # parameters are held once; a gradient coming in from the next stage (a tangent) is
@@ -130,11 +132,16 @@ PIN_DATA_FROM_AXES = 3
 
 
 def _pin_data_axes(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate,
-                   space: StrategySpace) -> None:
+                   space: StrategySpace, gradient_share: float = 1.0) -> None:
     """On a mesh of :data:`PIN_DATA_FROM_AXES` axes or more, keep of each node's strategies
     those that place it on every data-parallel axis (not an expert-parallel one) as the
     intra-operator ILP of that axis alone places it (typically the batch split, parameters
     replicated and their gradients partial sums: the data parallelism the setup search prices).
+    The one-axis ILP prices the gradients' moves as the whole problem does (``gradient_share``:
+    a pipeline stage reduces them once a step): priced every run, it split the MoE experts over
+    the axis in the backward of DeepSeek-V3's (dp, ep, tp) stage mesh, to all-gather their
+    gradients instead of all-reducing them, and the stage then all-gathered each layer's whole
+    expert weights over ep for every microbatch.
     A node with no strategy that agrees keeps all of its own (a parameter stored by ZeRO's
     placement among them). Applied last of the pins, so that no later pin can empty a node. The
     one-axis ILP prices the axis as a mesh of its own (intra-node links, the whole graph's
@@ -152,7 +159,8 @@ def _pin_data_axes(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candid
         if size not in solved:
             alone = Candidate((size,), ("dp",), (0,))
             plain = dataclasses.replace(config, zero=0, recompute="none", sequence_parallel=None)
-            one, costs = priced_space(traced, mesh, plain, alone, ())
+            one, costs = priced_space(traced, mesh, plain, alone, (),
+                                      gradient_share=gradient_share)
             try:
                 solved[size] = (one, solve_intra_op(traced, one, costs, None,
                                                     config.solver_time_limit_s).choice)

@@ -32,7 +32,7 @@ from autopar._torch_private import (
 
 __all__ = ["ATTENTION_CAUSAL_ARG", "ATTENTION_FORWARD", "CPU_ATTENTION", "CPU_ATTENTION_BACKWARD",
            "CUDNN_ATTENTION", "CUDNN_ATTENTION_BACKWARD", "EFFICIENT_ATTENTION",
-           "EFFICIENT_ATTENTION_BACKWARD", "EXPERT_OPS", "FLASH_ATTENTION",
+           "EFFICIENT_ATTENTION_BACKWARD", "EXPERT_OPS", "FLASH_ATTENTION", "NEW_FACTORIES",
            "FLASH_ATTENTION_BACKWARD",
            "OpRule", "SEQUENCE_ATTENTION_QUERY", "SEQ_DIM",
            "attention_is_causal", "dispatch_axes", "dispatches_experts",
@@ -297,6 +297,29 @@ def _copy_rule(args_meta: tuple[Any, ...], kwargs_meta: dict[str, Any]) -> list[
         whole = d >= off and src[d - off] == dst[d]
         rules.append([Shard(d), Shard(d), Shard(d - off) if whole else Replicate()])
     return rules
+
+
+# ``Tensor.new_*`` (a new tensor of a given size; the input gives only its dtype and device):
+# DTensor's rule replicates the output unless the input has the output's whole shape, so
+# DeepSeek-V3's attention, which writes its rotary and plain parts into a key and a query made by
+# ``new_empty`` with a longer head dim, ran replicated on every axis. Per mesh axis: the output
+# whole, its input as it comes (not read), or the output split on a dim of the input's size,
+# the input split there too (passes.lower makes the local block, ``_local_factory``).
+NEW_FACTORIES = (torch.ops.aten.new_zeros.default, torch.ops.aten.new_ones.default,
+                  torch.ops.aten.new_full.default, torch.ops.aten.new_empty.default)
+
+
+def _new_factory_rule(args_meta: tuple[Any, ...], kwargs_meta: dict[str, Any]) -> list[list[Any]]:
+    x, size = args_meta[0].shape, list(args_meta[1])
+    rules = [[Replicate(), p] for p in (Replicate(), Partial(), *(Shard(d) for d in range(len(x))))]
+    if len(x) == len(size):
+        rules += [[Shard(d), Shard(d)] for d in range(len(x)) if x[d] == size[d]]
+    return rules
+
+
+for _op in NEW_FACTORIES:
+    register_op_rule(_op, 1, 1, ("dtype",))(_new_factory_rule)
+del _op
 
 
 # The experts of an MoE layer (``autopar.capture.moe``): inputs hidden [tokens, hidden], the

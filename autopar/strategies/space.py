@@ -10,7 +10,7 @@ data-parallel axis to ``Replicate`` for parameters and batch ``Shard(0)`` for in
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
@@ -34,7 +34,8 @@ from autopar.strategies import fused
 from autopar.strategies.nested_views import VIEW_OPS, nested_view_strategies
 from autopar.strategies import rules as _rules  # noqa: F401  (registers autopar's own rules)
 
-__all__ = ["boundary_placements", "build_space", "clear_enumerations", "NodeSpace", "Placements", "representatives", "Strategy",
+__all__ = ["boundary_placements", "build_space", "clear_enumerations",
+           "share_equal_strategies", "NodeSpace", "Placements", "representatives", "Strategy",
            "StrategySpace", "tensor_inputs", "Value"]
 
 Placements = tuple[Placement, ...]
@@ -527,6 +528,25 @@ def _build(traced: TracedGraph, mesh: Any, axis_names: Sequence[str], dp_axes: S
                 built[key] = n.name
     return StrategySpace(tuple(mesh.shape), tuple(axis_names), b.nodes, b.alias,
                          tuple(dp_axes), tuple(b.warnings), tuple(cp_axes))
+
+
+def share_equal_strategies(space: StrategySpace, base: StrategySpace) -> StrategySpace:
+    """``space`` (``base`` pinned) with one tuple object for the strategies of the nodes that
+    had one in ``base`` (the same op, arguments, shapes and input candidates: the enumeration's
+    key) and still list the same strategies. Pinning gives each node a tuple of its own, and
+    prices are shared between nodes by that object with their output shapes
+    (``cost_models.sharding.price_space``): without this each of a stage's identical layers is
+    priced again. Equal lists alone are not enough: two matmuls with the same output and
+    strategies but other inputs differ in time. The nodes keep their strategies in order."""
+    seen: dict[tuple, tuple[Strategy, ...]] = {}
+    nodes = {}
+    for name, ns in space.nodes.items():
+        if ns.strategies is base.nodes[name].strategies:
+            nodes[name] = ns  # (not pinned: shared as enumerated)
+            continue
+        same = seen.setdefault((id(base.nodes[name].strategies), ns.strategies), ns.strategies)
+        nodes[name] = ns if same is ns.strategies else replace(ns, strategies=same)
+    return replace(space, nodes=nodes)
 
 
 def representatives(traced: TracedGraph) -> dict[str, str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -321,6 +322,24 @@ def test_functional_copy_splits_as_a_pointwise_op():
         assert (both, both, both) in options
 
 
+def test_new_empty_splits_on_the_dims_it_shares_with_its_input():
+    # DTensor's rule for Tensor.new_* replicates the output unless it has the input's whole
+    # shape: DeepSeek-V3's key, made by new_empty with a longer head dim than its input, was
+    # whole on every axis, and with it the writes into it and the projection before them (on
+    # its (dp, ep, tp) stage mesh every rank computed the whole microbatch's kv_b_proj)
+    traced = capture(_WritesIntoABuffer(), (torch.randn(4, 4, 8),))
+    [new] = [n for n in traced.gm.graph.nodes if n.target == torch.ops.aten.new_empty.default]
+    space = _space(traced, (2, 2), ("dp", "tp"), dp_axes=(0,))
+    options = {(s.outputs[0], s.inputs[0]) for s in space.nodes[new.name].strategies}
+    both = (Shard(0), Shard(1))
+    assert (both, both) in options  # split where the input is split, nothing moved
+    # the last dim (6 in, 8 out) is not shared: never split there
+    assert not any(Shard(2) in out for out, _ in options)
+    # whole, from an input in any placement (its values are not read: no gather priced)
+    assert {inp for out, inp in options if out == (Replicate(), Replicate())} >= {
+        (Shard(0), Shard(1)), (Replicate(), Replicate()), (Shard(0), Replicate())}
+
+
 def test_spaces_built_and_priced_after_others_equal_fresh_ones():
     # The setup search builds and prices one space per microbatch size and submesh in one
     # process, sharing DTensor's enumerations (strategies.space) and the priced arrays
@@ -359,3 +378,34 @@ def test_spaces_built_and_priced_after_others_equal_fresh_ones():
         assert a.keys() == b.keys(), kind
         for key in a:
             np.testing.assert_array_equal(a[key], b[key], err_msg=f"{kind} {key}")
+
+
+def test_pinned_identical_layers_share_their_prices_and_keep_their_values():
+    # Pinning gives each node a tuple of its own; share_equal_strategies gives the nodes that
+    # were one enumeration and still list the same strategies one tuple again, so that
+    # price_space prices a stage's identical layers once (DeepSeek-V3's 30-layer stage: 207 s
+    # of pricing). Priced shared and unshared, every array must be equal, and fewer distinct
+    # tuples must be priced.
+    import numpy as np
+
+    import autopar
+    from autopar.cost_models.sharding import price_space
+    from autopar.planning.candidates import Candidate
+    from autopar.planning.solve import balanced_axis, priced_space
+
+    mesh = autopar.Mesh.virtual("h100-dgx", nodes=1, gpus_per_node=8)
+    traced = capture(*build("gpt", layers=4, batch=4, dim=64, heads=4))
+    cand = Candidate((2, 2, 2), ("dp", "cp", "tp"), (0,), cp_axes=(1,))
+    config = autopar.Config(sequence_parallel=True)
+    space, shared = priced_space(traced, mesh, config, cand, ())
+    own = dataclasses.replace(space, nodes={n: dataclasses.replace(ns, strategies=tuple(ns.strategies))
+                                            for n, ns in space.nodes.items()})
+    unshared = price_space(traced, own, mesh.topology, config.optimizer,
+                           balanced_axis=balanced_axis(traced, config, cand))
+    distinct = len({id(ns.strategies) for ns in space.nodes.values()})
+    assert distinct < len(space.nodes) // 2, (distinct, len(space.nodes))
+    for name in space.nodes:
+        assert np.array_equal(shared.compute[name], unshared.compute[name]), name
+        assert np.array_equal(shared.memory[name], unshared.memory[name]), name
+    for key, m in shared.edges.items():
+        assert np.array_equal(m, unshared.edges[key]), key
