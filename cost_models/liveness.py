@@ -40,7 +40,6 @@ copies (e.g. the flat all-gather output before its ``cat``), and the optimizer's
 
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -77,7 +76,7 @@ class StageRun:
     to its weight step) also holds the values the weight step reads from the input step
     (:func:`~autopar.cost_models.rank_bytes.weight_stash_bytes`); its weight step adds them into
     the same sum. ``zero_axes`` (ZeRO-1 once a step): the parameters
-    are stored as ``cost_models.sharding.zero_placement`` over these axes of the placement the
+    are stored as ``cost_models.sharding.zero_once_placement`` over these axes of the placement the
     program computes with, with their gradients and optimizer states; the stage gathers them
     before its first forward (the gathered flat buffer and the parameters made from it, both
     alive then) and computes with the gathered copy through the step. ``regather`` (ZeRO-3):
@@ -541,7 +540,8 @@ def step_memory(traced: Any, mesh_shape: Sequence[int], nodes: dict, outputs: Se
         # size; planning.pipeline takes the rank's largest); each backward's copy is made from
         # its flat buffer while every microbatch in flight holds its saved values and the sink
         # its sums; between the stage's computations no gathered copy of its own is held
-        ahead = gathered * (1 + 1 / math.prod(mesh_shape[a] for a in stage.zero_axes))
+        # (each parameter's shard is over one of the axes: the smallest taken)
+        ahead = gathered * (1 + 1 / min(mesh_shape[a] for a in stage.zero_axes))
         peak = max(peak + ahead,
                    persistent + gathered + in_flight * (saved + stash) + walk.sink_bytes)
         held -= gathered

@@ -18,7 +18,7 @@ import torch.fx as fx
 
 from autopar.capture.layers import is_backward
 from autopar.capture.remat import gather_dtype
-from autopar.cost_models.sharding import state_bytes_per_element, zero_placement
+from autopar.cost_models.sharding import state_bytes_per_element, zero_once_placement
 from autopar.placements import from_str
 from autopar.strategies.reshard import local_shape
 
@@ -53,7 +53,7 @@ def persistent_bytes(traced: Any, nodes: dict, mesh_shape: tuple, optimizer: str
             total += local * val.element_size() * (microbatches if n.name in per_microbatch else 1)
         elif p.tied_to is None:
             program = tuple(map(from_str, nodes[n.name].outputs[0]))
-            stored = zero_placement(program, tuple(val.shape), mesh_shape, zero_axes)
+            stored = zero_once_placement(program, tuple(val.shape), mesh_shape, zero_axes)
             shard = float(np.prod(local_shape(tuple(val.shape), stored, mesh_shape), dtype=np.float64))
             total += shard * state_bytes_per_element(optimizer, val.element_size())
             if stored != program:  # (gathered cast when read only cast: bf16 autocast)

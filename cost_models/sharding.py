@@ -38,7 +38,7 @@ __all__ = ["REGATHERED_LAYERS", "SpaceCosts", "StepEndBucket", "alias_root", "de
            "deferred_placement", "price_space",
            "fused_edges",
            "recomputed_bytes", "reshard_time", "state_bytes_per_element", "step_end_buckets",
-           "stored_dim", "stored_placement", "zero_placement"]
+           "stored_dim", "stored_placement", "zero_once_placement", "zero_placement"]
 
 @dataclass(frozen=True)
 class SpaceCosts:
@@ -124,7 +124,7 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
                 balanced_axis: int | None = None, ep_axes: Sequence[int] = ()) -> SpaceCosts:
     """Price every strategy and every edge of ``space`` on ``topology``.
 
-    ``zero_axes``: the parameters are stored as :func:`zero_placement` over these axes and
+    ``zero_axes``: the parameters are stored as :func:`zero_once_placement` over these axes and
     gathered once a step into the placement the strategy gives them (a pipeline stage with
     ZeRO-1: ``autopar.runtime.pipeline``); their state is priced at the stored size, plus the
     gathered copy. ``gathered_share``: the share of a parameter's gathered copy the step holds
@@ -319,13 +319,30 @@ def zero_placement(placements: Placements, shape: Sequence[int], mesh_shape: Seq
     return tuple(out)
 
 
+def zero_once_placement(placements: Placements, shape: Sequence[int],
+                        mesh_shape: Sequence[int], dp_axes: Sequence[int]) -> Placements:
+    """A parameter's placement under ZeRO in a pipeline stage, which gathers its parameters
+    once a step (or once a microbatch with ZeRO-3) and reduce-scatters their gradients once a
+    step, one collective per mesh axis (:class:`StepEndBucket`): :func:`zero_placement` over one
+    data axis only, the innermost of ``dp_axes`` where the program replicates the parameter and
+    a dim divides (the rest of its gradient's reduction is an all-reduce over the other axes).
+    With dp cut into (``dp``, ``ep``) a dense weight is so sharded over ep and replicated over
+    dp, as FSDP2's hybrid sharding keeps a shard group inside consecutive ranks; an expert
+    weight, split over ep by the program, is sharded over dp."""
+    for axis in sorted(dp_axes, reverse=True):
+        out = zero_placement(placements, shape, mesh_shape, (axis,))
+        if out != tuple(placements):
+            return out
+    return tuple(placements)
+
+
 def stored_placement(placements: Sequence[str], shape: Sequence[int], mesh_shape: Sequence[int],
                      zero_axes: Sequence[int]) -> tuple[str, ...]:
     """Where a parameter the program places at ``placements`` (text) is stored between steps:
-    there, or with ZeRO-1 gathered once a step (``zero_axes`` the dp axes) its
-    :func:`zero_placement` (text)."""
-    return tuple(to_str(p) for p in zero_placement(tuple(map(from_str, placements)), shape,
-                                                      mesh_shape, zero_axes))
+    there, or with ZeRO gathered once a step (``zero_axes`` the dp axes) its
+    :func:`zero_once_placement` (text)."""
+    return tuple(to_str(p) for p in zero_once_placement(tuple(map(from_str, placements)), shape,
+                                                           mesh_shape, zero_axes))
 
 
 @dataclass(frozen=True)
@@ -525,7 +542,7 @@ def _memory(n: fx.Node, strategies: Sequence[Strategy], mesh_shape: tuple[int, .
             local = numel(local_shape(v.shape, s.outputs[0], mesh_shape))
             if is_param and not is_tied:
                 # ZeRO once a step (``zero_axes``): stored as zero_placement, computed as placed
-                stored = (zero_placement(s.outputs[0], v.shape, mesh_shape, zero_axes)
+                stored = (zero_once_placement(s.outputs[0], v.shape, mesh_shape, zero_axes)
                           if zero_axes else s.outputs[0])
                 out[j] = numel(local_shape(v.shape, stored, mesh_shape)) * state_bytes_per_element(
                     optimizer, v.element_size())

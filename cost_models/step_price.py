@@ -159,7 +159,7 @@ def price_setup(lc: LayerCosts, setup: Setup, topology: Topology, budget_bytes: 
     per_rank = rank(elems)  # (the rank holding the most parameters)
     held = max(range(p), key=per_rank.__getitem__)
     x, xg = sum(xelems[held::p]), sum(sums.xgathered[held::p])
-    dp_s, tied_s, opt_s = _step_end(lc, setup, per_rank[held] - x,
+    dp_s, tied_s, opt_s = _step_end(lc, _dense_setup(setup), per_rank[held] - x,
                                     sum(sums.gathered[held::p]) - xg, topology)
     if x:  # the experts' gradients, over the ranks holding the same experts
         dp_x, _, opt_x = _step_end(lc, experts, x, xg, topology,
@@ -194,7 +194,7 @@ def memory_floor(lc: LayerCosts, setup: Setup, topology: Topology) -> float:
     state = total("state_bytes") - tied * lc.tied_state_bytes - xstate
     gathered = sum(n * w[0] for n, w in zip(counts, widths)) \
         - tied * lc.tied_elements * lc.param_itemsize
-    return (_state_memory(lc, setup, state, gathered)
+    return (_state_memory(lc, _dense_setup(setup), state, gathered)
             + _state_memory(lc, _expert_setup(setup), xstate, xgathered)) / setup.pp
 
 
@@ -284,7 +284,8 @@ def _memory(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], s: _StageSums
     experts = _expert_setup(setup)
     buffers = [[_step_buffers(lc, setup, j, s.act[j], flight[j], s.elems[j], s.xelems[j], t)
                 for t in (0.0, _transient(lc, setup, counts, j, bact))] for j in range(stages)]
-    base = [_state_memory(lc, setup, s.state[j] - s.xstate[j], s.gathered[j] - s.xgathered[j])
+    base = [_state_memory(lc, _dense_setup(setup), s.state[j] - s.xstate[j],
+                          s.gathered[j] - s.xgathered[j])
             + _state_memory(lc, experts, s.xstate[j], s.xgathered[j])
             + buffers[j][0] + peak[j] for j in range(stages)]
     if setup.zero == 3 and setup.dp > 1 and p == 1:  # the gathered layers, one unreduced grad
@@ -296,7 +297,8 @@ def _memory(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], s: _StageSums
         # the computing stage's gathered parameters and the next action's gather in flight,
         # its flat buffer and packed shards (runtime.prefetch; one stage of a rank computes at
         # a time, the others hold no gathered copy)
-        memory = [mem + (2 + 1 / setup.shard) * max(s.gathered[j] for j in range(r, stages, p))
+        memory = [mem + (2 + 1 / _dense_setup(setup).shard) * max(s.gathered[j]
+                                                                  for j in range(r, stages, p))
                   for r, mem in enumerate(memory)]
     return stage_memory, memory
 
@@ -374,7 +376,8 @@ def _gather_per_microbatch(setup: Setup, s: _StageSums, topology: Topology
     once, after its first input arrives (on the pipeline's fill)."""
     out_f, out_b, most = [], [], 0.0
     for f, b, g in zip(s.fw, s.bw, s.gathered):
-        gather = axis_collective_time("all_gather", g, setup.shard,
+        # (over the dense weights' shard group: _dense_setup)
+        gather = axis_collective_time("all_gather", g, _dense_setup(setup).shard,
                                       setup.cp * setup.tp, topology)
         out_f.append(max(f, gather))
         out_b.append(max(b, gather))
@@ -393,6 +396,16 @@ def _expert_setup(setup: Setup) -> Setup:
         return dataclasses.replace(setup, cp=1, tp=setup.cp * setup.tp, ep=1, ep_in_cp=False,
                                    cp_inside_tp=False)
     return dataclasses.replace(setup, dp=setup.dp // setup.ep, ep=1, dp_shard=0)
+
+
+def _dense_setup(setup: Setup) -> Setup:
+    """The setup the other (dense) parameters see: ``setup``, but in a pipeline with ZeRO and
+    dp cut into (dp / ep, ep) they are sharded over the ep ranks only and replicated across
+    the ep groups (a stage gathers and reduce-scatters its parameters over one axis:
+    ``sharding.zero_once_placement``), priced as hybrid sharding with shard groups of ep."""
+    if setup.zero and setup.pp > 1 and 1 < setup.ep < setup.dp and not setup.ep_in_cp:
+        return dataclasses.replace(setup, dp_shard=setup.ep)
+    return setup
 
 
 def _step_end(lc: LayerCosts, setup: Setup, elements: float, gathered: float,

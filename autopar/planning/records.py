@@ -95,8 +95,10 @@ def applied_techniques(traced: TracedGraph, config: Config, cand: Any,
     if config.zero and not zero:
         notes.append(f"zero={config.zero} shards nothing on this mesh (no data-parallel axis, or "
                      f"no parameter dim divides by it); the optimizer state is not sharded")
-    # the data-parallel ranks a parameter is sharded over (fewer than dp: hybrid sharding)
-    shard = math.prod(cand.shape[a] for a in cand.zero_axes) if zero else 1
+    # the data-parallel ranks a parameter is sharded over (fewer than dp: hybrid sharding; once
+    # a step, over one axis: a dense weight's, the innermost, sharding.zero_once_placement)
+    axes = (max(zero_axes),) if zero_axes else cand.zero_axes
+    shard = math.prod(cand.shape[a] for a in axes) if zero else 1
     return {"recompute": recompute, "zero": zero, "dp_shard": shard,
             "sequence_parallel": _sequence_sharded(
         traced, cand, nodes), "mixed_precision": precision(traced, config),

@@ -81,8 +81,8 @@ def priced_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidat
     built earlier (it is copied, not changed). With ``config.zero`` the parameters take
     :func:`zero_placement` on the dp axes, and the program gathers them where they are used;
     ``zero_once`` (a pipeline stage's runtime gathers its ZeRO parameters once a step) leaves
-    them placed as the ILP chooses and prices their state as stored by ``zero_placement`` of
-    that (:func:`~autopar.cost_models.sharding.price_space`); with sequence parallelism on, the forward's residual
+    them placed as the ILP chooses and prices their state as stored by
+    :func:`~autopar.cost_models.sharding.zero_once_placement` of that (:func:`~autopar.cost_models.sharding.price_space`); with sequence parallelism on, the forward's residual
     adds are pinned to ``Shard(1)`` too (:func:`_pin_norms`); recomputation
     (``config.recompute``) is priced by :func:`~autopar.cost_models.sharding.price_space`,
     which takes ``price_memo`` (prices shared between the spaces of one model's graph).
@@ -449,7 +449,8 @@ def solve_candidate(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candi
     (zero-bubble), which changes what it holds (:class:`StageRun`). With ZeRO a stage's runtime
     gathers its parameters once a step, before its first forward, and reduce-scatters their
     gradients after its last backward (``runtime.pipeline``): the program computes with them as
-    placed (replicated over dp), and they are stored as :func:`zero_placement` of that
+    placed (replicated over dp), and they are stored as
+    :func:`~autopar.cost_models.sharding.zero_once_placement` of that
     (``StageRun.zero_axes``); with ZeRO-3 it gathers them for every microbatch's forward and
     backward instead (``StageRun.regather``).
     """

@@ -113,6 +113,28 @@ def test_hybrid_sharding_in_a_pipeline_on_eight_processes(results_dir):
     check_memory(results, HSDP_PIPELINE)
 
 
+EP_PIPELINE = [f"{m}:pp=2,dp=4,ep=2,zero={z},schedule=1f1b,batch=16,microbatch_size=8,memory=1"
+               for m, z in (("mixtral", 1), ("mixtral", 3), ("deepseekv3", 1))]
+
+
+def test_zero_over_dp_and_ep_in_a_pipeline_on_eight_processes(results_dir):
+    """ZeRO-1 and ZeRO-3 in pipeline stages whose mesh is (dp, ep) = (2, 2), pp=2 (8
+    processes): the dense weights stored over ep, the experts' over dp
+    (``sharding.zero_once_placement``; planning failed here before), each equal to one process
+    on every rank, the collectives counted equal to the plan's, the measured peak within the
+    memory bounds."""
+    from test_equivalence import check_comm_equals_plan, check_memory
+
+    results = run_worker(8, EP_PIPELINE, results_dir)
+    for check, r in results.items():
+        assert "error" not in r, r.get("trace")
+        assert r["degrees"]["ep"] == 2 and r["techniques"]["dp_shard"] == 2, (check, r["techniques"])
+        assert_matches_one_process(r, FP32_TOL, check)
+        check_comm_equals_plan(check, r)
+        assert r["runtime_counts"]["reduce_scatter"] >= 1, (check, r["runtime_counts"])
+    check_memory(results, EP_PIPELINE)
+
+
 def test_memory_techniques_and_examples_left_out_of_the_default_suite(results_dir):
     """What the default suite leaves out for time: the memory of the Hugging Face models,
     explicit attention, GPipe, interleaved and zero-bubble pipelines, selective recomputation and

@@ -438,7 +438,7 @@ def test_the_experts_weights_are_priced_split_over_ep(zero, once):
     pipeline stage then needed at least 101 GiB for one weight on (dp, ep, tp) = (16, 16, 4)
     and no plan was found for the search's best setup."""
     import autopar
-    from autopar.cost_models.sharding import state_bytes_per_element, zero_placement
+    from autopar.cost_models.sharding import state_bytes_per_element, zero_once_placement
     from autopar.planning.candidates import Candidate
     from autopar.planning.solve import priced_space
     from autopar.strategies.reshard import local_shape
@@ -455,7 +455,7 @@ def test_the_experts_weights_are_priced_split_over_ep(zero, once):
     for s, got in zip(space.nodes[p.node].strategies, costs.memory[p.node]):
         placed = s.outputs[0]
         assert placed[1] == Shard(0)  # stored split over ep
-        stored = zero_placement(placed, shape, (2, 2), (0, 1)) if once else placed
+        stored = zero_once_placement(placed, shape, (2, 2), (0, 1)) if once else placed
         want = math.prod(local_shape(shape, stored, (2, 2))) * per
         computed = (Replicate(), Shard(0)) if zero else stored  # (whole over dp only)
         if computed != stored:
@@ -463,3 +463,35 @@ def test_the_experts_weights_are_priced_split_over_ep(zero, once):
         assert got == want, (placed, got, want)
         checked += 1
     assert checked
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_zero_in_a_pipeline_stage_on_dp_and_ep_stores_each_weight_over_one_axis(zero):
+    """A pipeline stage with ZeRO on a (dp, ep) stage mesh gathers its parameters and
+    reduce-scatters their gradients over one mesh axis per collective
+    (``sharding.step_end_buckets``). ZeRO stored a weight the stage replicates (the router,
+    the embedding) sharded over both data axes, and planning stopped with "internal:
+    parameter ... stored ('S(1)', 'S(0)') ... Please report this". A dense weight is now
+    stored over ep (the inner axis, hybrid sharding's shard group), an expert weight, split
+    over ep by the program, over dp; the plan's gathers are one bucket per axis, and
+    ``techniques["dp_shard"]`` says the dense weights' shard group. (The 8-process run of
+    this setup, equal to one process: ``tests/distributed/test_slow.py``.)"""
+    import autopar
+    from autopar.cost_models.sharding import stored_dim
+
+    model, inputs = build("mixtral", experts=4, batch=16)
+    cfg = Config(pp=2, dp=4, ep=2, zero=zero, schedule="1f1b", microbatch_size=8)
+    plan = autopar.plan(model, Mesh.virtual("h100-dgx", nodes=1, gpus_per_node=8), inputs,
+                        config=cfg)
+    assert plan.axis_names == ("pp", "dp", "ep") and plan.techniques["dp_shard"] == 2
+    dp, ep = 0, 1  # (the stage mesh's axes)
+    over = {dp: [], ep: []}
+    for stage in plan.pipeline.stages:
+        for name, program in stage.params.items():
+            kept = stored_dim(name, tuple(program), tuple(plan.params[name]))
+            if kept is not None:  # (raises for a weight stored over two axes)
+                over[kept[0]].append(name)
+    assert over[dp] and all(".experts." in n for n in over[dp]), over
+    assert over[ep] and not any(".experts." in n for n in over[ep]), over
+    gathers = [c for c in plan.collectives if c.kind == "all_gather" and "parameters" in c.node]
+    assert {c.axis for c in gathers} == {"dp", "ep"}, gathers
