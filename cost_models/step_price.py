@@ -323,8 +323,11 @@ def _step_buffers(lc: LayerCosts, setup: Setup, j: int, act: float, flight: int,
     model counts them (``cost_models.liveness``): its saved values for ``flight`` microbatches
     in flight with a ``transient`` of the backward (:func:`_transient`), or, at the end of a
     microbatch's backward, those of the others and the gradients the backward made (whichever
-    is more: the backward frees one as it makes the other); in a pipeline also the sum of the
-    earlier microbatches' gradients (``runtime.autograd.GradSink``) and the receive buffers
+    is more: the backward frees one as it makes the other). A pipeline stage's forward and
+    backward are two graphs, so the saved values its backward reads are held until it returns,
+    beside the gradients it makes and its transient (an upper bound: the transient's op comes
+    before the last gradients; ``liveness._Walk.peak`` holds them so too); in a pipeline also
+    the sum of the earlier microbatches' gradients (``runtime.autograd.GradSink``) and the receive buffers
     torch's pipelining keeps per microbatch for the stage's incoming activation (all but the
     first stage) and incoming gradient (all but the last), one block input each. Without a pipeline a ZeRO step's
     gradients are reduce-scattered as they are made: the rank keeps its shard (of the
@@ -335,7 +338,7 @@ def _step_buffers(lc: LayerCosts, setup: Setup, j: int, act: float, flight: int,
             grads = ((elements - expert_elements) / setup.shard
                      + expert_elements / _expert_setup(setup).shard) * lc.param_itemsize
         return max(act * flight + transient, act * (flight - 1) + grads)
-    saved = max(act * flight + transient, act * (flight - 1) + grads)
+    saved = act * flight + transient + grads
     stages = setup.pp * setup.virtual_stages
     sink = grads if setup.microbatches > 1 else 0.0
     receive = setup.microbatches * lc.input_bytes * ((j > 0) + (j < stages - 1))
