@@ -190,14 +190,15 @@ def test_searched_plan_is_runnable_with_alternatives_stage_memory_and_round_trip
     assert set(plan.params) == {n for n, _ in model.named_parameters()}
     assert len(pipe.predicted["stage_memory_bytes"]) == pipe.num_stages
     # the search's memory (closed form) against the per-operator model's: it counts the
-    # gradients the backward makes, their sum over the microbatches and the pipeline's receive
-    # buffers and the backward's largest transient as the latter does. Measured 0.792 GiB
-    # against 0.997 on the first stage (-21%): that stage's ILP replicates the attention
-    # projection over tp where the layer ILP splits it (+85 MB of state, +26 MB saved); the
-    # per-operator peak is 103 MB above what the stage holds, the closed form's 4 MB (the rest
-    # not traced to its nodes). Until the tied embedding was counted once
-    # (test_layer_costs_count_a_tied_weight_once...) its second count, 236 MB, hid this: 1.038
-    assert plan.predicted["search_peak_memory_bytes"] >= 0.75 * max(pipe.predicted["stage_memory_bytes"])
+    # gradients the backward makes beside the saved values (a stage's backward holds them until
+    # it returns), their sum over the microbatches, the pipeline's receive buffers and the
+    # backward's largest transient as the latter does. Measured 2026-11-29: 0.852 GiB against
+    # 0.874 on the first stage (-2.5%); -9.3% (0.792) when the closed form freed the saved
+    # values as the gradients were made. (Earlier the stage ILP replicated the attention
+    # projection over tp where the layer ILP split it: -21%; and until the tied embedding was
+    # counted once, its second count, 236 MB, hid that.) 5% is the planner's bar for memory
+    # under-predicted between its two models.
+    assert plan.predicted["search_peak_memory_bytes"] >= 0.95 * max(pipe.predicted["stage_memory_bytes"])
     assert set(plan.techniques) >= {"recompute", "zero", "sequence_parallel", "microbatches"}
     text = str(plan)
     assert "stage peak MiB" in text and "techniques" in text and "pipeline bubble" in text
