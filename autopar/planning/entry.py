@@ -232,7 +232,8 @@ def _realize_ranked(result: SearchResult, model: nn.Module, mesh: Mesh, example_
             continue
         t0 = time.perf_counter()
         try:
-            plan = _realize(cost, model, mesh, example_inputs, config, cost_passes, layers, whole)
+            plan = _realize(cost, model, mesh, example_inputs, config, cost_passes, layers, whole,
+                            progress)
         except PlanError as e:  # InfeasibleMemoryError included
             if isinstance(e, InfeasibleMemoryError) and e.budget_bytes > 0:
                 # the search's memory model is coarser than the per-operator one: skip the
@@ -272,8 +273,10 @@ def _order(config: Config, st: Setup) -> bool | None:
 
 
 def _realize(cost: StepCost, model: nn.Module, mesh: Mesh, example_inputs: Any, config: Config,
-             cost_passes: Sequence[Callable[..., Any]], layers: LayerSolver, whole: list) -> Plan:
-    """The runnable plan of one searched setup: its per-operator placements solved."""
+             cost_passes: Sequence[Callable[..., Any]], layers: LayerSolver, whole: list,
+             progress: Callable[[str], None] | None = None) -> Plan:
+    """The runnable plan of one searched setup: its per-operator placements solved
+    (``progress``: told as a pipeline's stages are traced and placed)."""
     st = cost.setup
     concrete = _concrete(config, cost)
     budget = _budget(config, mesh)
@@ -307,7 +310,7 @@ def _realize(cost: StepCost, model: nn.Module, mesh: Mesh, example_inputs: Any, 
                        "fp32" if lc.param_itemsize >= 4 and config.mixed_precision != "bf16"
                        else "bf16", layers.trace_s)
     return build_pipeline_plan(model, example_inputs, facts, mesh, concrete, setup, cost_passes,
-                               budget)
+                               budget, progress)
 
 
 def _logical_mesh(cost: StepCost) -> dict[str, tuple]:

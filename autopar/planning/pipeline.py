@@ -402,8 +402,10 @@ class ModelFacts:
 
 def build_pipeline_plan(model: Any, example_inputs: Any, facts: ModelFacts, mesh: Mesh,
                         config: Config, setup: PipelineSetup,
-                        cost_passes: Sequence[Callable[..., Any]], budget: float | None) -> Plan:
-    """Plan every stage of ``setup`` with the intra-operator ILP and assemble the Plan.
+                        cost_passes: Sequence[Callable[..., Any]], budget: float | None,
+                        progress: Callable[[str], None] | None = None) -> Plan:
+    """Plan every stage of ``setup`` with the intra-operator ILP and assemble the Plan
+    (``progress``: told when the stages are traced and as each distinct one is placed).
 
     Stages with the same graph (node for node: ops, shapes, parameter shapes) and the same
     pinned tied weights are solved once (:func:`stage_key`), with the most microbatches in
@@ -423,6 +425,9 @@ def build_pipeline_plan(model: Any, example_inputs: Any, facts: ModelFacts, mesh
     flight = in_flight(setup.schedule, setup.pp, setup.virtual_stages, setup.microbatches,
                        held_until(setup.schedule))
     shape_of = [stage_key(traced, {}) for _, traced in stages]
+    if progress:
+        progress(f"traced the model and its {len(stages)} pipeline stages in "
+                 f"{time.perf_counter() - t0:.1f} s ({len(set(shape_of))} distinct graphs)")
     most = {k: max(f for k2, f in zip(shape_of, flight) if k2 == k) for k in shape_of}
     # a group is solved for the stages holding its most microbatches in flight (their budget);
     # the ranks' sums are checked once every stage is placed
@@ -442,6 +447,9 @@ def build_pipeline_plan(model: Any, example_inputs: Any, facts: ModelFacts, mesh
                                    microbatches=setup.microbatches,
                                    split_backward=setup.schedule == "zero-bubble")
             solved[key] = (plan, traced, most[shape])
+            if progress:
+                progress(f"placed stage {st.index} ({len(solved)} distinct so far), "
+                         f"{time.perf_counter() - t0:.1f} s in")
         plan = renamed_stage_plan(*solved[key], traced, st.index, flight[st.index])
         for p in traced.params:
             placed.setdefault(fwd.canonical.get(p.name, p.name), plan.params[p.name])

@@ -179,9 +179,13 @@ def test_candidates_keep_tensor_parallelism_inside_a_node_and_respect_the_config
 def test_searched_plan_is_runnable_with_alternatives_stage_memory_and_round_trips(tmp_path):
     model, inputs = megatron_gpt(dict(hidden=1024, layers=8, heads=16), batch=64, seq=512)
     mesh = autopar.Mesh.virtual("a100-dgx", nodes=2, gpus_per_node=8)
+    told: list[str] = []
     plan = autopar.search(model, mesh, inputs, config=autopar.Config(pp=2, microbatch_size=2),
-                          top_k=3)
+                          top_k=3, progress=told.append)
     assert plan.degrees["pp"] == 2 and len(plan.alternatives) == 3
+    # progress through the per-operator placements too (minutes for a large model)
+    assert any(m.startswith("traced the model and its 2 pipeline stages") for m in told), told
+    assert any(m.startswith("placed stage 0") for m in told), told
     assert all(a["step_time_s"] >= plan.predicted["search_step_time_s"] for a in plan.alternatives)
     assert plan.solver["path"] == "setup search + per-operator ILPs"
     pipe = plan.pipeline
