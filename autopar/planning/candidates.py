@@ -132,9 +132,11 @@ def ep_options(config: Config, dp: int, cp: int, experts: int, hybrid: bool = Fa
                ) -> list[tuple[int, bool]]:
     """The expert-parallel choices to try as ``(ep, from cp)``: ep = 1 unless ``Config.ep``
     asks for more, each degree > 1 cut from dp (:func:`ep_degrees`), and the cp ranks
-    (:func:`ep_in_cp`); beside hybrid sharding's axes (``hybrid``) ep = 1 only (the one owner
-    of these rules: the per-operator candidates and the setup search both ask it)."""
-    if hybrid:
+    (:func:`ep_in_cp`); beside hybrid sharding's axes (``hybrid``), or with ``Config.dp_shard``
+    set (which ``Config`` refuses beside an ep > 1: a pipeline stage with ep shards its dense
+    weights over the ep ranks only, ``sharding.zero_once_placement``), ep = 1 only (the one
+    owner of these rules: the per-operator candidates and the setup search both ask it)."""
+    if hybrid or config.dp_shard is not None:
         return [(1, False)] if config.ep in (None, 1) else []
     out = [(e, False) for e in ep_degrees(config, dp, experts) if e > 1 or config.ep in (None, 1)]
     if ep_in_cp(config, cp, experts):

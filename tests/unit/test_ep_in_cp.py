@@ -138,4 +138,7 @@ def test_ep_options_is_the_one_list_of_folds():
     assert ep_options(Config(ep=2, ep_in_cp=False), 4, 2, 4) == [(2, False)]
     assert ep_options(Config(ep_in_cp=True), 4, 2, 4) == [(1, False), (2, True)]
     assert ep_options(Config(), 4, 2, 4, hybrid=True) == [(1, False)]
+    # dp_shard set (even to all of dp): no ep, as Config(ep > 1, dp_shard=...) is refused; the
+    # search chose ep > 1 beside it, and the plan could not hold the Config's dp_shard
+    assert ep_options(Config(zero=1, dp_shard=4), 4, 1, 4) == [(1, False)]
     assert ep_options(Config(), 4, 1, 0) == [(1, False)]  # (no experts, no cp)
