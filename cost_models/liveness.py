@@ -541,7 +541,7 @@ def step_memory(traced: Any, mesh_shape: Sequence[int], nodes: dict, outputs: Se
         # its flat buffer while every microbatch in flight holds its saved values and the sink
         # its sums; between the stage's computations no gathered copy of its own is held
         # (each parameter's shard is over one of the axes: the smallest taken)
-        ahead = gathered * (1 + 1 / min(mesh_shape[a] for a in stage.zero_axes))
+        ahead = gathered * (1 + 1 / min((mesh_shape[a] for a in stage.zero_axes), default=1))
         peak = max(peak + ahead,
                    persistent + gathered + in_flight * (saved + stash) + walk.sink_bytes)
         held -= gathered

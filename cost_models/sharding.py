@@ -541,7 +541,7 @@ def _memory(n: fx.Node, strategies: Sequence[Strategy], mesh_shape: tuple[int, .
             v = vals[0]
             local = numel(local_shape(v.shape, s.outputs[0], mesh_shape))
             if is_param and not is_tied:
-                # ZeRO once a step (``zero_axes``): stored as zero_placement, computed as placed
+                # ZeRO once a step (``zero_axes``): stored as zero_once_placement, computed as placed
                 stored = (zero_once_placement(s.outputs[0], v.shape, mesh_shape, zero_axes)
                           if zero_axes else s.outputs[0])
                 out[j] = numel(local_shape(v.shape, stored, mesh_shape)) * state_bytes_per_element(

@@ -282,8 +282,9 @@ def _memory(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], s: _StageSums
     if lc.lead_blocks:  # (the first stage's leading blocks recompute too)
         peak[0] = max(peak[0], lc.pre.peak(setup.recompute))
     experts = _expert_setup(setup)
-    buffers = [[_step_buffers(lc, setup, j, s.act[j], flight[j], s.elems[j], s.xelems[j], t)
-                for t in (0.0, _transient(lc, setup, counts, j, bact))] for j in range(stages)]
+    buffers = [[_step_buffers(lc, setup, j, s.act[j], flight[j], s.elems[j], s.xelems[j], t, b)
+                for t, b in ((0.0, False), (_transient(lc, setup, counts, j, bact), True))]
+               for j in range(stages)]
     base = [_state_memory(lc, _dense_setup(setup), s.state[j] - s.xstate[j],
                           s.gathered[j] - s.xgathered[j])
             + _state_memory(lc, experts, s.xstate[j], s.xgathered[j])
@@ -318,7 +319,8 @@ def _transient(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], j: int,
 
 
 def _step_buffers(lc: LayerCosts, setup: Setup, j: int, act: float, flight: int,
-                  elements: float, expert_elements: float = 0.0, transient: float = 0.0) -> float:
+                  elements: float, expert_elements: float = 0.0, transient: float = 0.0,
+                  backward: bool = True) -> float:
     """The buffers stage ``j`` holds beside its training state, as the per-operator memory
     model counts them (``cost_models.liveness``): its saved values for ``flight`` microbatches
     in flight with a ``transient`` of the backward (:func:`_transient`), or, at the end of a
@@ -326,7 +328,9 @@ def _step_buffers(lc: LayerCosts, setup: Setup, j: int, act: float, flight: int,
     is more: the backward frees one as it makes the other). A pipeline stage's forward and
     backward are two graphs, so the saved values its backward reads are held until it returns,
     beside the gradients it makes and its transient (an upper bound: the transient's op comes
-    before the last gradients; ``liveness._Walk.peak`` holds them so too); in a pipeline also
+    before the last gradients; ``liveness._Walk.peak`` holds them so too), counted only with
+    ``backward`` (the stage computing: once per rank, as the per-operator model adds one
+    stage's step to the others' held bytes); in a pipeline also
     the sum of the earlier microbatches' gradients (``runtime.autograd.GradSink``) and the receive buffers
     torch's pipelining keeps per microbatch for the stage's incoming activation (all but the
     first stage) and incoming gradient (all but the last), one block input each. Without a pipeline a ZeRO step's
@@ -338,7 +342,7 @@ def _step_buffers(lc: LayerCosts, setup: Setup, j: int, act: float, flight: int,
             grads = ((elements - expert_elements) / setup.shard
                      + expert_elements / _expert_setup(setup).shard) * lc.param_itemsize
         return max(act * flight + transient, act * (flight - 1) + grads)
-    saved = act * flight + transient + grads
+    saved = act * flight + (transient + grads if backward else 0.0)
     stages = setup.pp * setup.virtual_stages
     sink = grads if setup.microbatches > 1 else 0.0
     receive = setup.microbatches * lc.input_bytes * ((j > 0) + (j < stages - 1))
@@ -378,10 +382,18 @@ def _gather_per_microbatch(setup: Setup, s: _StageSums, topology: Topology
     its own stage's. Also the longest gather: each rank's first of the step is waited for at
     once, after its first input arrives (on the pipeline's fill)."""
     out_f, out_b, most = [], [], 0.0
-    for f, b, g in zip(s.fw, s.bw, s.gathered):
-        # (over the dense weights' shard group: _dense_setup)
-        gather = axis_collective_time("all_gather", g, _dense_setup(setup).shard,
-                                      setup.cp * setup.tp, topology)
+    experts, inner = _expert_setup(setup), setup.cp * setup.tp
+    # (with dp cut into (dp / ep, ep): the experts' over their own replicas, ep groups apart,
+    # in their own bucket, as :func:`_step_end` strides them)
+    stride = inner * setup.ep
+    for f, b, g, xg in zip(s.fw, s.bw, s.gathered, s.xgathered):
+        # (the dense weights over their shard group: _dense_setup)
+        if setup.ep == 1 or setup.ep_in_cp:  # (one bucket, over dp)
+            gather = axis_collective_time("all_gather", g, setup.shard, inner, topology)
+        else:
+            gather = (axis_collective_time("all_gather", g - xg, _dense_setup(setup).shard,
+                                           inner, topology)
+                      + axis_collective_time("all_gather", xg, experts.shard, stride, topology))
         out_f.append(max(f, gather))
         out_b.append(max(b, gather))
         most = max(most, gather)

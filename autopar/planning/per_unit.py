@@ -159,7 +159,7 @@ def _add_pipeline(traced: TracedGraph, mesh: Mesh, config: Config, cost_passes: 
     for setup in setups[:1]:
         try:
             plan = build_pipeline_plan(model, example_inputs, ModelFacts.of_traced(traced, config),
-                                       mesh, config, setup, cost_passes, budget)
+                                       mesh, config, setup, cost_passes, budget, progress)
         except InfeasibleMemoryError as e:
             infeasible.append((None, e))
             continue

@@ -82,8 +82,9 @@ def priced_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidat
     :func:`zero_placement` on the dp axes, and the program gathers them where they are used;
     ``zero_once`` (a pipeline stage's runtime gathers its ZeRO parameters once a step) leaves
     them placed as the ILP chooses and prices their state as stored by
-    :func:`~autopar.cost_models.sharding.zero_once_placement` of that (:func:`~autopar.cost_models.sharding.price_space`); with sequence parallelism on, the forward's residual
-    adds are pinned to ``Shard(1)`` too (:func:`_pin_norms`); recomputation
+    :func:`~autopar.cost_models.sharding.zero_once_placement` of that
+    (:func:`~autopar.cost_models.sharding.price_space`); with sequence parallelism on, the
+    forward's residual adds are pinned to ``Shard(1)`` too (:func:`_pin_norms`); recomputation
     (``config.recompute``) is priced by :func:`~autopar.cost_models.sharding.price_space`,
     which takes ``price_memo`` (prices shared between the spaces of one model's graph).
     """

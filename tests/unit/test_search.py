@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -184,7 +185,7 @@ def test_searched_plan_is_runnable_with_alternatives_stage_memory_and_round_trip
                           top_k=3, progress=told.append)
     assert plan.degrees["pp"] == 2 and len(plan.alternatives) == 3
     # progress through the per-operator placements too (minutes for a large model)
-    assert any(m.startswith("traced the model and its 2 pipeline stages") for m in told), told
+    assert any(re.match(r"traced the model and its \d+ pipeline stages", m) for m in told), told
     assert any(m.startswith("placed stage 0") for m in told), told
     assert all(a["step_time_s"] >= plan.predicted["search_step_time_s"] for a in plan.alternatives)
     assert plan.solver["path"] == "setup search + per-operator ILPs"

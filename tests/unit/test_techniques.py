@@ -20,7 +20,7 @@ from autopar.capture.remat import TAG, is_random, recompute_nodes
 from autopar.passes.recompute import recompute_pass
 from autopar.model_presets import megatron_gpt
 from autopar.planning.candidates import memory_techniques
-from autopar.cost_models.sharding import zero_placement
+from autopar.cost_models.sharding import zero_once_placement, zero_placement
 from models import build
 
 
@@ -121,6 +121,20 @@ def test_zero_placement_shards_a_free_dim_over_dp():
     # a bias sharded on its only dim by tp, or a dim that does not divide, stays replicated
     assert zero_placement((Replicate(), Shard(0)), (64,), (2, 2), (0,)) == (Replicate(), Shard(0))
     assert zero_placement((Replicate(),), (3,), (2,), (0,)) == (Replicate(),)
+
+
+def test_zero_once_placement_shards_over_one_data_axis_the_innermost_that_divides():
+    # a pipeline stage's once-a-step buckets move a tensor over one mesh axis, so ZeRO stores a
+    # parameter over one data axis: mesh (dp=2, ep=4), a dense weight over ep (the inner axis)
+    R, S = Replicate(), Shard
+    assert zero_once_placement((R, R), (64, 32), (2, 4), (0, 1)) == (R, S(0))
+    assert zero_placement((R, R), (64, 32), (2, 4), (0, 1)) == (S(0), S(1))  # (every run: both)
+    # an expert weight the program splits over ep: over dp
+    assert zero_once_placement((R, S(0)), (8, 64, 32), (2, 4), (0, 1)) == (S(1), S(0))
+    # no dim divides by the inner axis: the outer one
+    assert zero_once_placement((R, R), (6,), (2, 4), (0, 1)) == (S(0), R)
+    # nothing divides: stored as computed
+    assert zero_once_placement((R, R), (3,), (2, 4), (0, 1)) == (R, R)
 
 
 def test_zero_plan_shards_parameters_and_state_over_dp():

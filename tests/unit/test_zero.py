@@ -329,3 +329,14 @@ def test_hybrid_sharding_in_a_pipeline_reduces_each_stage_within_and_then_across
     # the search's setups: on 64 devices with tp=8 and pp=2 (dp=4), shard groups of 2 and 4
     setups = list(candidate_setups(64, 8, 64, 16, autopar.Config(tp=8, pp=2)))
     assert {s.dp_shard for s in setups if s.zero} == {0, 2}
+
+
+def test_zero3_in_a_pipeline_without_a_data_axis_shards_nothing_and_says_so():
+    """ZeRO-3 in a pipeline on a mesh with no data axis (pp=2 on 2 devices): the stage's
+    liveness walk took the smallest of its ZeRO axes and, with none, raised ``min() arg is an
+    empty sequence`` (an internal error) where it had planned with a warning."""
+    model, inputs = build("gpt", layers=2, batch=8)
+    plan = autopar.plan(model, autopar.Mesh.virtual("h100-dgx", gpus_per_node=2), inputs,
+                        config=autopar.Config(pp=2, zero=3, microbatch_size=4, schedule="1f1b"))
+    assert plan.degrees["pp"] == 2 and plan.techniques["zero"] == 0
+    assert any("zero=3 shards nothing" in w for w in plan.warnings), plan.warnings
