@@ -298,9 +298,11 @@ def _memory(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], s: _StageSums
         # the computing stage's gathered parameters and the next action's gather in flight,
         # its flat buffer and packed shards (runtime.prefetch; one stage of a rank computes at
         # a time, the others hold no gathered copy)
-        memory = [mem + (2 + 1 / _dense_setup(setup).shard) * max(s.gathered[j]
-                                                                  for j in range(r, stages, p))
+        ahead = 2 + 1 / _dense_setup(setup).shard
+        memory = [mem + ahead * max(s.gathered[j] for j in range(r, stages, p))
                   for r, mem in enumerate(memory)]
+        # (and each stage's peak, while it computes: planning.pipeline.stage_budgets)
+        stage_memory = [m + ahead * g for m, g in zip(stage_memory, s.gathered)]
     return stage_memory, memory
 
 

@@ -301,7 +301,7 @@ def _realize(cost: StepCost, model: nn.Module, mesh: Mesh, example_inputs: Any, 
     stage_of_unit = (0, *[0] * layers.lead, *stage_of_block, st.pp * st.virtual_stages - 1)
     setup = PipelineSetup(st.pp, cand, st.microbatches, st.schedule, st.virtual_stages,
                           stage_of_unit, cost.step_time_s, max(cost.rank_memory_bytes),
-                          tuple(cost.stage_memory_bytes))
+                          tuple(cost.stage_memory_bytes), tuple(cost.rank_memory_bytes))
     args, kwargs = normalize_inputs(example_inputs)
     shapes = tuple(tuple(x.shape) for x in tree_flatten((args, kwargs))[0]
                    if isinstance(x, torch.Tensor))

@@ -72,20 +72,27 @@ class PipelineSetup:
     stage_of_unit: tuple[int, ...]
     predicted_s: float
     memory_bytes: float
-    # each stage's predicted memory, when the search knows it: a rank's budget is split over
-    # its v stages in these proportions (else evenly)
+    # each stage's predicted memory (its peak while it computes) and each pipeline rank's,
+    # when the search knows them: a stage's budget (stage_budgets)
     stage_memory_bytes: tuple[float, ...] = ()
+    rank_memory_bytes: tuple[float, ...] = ()
 
     def stage_budgets(self, budget: float | None) -> list[float | None]:
-        """The memory each stage may use of its rank's ``budget``: in proportion to the
-        stage's predicted memory among its rank's stages, or ``budget / v``."""
+        """The memory each stage may use of its rank's ``budget``: its predicted peak scaled by
+        its rank's slack (``budget`` over the rank's predicted memory), as a rank holds one
+        computing stage's peak beside its other stages' held bytes, and a peak's once-a-rank
+        buffers are not a share of the budget (the ranks' sums are checked once every stage is
+        placed); without the ranks' predictions, in proportion to the stage's among its rank's
+        stages; without either, ``budget / v``."""
         stages = self.pp * self.virtual_stages
         if budget is None:
             return [None] * stages
         mem = self.stage_memory_bytes
         if len(mem) != stages or min(mem, default=0.0) <= 0:
             return [budget / self.virtual_stages] * stages
-        rank = [sum(mem[j] for j in range(r, stages, self.pp)) for r in range(self.pp)]
+        rank = list(self.rank_memory_bytes)
+        if len(rank) != self.pp or min(rank) <= 0:
+            rank = [sum(mem[j] for j in range(r, stages, self.pp)) for r in range(self.pp)]
         return [budget * mem[j] / rank[j % self.pp] for j in range(stages)]
 
 

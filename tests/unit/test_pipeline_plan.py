@@ -381,3 +381,25 @@ def test_a_rank_major_bucket_reduce_scatters_into_shards_and_gathers_back_whole(
         assert torch.equal(whole, back) and back.is_contiguous()
     with pytest.raises(ValueError, match="do not split evenly"):
         FlatBucket(["a"], [(3, 5)], torch.float32, [1], 2)
+
+
+def test_an_interleaved_stage_may_use_its_predicted_peak_scaled_by_its_ranks_slack():
+    """A rank of an interleaved pipeline holds one computing stage's peak beside its other
+    stages' held bytes, so a stage's peak is not a share of the rank's budget. Splitting the
+    budget in proportion to the stages' peaks gave each of DeepSeek-V3's v=3 stages (pp=2,
+    ZeRO-3, 2,048 GPUs) 29.3 GiB of 80 for a stage the search priced at 30.4 GiB (37.6 GiB with
+    its gathered copies, which the search's stage memory now counts) and the per-operator
+    solve refused it. Now: the stage's predicted peak times the rank's slack; without the
+    ranks' predictions, the proportional split as before."""
+    from autopar.planning.candidates import Candidate
+    from autopar.planning.pipeline import PipelineSetup
+
+    cand = Candidate((2,), ("dp",), (0,))
+    stages = (30.0, 30.0, 20.0, 20.0)  # stages 0 and 2 on rank 0, 1 and 3 on rank 1
+    setup = PipelineSetup(2, cand, 8, "interleaved-1f1b", 2, (), 1.0, 64.0, stages, (64.0, 40.0))
+    assert setup.stage_budgets(80.0) == pytest.approx([37.5, 60.0, 25.0, 40.0])
+    older = PipelineSetup(2, cand, 8, "interleaved-1f1b", 2, (), 1.0, 64.0, stages)
+    assert older.stage_budgets(80.0) == pytest.approx([48.0, 48.0, 32.0, 32.0])
+    # one stage a rank: its whole budget, either way
+    one = PipelineSetup(2, cand, 8, "1f1b", 1, (), 1.0, 64.0, (64.0, 40.0), (64.0, 40.0))
+    assert one.stage_budgets(80.0) == pytest.approx([80.0, 80.0])
