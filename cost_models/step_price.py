@@ -273,9 +273,11 @@ def _memory(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], s: _StageSums
     """Bytes per stage and per pipeline rank (the sum of its ``v`` stages): training state
     (the experts' sharded over the ranks holding the same experts), the step's buffers
     (:func:`_step_buffers`), one block's recomputed values while its backward runs (a stage
-    holding blocks), and ZeRO-3's gathered parameters; a backward transient (``_transient``)
-    once per rank, of the stage where it is largest (one stage of a rank computes at a time);
-    ``bact``: one block's saved bytes (:func:`_block_parts`)."""
+    holding blocks), and ZeRO-3's gathered parameters (in a pipeline, the computing stage's:
+    once per rank, and in each stage's own memory); a backward transient (``_transient``) and,
+    in a pipeline, the gradients being made once per rank, of the stage where they are largest
+    (one stage of a rank computes at a time); ``bact``: one block's saved bytes
+    (:func:`_block_parts`)."""
     p, stages = setup.pp, len(counts)
     flight = _flight(setup.schedule, p, setup.virtual_stages, setup.microbatches)
     peak = [lc.block.peak(setup.recompute) * (counts[j] > 0) for j in range(stages)]
@@ -299,10 +301,13 @@ def _memory(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], s: _StageSums
         # its flat buffer and packed shards (runtime.prefetch; one stage of a rank computes at
         # a time, the others hold no gathered copy)
         ahead = 2 + 1 / _dense_setup(setup).shard
-        memory = [mem + ahead * max(s.gathered[j] for j in range(r, stages, p))
+        # (experts on ranks of their own, dp = ep, are not sharded: no gathered copy of them)
+        held = s.gathered if experts.shard > 1 else [g - x for g, x in zip(s.gathered,
+                                                                           s.xgathered)]
+        memory = [mem + ahead * max(held[j] for j in range(r, stages, p))
                   for r, mem in enumerate(memory)]
         # (and each stage's peak, while it computes: planning.pipeline.stage_budgets)
-        stage_memory = [m + ahead * g for m, g in zip(stage_memory, s.gathered)]
+        stage_memory = [m + ahead * g for m, g in zip(stage_memory, held)]
     return stage_memory, memory
 
 
@@ -379,7 +384,8 @@ def _gather_per_microbatch(setup: Setup, s: _StageSums, topology: Topology
                            ) -> tuple[list[float], list[float], float]:
     """Stage times when a ZeRO-3 pipeline stage gathers its parameters for every microbatch's
     forward and again for its backward (``runtime.pipeline``: one flat all-gather over the
-    shard group each), each gather issued when the rank's action before it starts
+    shard group each; with dp cut into (dp / ep, ep), one for the dense weights over ep and one
+    for the experts over dp), each gather issued when the rank's action before it starts
     (``runtime.prefetch``): an action then lasts at least the next one's gather, taken as
     its own stage's. Also the longest gather: each rank's first of the step is waited for at
     once, after its first input arrives (on the pipeline's fill)."""

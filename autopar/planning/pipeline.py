@@ -93,7 +93,7 @@ class PipelineSetup:
         rank = list(self.rank_memory_bytes)
         if len(rank) != self.pp or min(rank) <= 0:
             rank = [sum(mem[j] for j in range(r, stages, self.pp)) for r in range(self.pp)]
-        return [budget * mem[j] / rank[j % self.pp] for j in range(stages)]
+        return [min(budget, budget * mem[j] / rank[j % self.pp]) for j in range(stages)]
 
 
 def batch_size(example_inputs: Any) -> int:
@@ -447,7 +447,7 @@ def build_pipeline_plan(model: Any, example_inputs: Any, facts: ModelFacts, mesh
                  if fwd.canonical.get(p.name, p.name) in placed}
         key = stage_key(traced, fixed)
         if key not in solved:
-            # the stage's share of its rank's memory (PipelineSetup.stage_budgets)
+            # the stage's budget: its predicted peak scaled by its rank's slack (stage_budgets)
             plan = solve_candidate(traced, mesh, config, setup.cand, cost_passes,
                                    tightest[shape], stage=st.index, fixed=fixed,
                                    activation_scale=most[shape],
@@ -468,7 +468,7 @@ def build_pipeline_plan(model: Any, example_inputs: Any, facts: ModelFacts, mesh
         raise InfeasibleMemoryError(
             f"pipeline rank {r} of {setup.pp} needs {format_bytes(rank[r])} over its "
             f"{len(plans) // setup.pp} stage(s), over the {format_bytes(budget)} budget (each "
-            f"stage fits its share; their sum does not). Raise Config.memory_bytes or use more "
+            f"stage fits its own budget; the rank's sum does not). Raise Config.memory_bytes or use more "
             f"pipeline stages.", required_bytes=rank[r], budget_bytes=budget)
     return _assemble(model, facts, mesh, config, setup, fwd, stages, plans,
                      time.perf_counter() - t0, len(solved))

@@ -386,10 +386,10 @@ def test_a_rank_major_bucket_reduce_scatters_into_shards_and_gathers_back_whole(
 def test_an_interleaved_stage_may_use_its_predicted_peak_scaled_by_its_ranks_slack():
     """A rank of an interleaved pipeline holds one computing stage's peak beside its other
     stages' held bytes, so a stage's peak is not a share of the rank's budget. Splitting the
-    budget in proportion to the stages' peaks gave each of DeepSeek-V3's v=3 stages (pp=2,
-    ZeRO-3, 2,048 GPUs) 29.3 GiB of 80 for a stage the search priced at 30.4 GiB (37.6 GiB with
-    its gathered copies, which the search's stage memory now counts) and the per-operator
-    solve refused it. Now: the stage's predicted peak times the rank's slack; without the
+    budget in proportion to the stages' peaks gave the first of DeepSeek-V3's v=3 stages (pp=2,
+    ZeRO-3, 2,048 GPUs) 29.3 GiB of 80; the search predicted 30.4 GiB for it (without ZeRO-3's
+    gathered copies, which its stage memory now counts) and the per-operator model 37.6 GiB,
+    so the per-operator solve refused it. Now: the stage's predicted peak times the rank's slack; without the
     ranks' predictions, the proportional split as before."""
     from autopar.planning.candidates import Candidate
     from autopar.planning.pipeline import PipelineSetup
