@@ -50,6 +50,7 @@ from autopar.capture.joint import (
 from autopar.errors import CaptureError
 from autopar.graph import TracedGraph
 from autopar.capture.layers import WRAP, block_prefix, layer_units
+from autopar.capture.stage_copies import copied_stage, stage_signature
 
 __all__ = ["ForwardGraph", "StageGraph", "capture_stages", "capture_with_forward", "export_forward",
            "first_microbatch", "microbatch_inputs", "node_stages", "set_module_attr", "split_stages",
@@ -172,7 +173,8 @@ def export_forward(model: nn.Module, example_inputs: Any, ep: Any = None) -> For
 
 
 def capture_stages(fwd: ForwardGraph, stage_of_unit: Sequence[int], mb_inputs: Sequence[Any],
-                   autocast: torch.dtype | None = None) -> list[tuple[StageGraph, TracedGraph]]:
+                   autocast: torch.dtype | None = None, copy_identical: bool | None = None,
+                   ) -> list[tuple[StageGraph, TracedGraph]]:
     """Split ``fwd`` by ``stage_of_unit`` and trace every stage's joint graph.
 
     ``mb_inputs`` are one microbatch's flattened inputs (as the graph was exported for). The
@@ -182,7 +184,11 @@ def capture_stages(fwd: ForwardGraph, stage_of_unit: Sequence[int], mb_inputs: S
     :func:`autopar.capture.capture` traces a whole model (the forward graph is exported in
     fp32; its aten ops meet autocast when each stage is traced, so the casts are in the stage's
     joint graph, fp32 parameters stay the master weights and gradients leave in fp32). A
-    boundary value crosses in the dtype its stage computed it in.
+    boundary value crosses in the dtype its stage computed it in. ``copy_identical``: a stage
+    whose forward program is an earlier one's (:func:`~autopar.capture.stage_copies.
+    stage_signature`) takes that stage's joint graph, renamed (:func:`~autopar.capture.
+    stage_copies.copied_stage`), instead of being traced; by default only for a model that is
+    never run (built under ``FakeTensorMode``), as the copies share one graph module.
     """
     num_stages = max(stage_of_unit) + 1
     stage_of = node_stages(fwd.gm, fwd.unit_of, stage_of_unit)
@@ -193,32 +199,51 @@ def capture_stages(fwd: ForwardGraph, stage_of_unit: Sequence[int], mb_inputs: S
     if fwd.fake_mode is not None:
         flat = to_fake(flat, fwd.fake_mode, model_device(fwd.gm))
     is_fake = model_is_fake(fwd.gm)
+    copy_identical = is_fake if copy_identical is None else copy_identical
     prefix = fwd.units[1].rsplit(".", 1)[0] if len(fwd.units) > 2 else None
     boundary: list[torch.Tensor] = []
     device = model_device(fwd.gm).type
     cast = (lambda: torch.autocast(device, dtype=autocast)) if autocast is not None \
         else contextlib.nullcontext  # noqa: E731
+    # a model that is never run traces each distinct stage once (autopar.capture.stage_copies)
+    seen: dict[str, tuple[StageGraph, TracedGraph, list]] = {}
     for st in stages:
-        start = time.perf_counter()
         args = tuple(boundary) + tuple(flat[i] for i in st.user_inputs)
-        with ctx, contextlib.ExitStack() as stack:
-            stack.enter_context(cast())
-            try:
-                joint = private.export_joint(st.gm, args, stack)
-            except Exception as e:
-                raise CaptureError(f"tracing pipeline stage {st.index} failed: {first_line(e)}") from e
-        with ctx, torch.no_grad(), cast():
-            outs = st.gm(*args)
-        gm = joint.graph_module
-        strip_input_grads(gm, keep=st.num_boundary)
-        strip_assertions(gm)
-        split_mean_losses(gm)
-        # a stage of one block cannot show which module list repeats: the model's tells it
-        traced = build_traced(gm, st.gm, fwd.in_spec, is_fake, time.perf_counter() - start,
-                              stage=st, prefix=prefix)
+        sig = stage_signature(st.gm, st, args) if copy_identical else None
+        copy = copied_stage(seen[sig][1], seen[sig][0].gm, st.gm, WRAP, prefix) \
+            if sig in seen else None
+        if copy is not None:  # the same program: its outputs have the earlier stage's shapes
+            out.append((st, copy))
+            boundary = seen[sig][2]
+            continue
+        traced, outs = _trace_stage(st, args, fwd, ctx, cast, is_fake, prefix)
         out.append((st, traced))
         boundary = [tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(True), o) for o in outs]
+        if sig is not None:
+            seen.setdefault(sig, (st, traced, boundary))
     return out
+
+
+def _trace_stage(st: "StageGraph", args: tuple, fwd: ForwardGraph, ctx: Any, cast: Any,
+                 is_fake: bool, prefix: str | None) -> tuple[TracedGraph, Any]:
+    """One stage's joint trace and its forward outputs on ``args``."""
+    start = time.perf_counter()
+    with ctx, contextlib.ExitStack() as stack:
+        stack.enter_context(cast())
+        try:
+            joint = private.export_joint(st.gm, args, stack)
+        except Exception as e:
+            raise CaptureError(f"tracing pipeline stage {st.index} failed: {first_line(e)}") from e
+    with ctx, torch.no_grad(), cast():
+        outs = st.gm(*args)
+    gm = joint.graph_module
+    strip_input_grads(gm, keep=st.num_boundary)
+    strip_assertions(gm)
+    split_mean_losses(gm)
+    # a stage of one block cannot show which module list repeats: the model's tells it
+    traced = build_traced(gm, st.gm, fwd.in_spec, is_fake, time.perf_counter() - start,
+                          stage=st, prefix=prefix)
+    return traced, outs
 
 
 @dataclass(frozen=True)
