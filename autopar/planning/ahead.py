@@ -16,7 +16,11 @@ layer ILP finishes within ``Config.solver_time_limit_s``: one stopped by the lim
 plan so far, which the machine's load can change, with or without workers).
 
 A worker that fails on a size sends its error; the search then computes that size itself (so a
-real error is raised there, with its traceback) and warns with the worker's message. Workers need
+real error is raised there, with its traceback) and warns with the worker's message. Each worker
+writes to a pipe of its own, which only it holds open (a sending thread, so that it never waits
+for the search to read): a worker that dies, even in the middle of a message, ends its pipe, and
+the search solves its sizes (one queue shared by all workers would be left holding part of a
+message, and the search would wait for the rest forever). Workers need
 the ``fork`` start method (the model, possibly under ``FakeTensorMode``, is shared with them, not
 pickled); none is started without it, on macOS (where forking a process that has started
 threads is unsafe), inside a process group (a fork would share its sockets), in a daemonic
@@ -27,15 +31,17 @@ for longer than its sizes' ILPs may take is stopped, and its sizes are solved by
 from __future__ import annotations
 
 import multiprocessing as mp
+import multiprocessing.connection as mpc
 import os
 import queue
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["AheadSolver", "LayerKey", "TraceFacts", "default_workers", "fork_is_safe"]
+__all__ = ["AheadSolver", "LayerKey", "TraceFacts", "default_workers", "fork_is_safe", "write_message"]
 
 LayerKey = tuple[int, int, bool, int, bool]  # (tp, b, sp, cp, cp inside tp): search.layer_key
 
@@ -99,7 +105,9 @@ class AheadSolver:
         ctx = mp.get_context("fork") if fork_is_safe() else None
         # per size: 0 free, -1 the search's, i > 0 worker i's
         self._claims = (ctx or mp).Array("i", len(self.sizes))
-        self._queue = (ctx or mp).Queue()
+        self._conns: dict[int, Any] = {}  # worker -> the end of its pipe the search reads
+        self._out: Any = None  # (in a worker: its pipe's other end)
+        self._outbox: Any = None  # (in a worker: the messages its sending thread writes)
         self._ready: dict[LayerKey, tuple[Any, float]] = {}
         self._facts: dict[int, tuple[TraceFacts, float]] = {}
         self._failed: dict[int, str] = {}
@@ -110,13 +118,21 @@ class AheadSolver:
         self._silence_s = _SILENCE_S + 2 * time_limit_s * most
         self.procs: list[Any] = []
         for i in range(workers if ctx is not None else 0):
+            reader, writer = ctx.Pipe(duplex=False)
+            self._out = writer  # (what the worker forked now writes to)
             p = ctx.Process(target=_work, daemon=True, args=(solver, self, i + 1, skip_unsplit))
             try:
                 p.start()
             except OSError as e:  # (out of processes or memory: fewer workers, or none)
                 warnings.warn(f"autopar: a search worker could not start ({e}); the search "
                               f"goes on with {i}.", RuntimeWarning, stacklevel=2)
+                reader.close()
+                writer.close()
                 break
+            finally:
+                self._out = None
+            writer.close()  # (the worker holds the only writing end: its death ends the pipe)
+            self._conns[i + 1] = reader
             self.procs.append(p)
         self._heard = [time.monotonic()] * len(self.procs)
 
@@ -160,8 +176,9 @@ class AheadSolver:
             if p.is_alive():
                 p.terminate()
             p.join(timeout=10)
-        self._queue.close()
-        self._queue.cancel_join_thread()
+        for conn in self._conns.values():
+            conn.close()
+        self._conns.clear()
 
     def next_size(self, worker: int) -> int | None:
         """(In worker ``worker``.) Claim the largest free size; ``None`` when none is left."""
@@ -173,8 +190,9 @@ class AheadSolver:
         return None
 
     def send(self, *message: Any) -> None:
-        """(In a worker.) Pass ``message`` (the worker's number first) to the search."""
-        self._queue.put(message)
+        """(In a worker.) Pass ``message`` (the worker's number first) to the search, through
+        the worker's sending thread (:func:`_sending`)."""
+        self._outbox.put(message)
 
     def _pending(self, b: int) -> bool:
         """Whether a live worker has size ``b`` and has not given it up."""
@@ -183,22 +201,34 @@ class AheadSolver:
         owner = self._claims[self.sizes.index(b)]
         if owner <= 0:
             return False
-        if not self.procs[owner - 1].is_alive() and self._queue.empty():
-            self._give_up(owner, f"worker {owner} stopped (exit code "
-                                 f"{self.procs[owner - 1].exitcode})")
-            return False
-        return True
+        # (a worker that stopped has its pipe read to the end first: _receive)
+        return owner in self._conns
 
     def _receive(self) -> None:
-        try:
-            message = self._queue.get(timeout=1.0)
-        except queue.Empty:
+        """Read what the workers sent within a second; a pipe at its end (its worker
+        stopped, between messages or in one) gives that worker's open sizes to the search."""
+        ready = mpc.wait(list(self._conns.values()), timeout=1.0)
+        if not ready:
             now = time.monotonic()
             for i, p in enumerate(self.procs):
-                if p.is_alive() and now - self._heard[i] > self._silence_s:
+                if i + 1 in self._conns and now - self._heard[i] > self._silence_s:
                     p.terminate()
                     self._give_up(i + 1, f"no word from worker {i + 1} in "
                                          f"{self._silence_s:.0f} s; stopped")
+            return
+        for worker, conn in list(self._conns.items()):
+            if conn in ready:
+                self._read(worker, conn)
+
+    def _read(self, worker: int, conn: Any) -> None:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # (ended: after its last message, or in the middle of one)
+            conn.close()
+            del self._conns[worker]
+            p = self.procs[worker - 1]
+            p.join(timeout=5)
+            self._give_up(worker, f"worker {worker} stopped (exit code {p.exitcode})")
             return
         worker, kind, what, *rest = message
         self._heard[worker - 1] = time.monotonic()
@@ -231,6 +261,32 @@ def _work(solver: Any, ahead: AheadSolver, me: int, skip_unsplit: bool) -> None:
     # parent's pool of threads is not in the fork, and libgomp would wait for it forever
     torch.set_num_threads(1)
     solver.ahead = None  # (this copy computes; it waits for no one)
+    ahead._outbox = queue.Queue()
+    sender = threading.Thread(target=_sending, args=(ahead._out, ahead._outbox), daemon=True)
+    sender.start()
+    try:
+        _solve_sizes(solver, ahead, me, skip_unsplit)
+    finally:
+        ahead._outbox.put(None)
+        sender.join()
+
+
+def _sending(conn: Any, outbox: "queue.Queue") -> None:
+    """(A worker's thread.) Write each message of ``outbox`` to the search's pipe until
+    ``None``, so that the worker computes on while the search is busy."""
+    while (message := outbox.get()) is not None:
+        write_message(conn, message)
+    conn.close()
+
+
+def write_message(conn: Any, message: tuple) -> None:
+    """Write one message to the search (a function of its own: the tests stop a worker in
+    the middle of one)."""
+    conn.send(message)
+
+
+def _solve_sizes(solver: Any, ahead: AheadSolver, me: int, skip_unsplit: bool) -> None:
+    """Claim sizes, trace each, solve its keys, send each result."""
     while (b := ahead.next_size(me)) is not None:
         try:
             t0 = time.perf_counter()

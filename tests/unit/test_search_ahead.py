@@ -204,3 +204,52 @@ def test_a_worker_forked_after_the_parent_ran_threaded_kernels_does_not_hang():
     done = subprocess.run([sys.executable, "-c", _AFTER_THREADS], env=env, timeout=120,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+_DIES_IN_A_MESSAGE = """
+import os, struct, warnings
+import autopar
+import autopar.planning.ahead as ahead
+import autopar.planning.search as S
+from autopar.model_presets import megatron_gpt
+
+def dies_while_writing(conn, message):  # (in the worker's sending thread)
+    if message[1] == "costs":  # half a frame of multiprocessing's pipe, then the end
+        os.write(conn.fileno(), struct.pack("!i", 1 << 20) + b"part of a message")
+        os._exit(9)
+    conn.send(message)
+
+ahead.write_message = dies_while_writing
+S.AHEAD_AFTER_S, S.AHEAD_MIN_PARAMS = 0.0, 0
+model, inputs = megatron_gpt(dict(hidden=512, layers=4, heads=8), batch=64, seq=512)
+mesh = autopar.Mesh.virtual("h100-dgx", nodes=4, gpus_per_node=8)
+cfg = autopar.Config(tp=1, memory_bytes=2**29)
+summary = lambda r: [(c.setup, c.step_time_s, c.rank_memory_bytes) for c in r.ranked]
+expected = S.search(model, inputs, mesh, cfg, layers=S.LayerSolver(model, inputs, mesh, cfg, (), workers=0))
+S._TRACES.clear()
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    result = S.search(model, inputs, mesh, cfg, layers=S.LayerSolver(model, inputs, mesh, cfg, (), workers=1))
+said = [str(w.message) for w in seen]
+assert result.timings["workers"] == 1
+assert any("worker 1 stopped (exit code 9)" in m for m in said), said
+assert summary(result) == summary(expected)
+"""
+
+
+@_NEEDS_WORKERS
+def test_a_worker_that_dies_in_the_middle_of_a_message_does_not_hang_the_search():
+    """A worker killed while it writes a message (the OOM killer, say) leaves half of it in
+    the pipe: the search reads to the pipe's end, warns and solves that worker's sizes itself,
+    with the ranking it has alone. (Through one queue shared by the workers it waited for the
+    rest of the message forever.) In its own process, so that a hang fails the test after
+    five minutes instead of hanging the suite."""
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(here, ".."),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _DIES_IN_A_MESSAGE], env=env, timeout=300,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
