@@ -11,7 +11,7 @@ block and unit follow; ``partitioner_tag`` tells the backward from the forward.
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from autopar._torch_private import OpOverload
 
-__all__ = ["PRE", "POST", "WRAP", "aten_ops", "block_fingerprint", "block_prefix", "identical_blocks", "leading_blocks",
+__all__ = ["PRE", "POST", "WRAP", "aten_ops", "attribute", "block_fingerprint", "block_prefix", "identical_blocks", "leading_blocks",
            "is_backward", "is_op", "layer_units", "module_paths", "node_phase"]
 
 PRE = "pre"
@@ -167,3 +167,11 @@ def layer_units(nodes: Sequence[fx.Node], prefix: str | None,
                               if 0 < out.get(a.name, 0) < len(units) - 1), default=positional)
         out[n.name] = top_unit.get(tops[0], positional) if tops else positional
     return units, out
+
+
+def attribute(module: Any, target: str) -> Any:
+    """The attribute at the dotted ``target`` of ``module`` (what a ``get_attr`` node reads)."""
+    obj = module
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

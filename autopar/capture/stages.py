@@ -49,7 +49,7 @@ from autopar.capture.joint import (
 )
 from autopar.errors import CaptureError
 from autopar.graph import TracedGraph
-from autopar.capture.layers import WRAP, block_prefix, layer_units
+from autopar.capture.layers import WRAP, attribute, block_prefix, layer_units
 from autopar.capture.stage_copies import copied_stage, stage_signature
 
 __all__ = ["ForwardGraph", "StageGraph", "capture_stages", "capture_with_forward", "export_forward",
@@ -269,7 +269,7 @@ def _pure_nodes(gm: fx.GraphModule) -> set[str]:
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             pure.add(n.name)
-        elif n.op == "get_attr" and not isinstance(_get_attr(gm, n.target), nn.Parameter):
+        elif n.op == "get_attr" and not isinstance(attribute(gm, n.target), nn.Parameter):
             pure.add(n.name)  # a buffer or constant (rotary tables): each stage has its copy
         elif n.op == "call_function" and all(a.name in pure for a in n.all_input_nodes):
             pure.add(n.name)
@@ -336,10 +336,10 @@ def _build_stage(gm: fx.GraphModule, s: int, num_stages: int, nodes: list[fx.Nod
     params: list[str] = []
     for n in nodes:
         if n.op == "get_attr" and n.name in needed:
-            set_module_attr(root, n.target, _get_attr(gm, n.target))
+            set_module_attr(root, n.target, attribute(gm, n.target))
             env[n.name] = g.get_attr(n.target)
             env[n.name].meta = dict(n.meta)
-            if isinstance(_get_attr(gm, n.target), nn.Parameter):
+            if isinstance(attribute(gm, n.target), nn.Parameter):
                 params.append(n.target[len(WRAP):] if n.target.startswith(WRAP) else n.target)
         elif n.op == "call_function" and (stage_of.get(n.name) == s or (n.name in pure and n.name in needed)):
             env[n.name] = g.node_copy(n, lambda a: env[a.name])
@@ -368,13 +368,6 @@ def _pure_closure(roots: list[fx.Node], pure: set[str], stage_of: dict[str, int]
         if a.name in pure or a.op == "get_attr":
             stack.extend(a.all_input_nodes)
     return needed
-
-
-def _get_attr(gm: nn.Module, target: str) -> torch.Tensor:
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def set_module_attr(root: nn.Module, target: str, value: torch.Tensor | nn.Module) -> None:

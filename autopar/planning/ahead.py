@@ -41,7 +41,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["AheadSolver", "LayerKey", "TraceFacts", "default_workers", "fork_is_safe", "write_message"]
+__all__ = ["AheadSolver", "LayerKey", "TraceFacts", "default_workers", "fork_is_safe"]
 
 LayerKey = tuple[int, int, bool, int, bool]  # (tp, b, sp, cp, cp inside tp): search.layer_key
 
@@ -106,7 +106,8 @@ class AheadSolver:
         # per size: 0 free, -1 the search's, i > 0 worker i's
         self._claims = (ctx or mp).Array("i", len(self.sizes))
         self._conns: dict[int, Any] = {}  # worker -> the end of its pipe the search reads
-        self._out: Any = None  # (in a worker: its pipe's other end)
+        self._out: Any = None  # (in a worker: its pipe's writing end)
+        self._in: Any = None  # (in a worker: its pipe's reading end, closed there)
         self._outbox: Any = None  # (in a worker: the messages its sending thread writes)
         self._ready: dict[LayerKey, tuple[Any, float]] = {}
         self._facts: dict[int, tuple[TraceFacts, float]] = {}
@@ -119,7 +120,7 @@ class AheadSolver:
         self.procs: list[Any] = []
         for i in range(workers if ctx is not None else 0):
             reader, writer = ctx.Pipe(duplex=False)
-            self._out = writer  # (what the worker forked now writes to)
+            self._out, self._in = writer, reader  # (the ends of the worker forked now)
             p = ctx.Process(target=_work, daemon=True, args=(solver, self, i + 1, skip_unsplit))
             try:
                 p.start()
@@ -130,7 +131,7 @@ class AheadSolver:
                 writer.close()
                 break
             finally:
-                self._out = None
+                self._out = self._in = None
             writer.close()  # (the worker holds the only writing end: its death ends the pipe)
             self._conns[i + 1] = reader
             self.procs.append(p)
@@ -171,7 +172,7 @@ class AheadSolver:
         return dict(self._facts)
 
     def close(self) -> None:
-        """Stop the workers (those done have exited) and release the queue."""
+        """Stop the workers (those done have exited) and close their pipes."""
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
@@ -261,6 +262,10 @@ def _work(solver: Any, ahead: AheadSolver, me: int, skip_unsplit: bool) -> None:
     # parent's pool of threads is not in the fork, and libgomp would wait for it forever
     torch.set_num_threads(1)
     solver.ahead = None  # (this copy computes; it waits for no one)
+    # the reading ends are the search's: held here too, a search that died would leave this
+    # worker writing to a pipe nobody reads, forever
+    for conn in [ahead._in, *ahead._conns.values()]:
+        conn.close()
     ahead._outbox = queue.Queue()
     sender = threading.Thread(target=_sending, args=(ahead._out, ahead._outbox), daemon=True)
     sender.start()
@@ -273,15 +278,24 @@ def _work(solver: Any, ahead: AheadSolver, me: int, skip_unsplit: bool) -> None:
 
 def _sending(conn: Any, outbox: "queue.Queue") -> None:
     """(A worker's thread.) Write each message of ``outbox`` to the search's pipe until
-    ``None``, so that the worker computes on while the search is busy."""
-    while (message := outbox.get()) is not None:
-        write_message(conn, message)
-    conn.close()
+    ``None``, so that the worker computes on while the search is busy. A message that cannot
+    be written (one that does not pickle, a search that has gone) ends the worker at once, its
+    traceback on its stderr: the search then reads the pipe's end and solves its sizes."""
+    try:
+        while (message := outbox.get()) is not None:
+            _write_message(conn, message)
+        conn.close()
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
 
 
-def write_message(conn: Any, message: tuple) -> None:
-    """Write one message to the search (a function of its own: the tests stop a worker in
-    the middle of one)."""
+def _write_message(conn: Any, message: tuple) -> None:
+    """Write one message to the search (a function of its own: a test stops a worker in the
+    middle of one)."""
     conn.send(message)
 
 

@@ -66,6 +66,20 @@ def test_a_stage_repeating_an_earlier_one_is_its_trace_renamed(kind):
     assert {p.name for p in copied[2][1].params} == set(copied[2][0].params)
 
 
+def test_a_stage_of_frozen_blocks_is_not_a_copy_of_one_that_trains():
+    # the same program but for requires_grad: the frozen stage's joint graph has no gradients
+    model, inputs = _fake_gpt()
+    for name in ("blocks.1", "blocks.2"):
+        model.get_submodule(name).requires_grad_(False)
+    fwd = export_forward(model, inputs)
+    chunks, _ = microbatch_inputs(inputs, 1)
+    cut = (0, 0, 1, 1, 2, 2, 3, 3)  # stage 1 frozen (b1 b2), stage 2 trains (b3 b4)
+    copied = capture_stages(fwd, cut, chunks[0])
+    assert len({id(t.gm) for _, t in copied}) == 4
+    assert all(p.grad_output_index is None for p in copied[1][1].params)
+    assert all(p.grad_output_index is not None for p in copied[2][1].params)
+
+
 def test_a_fake_models_pipeline_plan_is_the_same_with_copied_stages(monkeypatch):
     model, inputs = _fake_gpt(layers=8)
     cfg = autopar.Config(pp=4, schedule="1f1b", microbatch_size=1)
