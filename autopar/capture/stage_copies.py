@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from autopar.capture.layers import attribute
+from autopar.capture.layers import WRAP, attribute
 from autopar.graph import TracedGraph
 
 __all__ = ["copied_stage", "stage_signature"]
@@ -80,17 +80,17 @@ def _graph_digest(gm: fx.GraphModule) -> str:
     return h.hexdigest()
 
 
-def copied_stage(traced: TracedGraph, src: fx.GraphModule, dst: fx.GraphModule, wrap: str,
+def copied_stage(traced: TracedGraph, src: fx.GraphModule, dst: fx.GraphModule,
                  prefix: str | None) -> TracedGraph | None:
     """``traced`` (the joint trace of the stage program ``src``) for the stage program ``dst``
     of the same :func:`stage_signature`: parameters, tied names and buffers renamed attribute
-    by attribute (``wrap``: the loss wrapper's prefix, left out of the names), layers
+    by attribute (the loss wrapper's prefix left out of the names), layers
     ``prefix.N`` renamed by their parameters. ``None`` when a name cannot be mapped (then the
     stage is traced)."""
     names: dict[str, str] = {}
     for a, b in zip(src.graph.nodes, dst.graph.nodes):
         if a.op == "get_attr":
-            names[a.target.removeprefix(wrap)] = b.target.removeprefix(wrap)
+            names[a.target.removeprefix(WRAP)] = b.target.removeprefix(WRAP)
     layer_of = {"": ""}
     pat = re.compile(rf"^{re.escape(prefix)}\.(\d+)(\.|$)") if prefix else None
     for a, b in names.items():

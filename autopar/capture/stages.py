@@ -210,7 +210,7 @@ def capture_stages(fwd: ForwardGraph, stage_of_unit: Sequence[int], mb_inputs: S
     for st in stages:
         args = tuple(boundary) + tuple(flat[i] for i in st.user_inputs)
         sig = stage_signature(st.gm, st, args) if copy_identical else None
-        copy = copied_stage(seen[sig][1], seen[sig][0].gm, st.gm, WRAP, prefix) \
+        copy = copied_stage(seen[sig][1], seen[sig][0].gm, st.gm, prefix) \
             if sig in seen else None
         if copy is not None:  # the same program: its outputs have the earlier stage's shapes
             out.append((st, copy))
@@ -224,7 +224,7 @@ def capture_stages(fwd: ForwardGraph, stage_of_unit: Sequence[int], mb_inputs: S
     return out
 
 
-def _trace_stage(st: "StageGraph", args: tuple, fwd: ForwardGraph, ctx: Any, cast: Any,
+def _trace_stage(st: StageGraph, args: tuple, fwd: ForwardGraph, ctx: Any, cast: Any,
                  is_fake: bool, prefix: str | None) -> tuple[TracedGraph, Any]:
     """One stage's joint trace and its forward outputs on ``args``."""
     start = time.perf_counter()
