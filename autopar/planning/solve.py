@@ -173,18 +173,25 @@ def _pin_data_axes(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candid
         one, choice = solved[size]
         if choice is None:
             continue
+        # (nodes of identical layers list one tuple of strategies and choose alike: each pair
+        # is compared once; each entry holds its tuple, so that no other takes its id)
+        kept: dict[tuple[int, Strategy], tuple[tuple[Strategy, ...], tuple[Strategy, ...]]] = {}
         for name, ns in space.nodes.items():
             chosen = one.nodes[name].strategies[choice[name]]
-            keep = tuple(s for s in ns.strategies if _agrees(s, chosen, axis))
-            if keep:
-                space.nodes[name] = dataclasses.replace(ns, strategies=keep)
+            key = (id(ns.strategies), chosen)
+            if key not in kept:
+                kept[key] = (ns.strategies, _agreeing(ns.strategies, chosen, axis))
+            if kept[key][1]:
+                space.nodes[name] = dataclasses.replace(ns, strategies=kept[key][1])
 
 
-def _agrees(strategy: Strategy, alone: Strategy, axis: int) -> bool:
-    """Whether ``strategy`` places every output and input on mesh ``axis`` as the one-axis
-    strategy ``alone`` does."""
-    pairs = zip((*strategy.outputs, *strategy.inputs), (*alone.outputs, *alone.inputs))
-    return all(a is None or b is None or a[axis] == b[0] for a, b in pairs)
+def _agreeing(strategies: tuple[Strategy, ...], alone: Strategy, axis: int) -> tuple[Strategy, ...]:
+    """Those of ``strategies`` that place every output and input on mesh ``axis`` as the
+    one-axis strategy ``alone`` does (in order)."""
+    want = tuple(None if b is None else b[0] for b in (*alone.outputs, *alone.inputs))
+    return tuple(s for s in strategies
+                 if all(a is None or b is None or a[axis] == b
+                        for a, b in zip((*s.outputs, *s.inputs), want)))
 
 
 def _pin_axes(traced: TracedGraph, space: StrategySpace, config: Config, cand: Candidate,

@@ -37,7 +37,10 @@ Presolve (every step exact, repeated until nothing changes):
    node costs.
 
 Solve: the LP relaxation (HiGHS's LP solver, GLOP where OR-Tools lacks it) first; if every
-``x`` is within 1e-6 of 0/1 it is optimal (backend ``"lp-relaxation"``). HiGHS over GLOP:
+``x`` is within 1e-6 of 0/1 it is optimal (backend ``"lp-relaxation"``). Otherwise its solution
+is rounded, greedily memory-repaired and improved by local search (each group its best option
+with its neighbours held); within the MIP's gap of the LP bound that is optimal (backend
+``"lp-rounding"``). HiGHS over GLOP:
 the relaxation of the bf16 Llama of the setup-kind tests (4 layers, dp=2 x tp=2: 605k
 variables, 51k constraints) took 6.4 s in HiGHS against 31 s in GLOP (and 121 s in CLP,
 unfinished), the same objective; GLOP missed the 30 s limit on a loaded machine.  Otherwise the MIP runs with a relative
@@ -46,11 +49,10 @@ memory budget it proved optimality in 5-17 s where CBC alone stopped at a 30 s
 limit with gaps of 2e-4 to 3e-3).  OR-Tools' HiGHS interface exposes no
 incumbent at the time limit, so HiGHS gets 2/3 of the remaining time and CBC
 (or SCIP) the rest; if that also ends without proof, the better of its
-incumbent and the rounded, greedily memory-repaired LP solution (backend
-``"lp-rounding"``) is returned as ``"feasible"`` with its gap.  The limit is
+incumbent and that rounding (backend ``"lp-rounding"``) is returned as ``"feasible"`` with its gap.  The limit is
 approximate: CBC can overrun it by a few seconds.  Model construction is
-ordered and the backends are deterministic, so a problem always gives the
-same choice.
+ordered (written as one model: :mod:`autopar.solver.formulation`) and the backends are
+deterministic, so a problem always gives the same choice.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ import numpy as np
 from ortools.linear_solver import pywraplp
 
 from autopar.errors import PlanError
+from autopar.solver.formulation import Formulation, formulate, load
 from autopar.solver.mip import (
     INTRA_OP_SETTINGS, UNKNOWN_STATUS, SolverError, SolverTimeoutError, run_mip,
 )
@@ -310,54 +313,43 @@ class _Model:
     scale: float  # objective coefficients are costs / scale
 
 
-def _build(solver: pywraplp.Solver, red: _Reduced, slack: float | None, integer: bool) -> _Model:
-    """Build the Alpa formulation over the groups the presolve left open."""
+@dataclass(frozen=True)
+class _Written:
+    """The presolved problem's model (:func:`autopar.solver.formulation.formulate`), to load
+    into each backend that tries it."""
+
+    form: Formulation
+    groups: tuple[int, ...]
+    scale: float
+
+    def load(self, solver: pywraplp.Solver) -> _Model:
+        loaded = load(solver, self.form)
+        return _Model(solver, self.groups, loaded.x, self.scale)
+
+
+def _write(red: _Reduced, slack: float | None, integer: bool) -> _Written:
+    """Alpa's formulation over the groups the presolve left open, objective scaled to O(1)."""
     groups = tuple(g for g in range(len(red.opts)) if not red.fixed[g])
     idx = {g: i for i, g in enumerate(groups)}
     scale = max([float(red.cost[g].max()) for g in groups] + [float(m.max()) for m in red.edges.values()] + [0.0])
     scale = scale if scale > 0 else 1.0
-    obj = solver.Objective()
-    xs = []
-    for g in groups:
-        row = tuple(solver.BoolVar("") if integer else solver.NumVar(0.0, 1.0, "") for _ in red.opts[g])
-        one = solver.Constraint(1.0, 1.0)
-        for s, var in enumerate(row):
-            one.SetCoefficient(var, 1.0)
-            obj.SetCoefficient(var, float(red.cost[g][s]) / scale)
-        xs.append(row)
-    for (u, v), mat in sorted(red.edges.items()):
-        _add_edge(solver, obj, xs[idx[u]], xs[idx[v]], mat / scale)
-    if slack is not None:
-        _add_memory(solver, red, groups, xs, slack)
-    obj.SetMinimization()
-    return _Model(solver, groups, tuple(xs), scale)
+    edges = [(idx[u], idx[v], mat / scale) for (u, v), mat in sorted(red.edges.items())]
+    extra, bound = _memory_row(red, groups, slack)
+    form = formulate([red.cost[g] / scale for g in groups], edges, extra, bound, integer)
+    return _Written(form, groups, scale)
 
 
-def _add_edge(solver: pywraplp.Solver, obj: pywraplp.Objective, xu: tuple, xv: tuple, mat: np.ndarray) -> None:
-    """y[s, t] with sum_t y = x_u[s], sum_s y = x_v[t] and cost mat[s, t] (already scaled)."""
-    rows, cols = [solver.Constraint(0.0, 0.0) for _ in xu], [solver.Constraint(0.0, 0.0) for _ in xv]
-    for ct, var in [*zip(rows, xu), *zip(cols, xv)]:
-        ct.SetCoefficient(var, -1.0)
-    for s in range(len(xu)):
-        for t in range(len(xv)):
-            y = solver.NumVar(0.0, 1.0, "")
-            rows[s].SetCoefficient(y, 1.0)
-            cols[t].SetCoefficient(y, 1.0)
-            if mat[s, t] != 0.0:
-                obj.SetCoefficient(y, float(mat[s, t]))
-
-
-def _add_memory(solver: pywraplp.Solver, red: _Reduced, groups: tuple[int, ...], xs: list, slack: float) -> None:
-    """sum_g sum_s (m[g,s] - min_s m[g,s]) x[g,s] <= slack, scaled to O(1); skipped when it cannot bind."""
+def _memory_row(red: _Reduced, groups: tuple[int, ...], slack: float | None
+                ) -> tuple[list[np.ndarray] | None, float]:
+    """sum_g sum_s (m[g,s] - min_s m[g,s]) x[g,s] <= slack, scaled to O(1): its coefficients
+    and bound, or ``None`` when it cannot bind."""
+    if slack is None:
+        return None, 0.0
     extra = [red.mem[g] - red.mem[g].min() for g in groups]
     if math.fsum(float(e.max()) for e in extra) <= slack:
-        return
+        return None, 0.0
     mscale = max(float(e.max()) for e in extra)
-    ct = solver.Constraint(-solver.infinity(), slack / mscale)
-    for row, e in zip(xs, extra):
-        for var, val in zip(row, e):
-            if val != 0.0:
-                ct.SetCoefficient(var, float(val) / mscale)
+    return [e / mscale for e in extra], slack / mscale
 
 
 def _positions(model: _Model) -> tuple[dict[int, int], bool]:
@@ -412,6 +404,32 @@ def _repair(red: _Reduced, pos: dict[int, int], slack: float | None) -> dict[int
     return pos
 
 
+_IMPROVE_PASSES = 50  # (each pass that changes a group lowers the objective; a bound all the same)
+
+
+def _improve(red: _Reduced, pos: dict[int, int], slack: float | None) -> dict[int, int]:
+    """Local search on a repaired choice: each open group in turn takes its cheapest option
+    with its neighbours held, among those that keep the memory within ``slack``, until a pass
+    changes nothing. Measured on DeepSeek-V3's stage-1 ILP (2,048 GPUs; 503 groups, 433k
+    variables): the rounded LP choice was 7.9% above the LP bound, 2.1% after 2 passes (12 ms),
+    where the MIP's incumbent after 50 s was no better than the rounding."""
+    extra = {g: red.mem[g] - red.mem[g].min() for g in pos}
+    used = math.fsum(float(extra[g][pos[g]]) for g in pos)
+    limit = math.inf if slack is None else slack
+    for _ in range(_IMPROVE_PASSES):
+        changed = False
+        for g in sorted(pos):
+            local = _local_costs(red, g, pos)
+            options = np.where(extra[g] <= limit - used + extra[g][pos[g]], local, np.inf)
+            s = int(np.argmin(options))
+            if options[s] < local[pos[g]]:
+                used += float(extra[g][s] - extra[g][pos[g]])
+                pos[g], changed = s, True
+        if not changed:
+            break
+    return pos
+
+
 def _reduced_value(red: _Reduced, pos: dict[int, int]) -> float:
     """Objective of ``pos`` in the presolved problem (no constants of fixed groups)."""
     nodes = math.fsum(float(red.cost[g][s]) for g, s in pos.items())
@@ -445,7 +463,7 @@ def _solve_lp(red: _Reduced, slack: float | None, time_limit_s: float) -> _LPRes
     solver.SuppressOutput()
     if _lp_backend() == "HIGHS_LP":  # (its banner is printed unless this is set)
         solver.SetSolverSpecificParametersAsString("output_flag=false")
-    model = _build(solver, red, slack, integer=False)
+    model = _write(red, slack, integer=False).load(solver)
     solver.SetTimeLimit(max(1, int(time_limit_s * 1000)))
     if solver.Solve() != pywraplp.Solver.OPTIMAL:
         return _LPResult(model, None, False, -math.inf)
@@ -456,9 +474,9 @@ def _solve_lp(red: _Reduced, slack: float | None, time_limit_s: float) -> _LPRes
 def _rounding_solution(
     problem: ILPProblem, red: _Reduced, lp: _LPResult, slack: float | None, t0: float
 ) -> ILPSolution:
-    """Rounded + memory-repaired LP solution, with its gap to the LP bound."""
+    """Rounded, memory-repaired and locally improved LP solution, with its gap to the LP bound."""
     assert lp.pos is not None
-    pos = _repair(red, dict(lp.pos), slack)
+    pos = _improve(red, _repair(red, dict(lp.pos), slack), slack)
     choice = _full_choice(red, pos)
     value = evaluate_choice(problem, choice)[0]
     bound = lp.bound + (value - _reduced_value(red, pos))  # add back the fixed groups' constant
@@ -488,7 +506,7 @@ def _solve_mip(
 
     Returns the solution (None when no backend found one), the last status code and the backends tried.
     """
-    run = run_mip(lambda solver: _build(solver, red, slack, integer=True), INTRA_OP_SETTINGS,
+    run = run_mip(_write(red, slack, integer=True).load, INTRA_OP_SETTINGS,
                   problem.time_limit_s, t0)
     if run.code == pywraplp.Solver.INFEASIBLE:
         raise _infeasible_error(problem)
@@ -516,9 +534,10 @@ def solve_ilp(problem: ILPProblem) -> ILPSolution:
     """Solve the intra-operator sharding ILP (exactly, within a 1e-4 relative gap, unless time runs out).
 
     Presolves, tries the LP relaxation (returned as ``"lp-relaxation"`` when
-    integral) and otherwise runs the MIP.  When the MIP ends at the time limit,
-    the better of its incumbent and the rounded, memory-repaired LP solution
-    (backend ``"lp-rounding"``) is returned with status ``"feasible"``.
+    integral); otherwise the LP solution rounded, memory-repaired and improved by local
+    search (backend ``"lp-rounding"``) when that is within the gap of the LP bound, else the
+    MIP.  When the MIP ends at the time limit, the better of its incumbent and the
+    rounding is returned with status ``"feasible"``.
     Raises :class:`InfeasibleMemoryError` when no choice fits ``memory_budget``,
     :class:`SolverTimeoutError` when nothing feasible is known at the time limit
     and ``ValueError`` for a malformed problem.
@@ -533,14 +552,16 @@ def solve_ilp(problem: ILPProblem) -> ILPSolution:
     lp = _solve_lp(red, slack, problem.time_limit_s)
     if lp.pos is not None and lp.integral:
         return _solution(problem, _full_choice(red, lp.pos), "optimal", 0.0, t0, "lp-relaxation", lp.model.solver)
+    rounded = _rounding_solution(problem, red, lp, slack, t0) if lp.pos is not None else None
+    if rounded is not None and rounded.status == "optimal":  # (within the MIP's own gap)
+        return rounded
     mip, code, tried = _solve_mip(problem, red, slack, t0)
     if mip is not None and mip.status == "optimal":
         return mip
-    if lp.pos is None:
+    if rounded is None:
         if mip is None:
             raise _no_solution_error(code, [_lp_backend(), *tried], problem.time_limit_s)
         return mip
-    rounded = _rounding_solution(problem, red, lp, slack, t0)
     return mip if mip is not None and mip.objective <= rounded.objective else rounded
 
 

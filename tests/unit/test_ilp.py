@@ -8,9 +8,10 @@ import time
 
 import numpy as np
 import pytest
-from ortools.linear_solver import pywraplp
+from ortools.linear_solver import linear_solver_pb2, pywraplp
 
 import autopar.solver.ilp as ilp
+from autopar.solver.formulation import formulate, load, variable_records
 from autopar.errors import PlanError
 from autopar.solver.mip import SolverTimeoutError
 from autopar.solver.ilp import (
@@ -174,7 +175,7 @@ def test_fractional_lp_cycle_goes_to_mip() -> None:
     problem = frustrated_triangle()
     solver = pywraplp.Solver.CreateSolver("GLOP")
     red, slack = ilp._presolve(problem)
-    model = ilp._build(solver, red, slack, integer=False)
+    model = ilp._write(red, slack, integer=False).load(solver)
     assert solver.Solve() == pywraplp.Solver.OPTIMAL
     assert not ilp._positions(model)[1], "the LP relaxation of this instance must be fractional"
     sol = solve_ilp(problem)
@@ -312,3 +313,103 @@ def test_a_time_limited_solve_reaches_the_plan_as_a_warning(monkeypatch: pytest.
     assert plan.solver["status"] == "feasible" and plan.solver["gap"] == 0.05
     assert any("time limit (7" in w and "gap 0.05" in w and "solver_time_limit_s" in w
                for w in plan.warnings), plan.warnings
+
+
+def test_variable_records_are_protobufs_own_encoding() -> None:
+    """The numpy-written variables of the intra-operator model parse as protobuf writes them."""
+    lower, upper, obj = np.array([0.0, -1.5, 0.0]), np.array([1.0, 2.0, np.inf]), np.array([0.25, 0.0, -3.0])
+    for integer in (False, True):
+        ref = linear_solver_pb2.MPModelProto()
+        for lo, hi, c in zip(lower, upper, obj):
+            ref.variable.add(lower_bound=lo, upper_bound=hi, objective_coefficient=c,
+                             **({"is_integer": True} if integer else {}))
+        got = linear_solver_pb2.MPModelProto.FromString(variable_records(lower, upper, obj, integer))
+        assert got == ref, (integer, got, ref)
+        assert got.SerializeToString() == ref.SerializeToString()
+
+
+def _call_by_call(solver: pywraplp.Solver, costs, edges, extra, slack: float) -> None:
+    """The model :func:`formulate` writes, built with one pywraplp call per term (the order
+    of variables and constraints included)."""
+    xs = []
+    for c in costs:
+        row = [solver.BoolVar("") for _ in c]
+        one = solver.Constraint(1.0, 1.0)
+        for var, value in zip(row, c):
+            one.SetCoefficient(var, 1.0)
+            solver.Objective().SetCoefficient(var, float(value))
+        xs.append(row)
+    for u, v, mat in edges:
+        rows = [solver.Constraint(0.0, 0.0) for _ in xs[u]]
+        cols = [solver.Constraint(0.0, 0.0) for _ in xs[v]]
+        for ct, var in [*zip(rows, xs[u]), *zip(cols, xs[v])]:
+            ct.SetCoefficient(var, -1.0)
+        for s, t in itertools.product(range(mat.shape[0]), range(mat.shape[1])):
+            y = solver.NumVar(0.0, 1.0, "")
+            rows[s].SetCoefficient(y, 1.0)
+            cols[t].SetCoefficient(y, 1.0)
+            solver.Objective().SetCoefficient(y, float(mat[s, t]))
+    ct = solver.Constraint(-solver.infinity(), slack)
+    for row, e in zip(xs, extra):
+        for var, value in zip(row, e):
+            if value != 0.0:
+                ct.SetCoefficient(var, float(value))
+
+
+def test_the_written_model_is_the_one_built_call_by_call() -> None:
+    """Loaded into a solver, the written model exports the same variables (bounds, objective,
+    integrality) and constraints (bounds and terms, in order) as the call-by-call build, and
+    solves to the same choice."""
+    rng = np.random.default_rng(3)
+    costs = [rng.random(k) for k in (2, 3, 1, 3)]
+    edges = [(0, 1, rng.random((2, 3))), (1, 3, rng.random((3, 3))), (2, 3, rng.random((1, 3)))]
+    extra = [np.array([0.0, 1.0]), np.array([0.5, 0.0, 0.0]), np.zeros(1), np.array([0.0, 0.25, 1.0])]
+    ref = pywraplp.Solver.CreateSolver("CBC")
+    _call_by_call(ref, costs, edges, extra, 1.0)
+    loaded = load(pywraplp.Solver.CreateSolver("CBC"), formulate(costs, edges, extra, 1.0, integer=True))
+    assert [len(r) for r in loaded.x] == [2, 3, 1, 3]
+    want, got = linear_solver_pb2.MPModelProto(), linear_solver_pb2.MPModelProto()
+    ref.ExportModelToProto(want)
+    loaded.solver.ExportModelToProto(got)
+    assert list(got.variable) == list(want.variable)
+    assert len(got.constraint) == len(want.constraint) == 4 + 2 + 3 + 3 + 3 + 1 + 3 + 1
+    for a, b in zip(got.constraint, want.constraint):
+        assert (a.lower_bound, a.upper_bound) == (b.lower_bound, b.upper_bound)
+        assert dict(zip(a.var_index, a.coefficient)) == dict(zip(b.var_index, b.coefficient))
+    assert ref.Solve() == loaded.solver.Solve() == pywraplp.Solver.OPTIMAL
+    assert [v.solution_value() for v in ref.variables()] == \
+        [v.solution_value() for v in loaded.solver.variables()]
+
+
+def test_a_rounding_within_the_gap_of_the_lp_bound_skips_the_mip(monkeypatch) -> None:
+    """A fractional LP whose rounding the local search brings to the LP bound is solved without
+    the MIP: here the LP is made to answer the worst strategy of every group with the true
+    bound, and the search walks to the optimum."""
+    rng = np.random.default_rng(0)
+    costs = tuple(rng.random(3) for _ in range(5))
+    edges = tuple(ILPEdge(g, g + 1, 0.01 * rng.random((3, 3))) for g in range(4))
+    problem = ILPProblem(costs, tuple(np.zeros(3) for _ in range(5)), edges, None)
+    best = brute_force(problem)
+    real_lp = ilp._solve_lp
+
+    def fractional(red, slack, limit):
+        lp = real_lp(red, slack, limit)
+        assert len(lp.pos) == 5  # (nothing presolved away: the search has all to do)
+        return ilp._LPResult(lp.model, {g: int(np.argmax(red.cost[g])) for g in lp.pos}, False, lp.bound)
+
+    monkeypatch.setattr(ilp, "_solve_lp", fractional)
+    monkeypatch.setattr(ilp, "_solve_mip", lambda *a: pytest.fail("the MIP ran"))
+    sol = solve_ilp(problem)
+    assert (sol.backend, sol.status, sol.choice) == ("lp-rounding", "optimal", best.choice)
+    assert sol.objective == pytest.approx(best.objective, rel=1e-12)
+
+
+def test_the_local_search_keeps_the_memory_budget() -> None:
+    """From every group on its lean, dear strategy, the search moves groups to the cheap one
+    while the budget allows: one of the four (10 + 10 bytes would pass the 15)."""
+    problem = knapsack_problem()
+    red, slack = ilp._presolve(problem)
+    pos = ilp._improve(red, {g: 1 for g in range(4)}, slack)
+    _, memory = ilp.evaluate_choice(problem, ilp._full_choice(red, pos))
+    assert sorted(pos.values()) == [0, 1, 1, 1] and memory <= problem.memory_budget
+    assert ilp._improve(red, {g: 1 for g in range(4)}, None) == {g: 0 for g in range(4)}
