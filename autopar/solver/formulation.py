@@ -54,7 +54,8 @@ def variable_records(lower: np.ndarray, upper: np.ndarray, objective: np.ndarray
 @dataclass(frozen=True)
 class Formulation:
     """The model of one presolved problem: ``proto``, and the index of the first ``x`` variable
-    of each open group (``starts[i]`` to ``starts[i + 1]``: group ``i``'s strategies)."""
+    of each open group (``starts[i]`` to ``starts[i + 1]``: group ``i``'s strategies). The
+    message is shared by every backend that loads it: read it, never change it."""
 
     proto: linear_solver_pb2.MPModelProto
     starts: tuple[int, ...]
@@ -69,6 +70,7 @@ def formulate(costs: Sequence[np.ndarray], edges: Sequence[tuple[int, int, np.nd
     x[g, s] <= slack`` (coefficients that are 0 left out). Costs are taken as given (already
     scaled by the caller)."""
     sizes = [len(c) for c in costs]
+    _check(sizes, edges, extra_memory)
     starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     model = linear_solver_pb2.MPModelProto()
     add = model.constraint.add
@@ -98,6 +100,21 @@ def formulate(costs: Sequence[np.ndarray], edges: Sequence[tuple[int, int, np.nd
             + variable_records(np.zeros(ny), np.ones(ny), obj[nx:], False)
             + model.SerializeToString())
     return Formulation(linear_solver_pb2.MPModelProto.FromString(data), tuple(int(s) for s in starts))
+
+
+def _check(sizes: list[int], edges: Sequence[tuple[int, int, np.ndarray]],
+           extra_memory: Sequence[np.ndarray] | None) -> None:
+    """Raise ValueError for an edge or memory row that does not fit the groups (written
+    unchecked, it would read another group's variables)."""
+    n = len(sizes)
+    for u, v, mat in edges:
+        if not (0 <= u < n and 0 <= v < n) or np.shape(mat) != (sizes[u], sizes[v]):
+            raise ValueError(f"edge ({u}, {v}) with a cost matrix of shape {np.shape(mat)}; required: "
+                             f"groups in 0..{n - 1} and the shape (strategies of u, strategies of v)"
+                             f"{f' = {(sizes[u], sizes[v])}' if 0 <= u < n and 0 <= v < n else ''}.")
+    if extra_memory is not None and [len(e) for e in extra_memory] != sizes:
+        raise ValueError(f"memory rows of lengths {[len(e) for e in extra_memory]}; required one per "
+                         f"group, as long as its strategies: {sizes}.")
 
 
 @dataclass(frozen=True)

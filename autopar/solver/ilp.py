@@ -323,6 +323,7 @@ class _Written:
     scale: float
 
     def load(self, solver: pywraplp.Solver) -> _Model:
+        """The model loaded into ``solver``, its ``x`` by open group."""
         loaded = load(solver, self.form)
         return _Model(solver, self.groups, loaded.x, self.scale)
 
@@ -411,8 +412,8 @@ def _improve(red: _Reduced, pos: dict[int, int], slack: float | None) -> dict[in
     """Local search on a repaired choice: each open group in turn takes its cheapest option
     with its neighbours held, among those that keep the memory within ``slack``, until a pass
     changes nothing. Measured on DeepSeek-V3's stage-1 ILP (2,048 GPUs; 503 groups, 433k
-    variables): the rounded LP choice was 7.9% above the LP bound, 2.1% after 2 passes (12 ms),
-    where the MIP's incumbent after 50 s was no better than the rounding."""
+    variables): the rounded LP choice was 8.5% above the optimum, 2.1% after 2 passes (12 ms);
+    the MIP, at its 30 s limit, had nothing better (HiGHS proves the optimum given 46.7 s)."""
     extra = {g: red.mem[g] - red.mem[g].min() for g in pos}
     used = math.fsum(float(extra[g][pos[g]]) for g in pos)
     limit = math.inf if slack is None else slack
@@ -474,14 +475,18 @@ def _solve_lp(red: _Reduced, slack: float | None, time_limit_s: float) -> _LPRes
 def _rounding_solution(
     problem: ILPProblem, red: _Reduced, lp: _LPResult, slack: float | None, t0: float
 ) -> ILPSolution:
-    """Rounded, memory-repaired and locally improved LP solution, with its gap to the LP bound."""
+    """Rounded, memory-repaired and locally improved LP solution, with its gap to the LP bound
+    (of the whole objective). It is ``"optimal"`` when within the MIP's relative gap of the
+    bound on the presolved objective, the one the MIP's gap is measured on (the fixed groups'
+    constant left out, which would loosen it)."""
     assert lp.pos is not None
     pos = _improve(red, _repair(red, dict(lp.pos), slack), slack)
     choice = _full_choice(red, pos)
-    value = evaluate_choice(problem, choice)[0]
-    bound = lp.bound + (value - _reduced_value(red, pos))  # add back the fixed groups' constant
+    value, reduced = evaluate_choice(problem, choice)[0], _reduced_value(red, pos)
+    bound = lp.bound + (value - reduced)  # add back the fixed groups' constant
     gap = max(value - bound, 0.0) / max(abs(value), 1e-300)
-    status = "optimal" if gap <= _MIP_RELATIVE_GAP else "feasible"
+    close = reduced - lp.bound <= _MIP_RELATIVE_GAP * max(abs(reduced), 1e-300)
+    status = "optimal" if close else "feasible"
     return _solution(problem, choice, status, gap, t0, "lp-rounding", lp.model.solver)
 
 
@@ -553,7 +558,7 @@ def solve_ilp(problem: ILPProblem) -> ILPSolution:
     if lp.pos is not None and lp.integral:
         return _solution(problem, _full_choice(red, lp.pos), "optimal", 0.0, t0, "lp-relaxation", lp.model.solver)
     rounded = _rounding_solution(problem, red, lp, slack, t0) if lp.pos is not None else None
-    if rounded is not None and rounded.status == "optimal":  # (within the MIP's own gap)
+    if rounded is not None and rounded.status == "optimal":  # (certified to the MIP's gap)
         return rounded
     mip, code, tried = _solve_mip(problem, red, slack, t0)
     if mip is not None and mip.status == "optimal":

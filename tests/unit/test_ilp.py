@@ -330,7 +330,7 @@ def test_variable_records_are_protobufs_own_encoding() -> None:
 
 def _call_by_call(solver: pywraplp.Solver, costs, edges, extra, slack: float) -> None:
     """The model :func:`formulate` writes, built with one pywraplp call per term (the order
-    of variables and constraints included)."""
+    of variables, constraints and terms included): the build it replaced."""
     xs = []
     for c in costs:
         row = [solver.BoolVar("") for _ in c]
@@ -349,6 +349,8 @@ def _call_by_call(solver: pywraplp.Solver, costs, edges, extra, slack: float) ->
             rows[s].SetCoefficient(y, 1.0)
             cols[t].SetCoefficient(y, 1.0)
             solver.Objective().SetCoefficient(y, float(mat[s, t]))
+    if extra is None:
+        return
     ct = solver.Constraint(-solver.infinity(), slack)
     for row, e in zip(xs, extra):
         for var, value in zip(row, e):
@@ -356,7 +358,8 @@ def _call_by_call(solver: pywraplp.Solver, costs, edges, extra, slack: float) ->
                 ct.SetCoefficient(var, float(value))
 
 
-def test_the_written_model_is_the_one_built_call_by_call() -> None:
+@pytest.mark.parametrize("with_memory", [True, False])
+def test_the_written_model_is_the_one_built_call_by_call(with_memory: bool) -> None:
     """Loaded into a solver, the written model exports the same variables (bounds, objective,
     integrality) and constraints (bounds and terms, in order) as the call-by-call build, and
     solves to the same choice."""
@@ -364,6 +367,7 @@ def test_the_written_model_is_the_one_built_call_by_call() -> None:
     costs = [rng.random(k) for k in (2, 3, 1, 3)]
     edges = [(0, 1, rng.random((2, 3))), (1, 3, rng.random((3, 3))), (2, 3, rng.random((1, 3)))]
     extra = [np.array([0.0, 1.0]), np.array([0.5, 0.0, 0.0]), np.zeros(1), np.array([0.0, 0.25, 1.0])]
+    extra = extra if with_memory else None
     ref = pywraplp.Solver.CreateSolver("CBC")
     _call_by_call(ref, costs, edges, extra, 1.0)
     loaded = load(pywraplp.Solver.CreateSolver("CBC"), formulate(costs, edges, extra, 1.0, integer=True))
@@ -372,13 +376,42 @@ def test_the_written_model_is_the_one_built_call_by_call() -> None:
     ref.ExportModelToProto(want)
     loaded.solver.ExportModelToProto(got)
     assert list(got.variable) == list(want.variable)
-    assert len(got.constraint) == len(want.constraint) == 4 + 2 + 3 + 3 + 3 + 1 + 3 + 1
+    assert len(got.constraint) == len(want.constraint) == 4 + 2 + 3 + 3 + 3 + 1 + 3 + with_memory
     for a, b in zip(got.constraint, want.constraint):
         assert (a.lower_bound, a.upper_bound) == (b.lower_bound, b.upper_bound)
-        assert dict(zip(a.var_index, a.coefficient)) == dict(zip(b.var_index, b.coefficient))
+        assert (list(a.var_index), list(a.coefficient)) == (list(b.var_index), list(b.coefficient))
     assert ref.Solve() == loaded.solver.Solve() == pywraplp.Solver.OPTIMAL
     assert [v.solution_value() for v in ref.variables()] == \
         [v.solution_value() for v in loaded.solver.variables()]
+
+
+def test_the_written_model_refuses_rows_that_do_not_fit_their_groups() -> None:
+    """An edge matrix or a memory row of the wrong size would read another group's variables."""
+    costs = [np.ones(2), np.ones(3)]
+    with pytest.raises(ValueError, match=r"shape \(3, 2\).*\(2, 3\)"):
+        formulate(costs, [(0, 1, np.ones((3, 2)))], None, 0.0, integer=False)
+    with pytest.raises(ValueError, match="groups in 0..1"):
+        formulate(costs, [(0, 2, np.ones((2, 3)))], None, 0.0, integer=False)
+    with pytest.raises(ValueError, match=r"lengths \[3, 3\]"):
+        formulate(costs, [], [np.ones(3), np.ones(3)], 1.0, integer=False)
+
+
+def test_the_ilp_objective_is_written_scaled() -> None:
+    """``solver.ilp._write`` scales node and edge costs by one factor (the largest cost) and
+    the memory row by the largest extra memory: the loaded model's objective times the scale
+    is the problem's objective of the same choice."""
+    problem = knapsack_problem()
+    problem = ILPProblem(problem.node_costs, problem.node_memory,
+                         (ILPEdge(0, 1, np.array([[0.0, 2.0], [0.5, 0.0]])),), problem.memory_budget)
+    red, slack = ilp._presolve(problem)
+    written = ilp._write(red, slack, integer=True)
+    model = written.load(pywraplp.Solver.CreateSolver("CBC"))
+    assert model.solver.Solve() == pywraplp.Solver.OPTIMAL
+    pos, _ = ilp._positions(model)
+    choice = ilp._full_choice(red, pos)
+    assert model.solver.Objective().Value() * written.scale == pytest.approx(
+        ilp._reduced_value(red, pos), rel=1e-12)
+    assert choice == brute_force(problem).choice and written.scale == pytest.approx(2.0)
 
 
 def test_a_rounding_within_the_gap_of_the_lp_bound_skips_the_mip(monkeypatch) -> None:
@@ -413,3 +446,15 @@ def test_the_local_search_keeps_the_memory_budget() -> None:
     _, memory = ilp.evaluate_choice(problem, ilp._full_choice(red, pos))
     assert sorted(pos.values()) == [0, 1, 1, 1] and memory <= problem.memory_budget
     assert ilp._improve(red, {g: 1 for g in range(4)}, None) == {g: 0 for g in range(4)}
+
+
+def test_a_large_fixed_cost_does_not_let_a_rounding_pass_for_optimal() -> None:
+    """The frustrated triangle beside a fixed group of cost 1e6: the rounding (1 against the LP
+    bound 0) is within 1e-6 of the bound on the whole objective but not on the part the MIP
+    optimises, so the MIP still runs and proves it."""
+    tri = frustrated_triangle()
+    problem = ILPProblem((*tri.node_costs, np.array([1e6])), (*tri.node_memory, np.zeros(1)),
+                         tri.edges, None)
+    sol = solve_ilp(problem)
+    assert sol.backend in MIP_BACKENDS and sol.status == "optimal", sol
+    assert sol.objective == pytest.approx(1e6 + 1.0)
