@@ -458,3 +458,36 @@ def test_a_large_fixed_cost_does_not_let_a_rounding_pass_for_optimal() -> None:
     sol = solve_ilp(problem)
     assert sol.backend in MIP_BACKENDS and sol.status == "optimal", sol
     assert sol.objective == pytest.approx(1e6 + 1.0)
+
+
+@pytest.mark.parametrize("budget", [None, 15.0])
+def test_the_groups_the_lp_leaves_fractional_are_solved_exactly_within_the_budget(monkeypatch, budget) -> None:
+    """Groups u and v want to agree ((0, 0) costs 0, (1, 1) 1, mixed 10): from (1, 1) neither
+    moves alone, so the local search stops there. With the LP made to leave u and v fractional
+    and set w, the MIP over u and v alone finds (0, 0), at the LP bound, and the full MIP does not
+    run. With a budget that (0, 0) exceeds (each of u and v holds 10 bytes on its option 0), the
+    answer stays within it: (1, 1), the optimum."""
+    costs = (np.zeros(2), np.zeros(2), np.array([0.0, 1.0]))
+    mem = (np.array([10.0, 0.0]), np.array([10.0, 0.0]), np.zeros(2))
+    edges = (ILPEdge(0, 1, np.array([[0.0, 10.0], [10.0, 1.0]])),
+             ILPEdge(2, 0, np.array([[0.0, 0.5], [0.0, 0.0]])))
+    problem = ILPProblem(costs, mem, edges, budget)
+    best = brute_force(problem)
+    start = {0: 1, 1: 1, 2: 0}
+    red, slack = ilp._presolve(problem)
+    assert not any(red.fixed) and ilp._improve(red, dict(start), slack) == start
+    real_lp = ilp._solve_lp
+
+    def stuck(red, slack, limit):  # (the whole problem's LP; the neighbourhood's as it is)
+        lp = real_lp(red, slack, limit)
+        return ilp._LPResult(lp.model, dict(start), False, lp.bound) if len(lp.pos) == 3 else lp
+
+    monkeypatch.setattr(ilp, "_solve_lp", stuck)
+    monkeypatch.setattr(ilp, "_settled", lambda model: {2: 0} if len(model.groups) == 3 else {})
+    if budget is None:
+        monkeypatch.setattr(ilp, "_solve_mip", lambda *a: pytest.fail("the MIP ran"))
+    sol = solve_ilp(problem)
+    assert sol.choice == best.choice == ((0, 0, 0) if budget is None else (1, 1, 0))
+    assert sol.memory_bytes <= (budget or math.inf)
+    if budget is None:
+        assert (sol.backend, sol.status) == ("lp-rounding", "optimal")
