@@ -39,9 +39,10 @@ Presolve (every step exact, repeated until nothing changes):
 Solve: the LP relaxation (HiGHS's LP solver, GLOP where OR-Tools lacks it) first; if every
 ``x`` is within 1e-6 of 0/1 it is optimal (backend ``"lp-relaxation"``). Otherwise its solution
 is rounded, greedily memory-repaired, improved by local search (each group its best option
-with its neighbours held) and then by a MIP over the groups the LP left fractional (the others
-held: RINS); within the MIP's gap of the LP bound that is optimal (backend ``"lp-rounding"``). HiGHS over GLOP:
-the relaxation of the bf16 Llama of the setup-kind tests (4 layers, dp=2 x tp=2: 605k
+with its neighbours held) and then by a MIP over the groups where the LP is fractional or the
+rounding departs from it (the others held: RINS), to the MIP's gap in a third of the time
+left; within the MIP's gap of the LP bound that is optimal (backend ``"lp-rounding"``).
+HiGHS over GLOP: the relaxation of the bf16 Llama of the setup-kind tests (4 layers, dp=2 x tp=2: 605k
 variables, 51k constraints) took 6.4 s in HiGHS against 31 s in GLOP (and 121 s in CLP,
 unfinished), the same objective; GLOP missed the 30 s limit on a loaded machine.  Otherwise the MIP runs with a relative
 gap of 1e-4: HiGHS first (on 300-group x 8-strategy instances with a binding
@@ -52,7 +53,8 @@ incumbent at the time limit, so HiGHS gets 2/3 of the remaining time and CBC
 incumbent and that rounding (backend ``"lp-rounding"``) is returned as ``"feasible"`` with its gap.  The limit is
 approximate: CBC can overrun it by a few seconds.  Model construction is
 ordered (written as one model: :mod:`autopar.solver.formulation`) and the backends are
-deterministic, so a problem always gives the same choice.
+deterministic, so a problem always gives the same choice when no time limit is reached
+(whether a neighbourhood's MIP ends in its time decides whether the whole MIP runs).
 """
 
 from __future__ import annotations
@@ -80,7 +82,6 @@ __all__ = ["brute_force", "evaluate_choice", "format_bytes", "ILPEdge", "ILPProb
 _INTEGRALITY_TOL = 1e-6
 _MIP_RELATIVE_GAP = INTRA_OP_SETTINGS.relative_gap
 _BRUTE_FORCE_MAX = 10_000_000
-
 
 
 @dataclass
@@ -150,13 +151,18 @@ def _fix(red: _Reduced, g: int) -> None:
     red.incident[g].clear()
 
 
+def _slack_tolerance(budget: float) -> float:
+    """What the memory slack is widened by, for rounding in the sums."""
+    return 1e-9 * max(budget, 1.0)
+
+
 def _presolve(problem: ILPProblem) -> tuple[_Reduced, float | None]:
     """Run the exact presolve; return the state and the memory slack (None when unconstrained)."""
     red = _normalise(problem)
     slack = None
     if problem.memory_budget is not None:
         slack = problem.memory_budget - min_memory_bytes(problem)
-        slack += 1e-9 * max(problem.memory_budget, 1.0)  # tolerance for rounding in the sums
+        slack += _slack_tolerance(problem.memory_budget)
     changed = True
     while changed:
         changed = False
@@ -226,9 +232,14 @@ def _positions(model: _Model) -> tuple[dict[int, int], bool]:
     pos, integral = {}, True
     for g, row in zip(model.groups, model.x):
         vals = np.array([var.solution_value() for var in row])
-        integral &= bool(np.all(np.minimum(np.abs(vals), np.abs(vals - 1.0)) <= _INTEGRALITY_TOL))
+        integral &= _integral(vals)
         pos[g] = int(np.argmax(vals))
     return pos, integral
+
+
+def _integral(vals: np.ndarray) -> bool:
+    """Whether every value is within :data:`_INTEGRALITY_TOL` of 0 or 1."""
+    return bool(np.all(np.minimum(np.abs(vals), np.abs(vals - 1.0)) <= _INTEGRALITY_TOL))
 
 
 def _full_choice(red: _Reduced, pos: dict[int, int]) -> tuple[int, ...]:
@@ -341,6 +352,9 @@ def _solve_lp(red: _Reduced, slack: float | None, time_limit_s: float) -> _LPRes
 
 
 _NEIGHBOURHOOD_SHARE = 1 / 3  # of the time left, for the MIP over a rounding's unsettled groups
+# at most this share of the open groups free: a larger neighbourhood is nearly the whole MIP, which
+# would then start again with less time
+_NEIGHBOURHOOD_MAX_FREE = 1 / 2
 
 
 def _settled(model: _Model) -> dict[int, int]:
@@ -348,7 +362,7 @@ def _settled(model: _Model) -> dict[int, int]:
     out = {}
     for g, row in zip(model.groups, model.x):
         vals = np.array([var.solution_value() for var in row])
-        if np.all(np.minimum(np.abs(vals), np.abs(vals - 1.0)) <= _INTEGRALITY_TOL):
+        if _integral(vals):
             out[g] = int(np.argmax(vals))
     return out
 
@@ -357,16 +371,17 @@ def _neighbourhood(problem: ILPProblem, red: _Reduced, lp: _LPResult, pos: dict[
                    slack: float | None, t0: float) -> dict[int, int]:
     """``pos`` improved by a MIP over its neighbourhood (RINS: Danna, Rothberg and Le Pape,
     Math. Programming 102, 2005): the groups the LP set integral, where ``pos`` agrees, keep
-    their option; the others are solved exactly in :data:`_NEIGHBOURHOOD_SHARE` of the time
-    left, their edges to the kept groups folded into their costs, the memory the kept groups
-    use taken from the slack. ``pos`` as it was when no group or every group is free, or when
-    that MIP finds nothing better in its time. Measured on DeepSeek-V3's stage-1 ILP (2,048
+    their option; the others are solved by a MIP (to its gap) in :data:`_NEIGHBOURHOOD_SHARE`
+    of the time left, their edges to the kept groups folded into their costs, the memory the
+    kept groups use taken from the slack. ``pos`` as it was when no group, or more than
+    :data:`_NEIGHBOURHOOD_MAX_FREE` of them, is free, or when that MIP finds nothing better in
+    its time. Measured on DeepSeek-V3's stage-1 ILP (2,048
     GPUs: 460 open groups, 132 free): HiGHS solved the free part in 8.1 s, 7.8e-5 above the LP
     bound, where the local search had stopped 2.1% above it."""
     settled = _settled(lp.model)
     free = [g for g in sorted(pos) if settled.get(g) != pos[g]]
     left = problem.time_limit_s - (time.perf_counter() - t0)
-    if not free or len(free) == len(pos) or left <= 0:
+    if not free or len(free) > _NEIGHBOURHOOD_MAX_FREE * len(pos) or left <= 0:
         return pos
     at = {g: i for i, g in enumerate(free)}
     costs = [red.cost[g].copy() for g in free]
@@ -379,15 +394,17 @@ def _neighbourhood(problem: ILPProblem, red: _Reduced, lp: _LPResult, pos: dict[
         elif v in at:
             costs[at[v]] += mat[pos[u], :]
     extra = tuple(red.mem[g] - red.mem[g].min() for g in free)
-    budget = None if slack is None else slack - math.fsum(
-        float(red.mem[g][pos[g]] - red.mem[g].min()) for g in pos if g not in at)
+    budget = None if slack is None else slack - _slack_tolerance(problem.memory_budget) - math.fsum(
+        float(red.mem[g][pos[g]] - red.mem[g].min()) for g in pos if g not in at)  # (its own added again)
     if budget is not None and budget < 0:
         return pos  # (pos is over the budget: nothing within it to improve on)
     sub = ILPProblem(tuple(costs), extra, tuple(edges), budget,
                      time_limit_s=left * _NEIGHBOURHOOD_SHARE)
     try:
         found = _solve(sub, neighbourhood=False)
-    except SolverError:  # nothing found in its time: the rounding stands, and the MIP follows
+    except (SolverError, InfeasibleMemoryError):
+        # nothing found in its time (or a backend's wrong infeasible: pos fits): the rounding
+        # stands, and the whole MIP follows, which reports a failing backend itself
         return pos
     better = {**pos, **{g: s for g, s in zip(free, found.choice)}}
     return better if _reduced_value(red, better) < _reduced_value(red, pos) else pos
@@ -398,7 +415,7 @@ def _rounding_solution(
     neighbourhood: bool = True,
 ) -> ILPSolution:
     """Rounded, memory-repaired and locally improved LP solution (then its neighbourhood
-    solved exactly, with ``neighbourhood``), with its gap to the LP bound (of the whole
+    solved by a MIP, with ``neighbourhood``), with its gap to the LP bound (of the whole
     objective). It is ``"optimal"`` when within the MIP's relative gap of the bound on the
     presolved objective, the one the MIP's gap is measured on (the fixed groups' constant left
     out, which would loosen it)."""
@@ -465,9 +482,10 @@ def solve_ilp(problem: ILPProblem) -> ILPSolution:
 
     Presolves, tries the LP relaxation (returned as ``"lp-relaxation"`` when
     integral); otherwise the LP solution rounded, memory-repaired, improved by local
-    search and by a MIP over the groups the LP left fractional (backend ``"lp-rounding"``)
-    when that is within the gap of the LP bound, else the MIP.  When the MIP ends at the time limit, the better of its incumbent and the
-    rounding is returned with status ``"feasible"``.
+    search and by a MIP over the groups where the LP is fractional or the rounding departs
+    from it (backend ``"lp-rounding"``) when that is within the gap of the LP bound, else the
+    MIP.  When the MIP ends at the time limit, the better of its incumbent and the rounding is
+    returned with status ``"feasible"``.
     Raises :class:`InfeasibleMemoryError` when no choice fits ``memory_budget``,
     :class:`SolverTimeoutError` when nothing feasible is known at the time limit
     and ``ValueError`` for a malformed problem.

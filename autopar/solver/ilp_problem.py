@@ -30,7 +30,7 @@ class ILPEdge:
 
 @dataclass(frozen=True)
 class ILPProblem:
-    """One intra-operator sharding problem; see the module docstring for the math."""
+    """One intra-operator sharding problem; the math is in :mod:`autopar.solver.ilp`'s docstring."""
 
     node_costs: tuple[np.ndarray, ...]
     node_memory: tuple[np.ndarray, ...]
@@ -73,6 +73,7 @@ class InfeasibleMemoryError(PlanError, ValueError):
 
 
 def group_name(problem: ILPProblem, g: int) -> str:
+    """``group g``, with its name when the problem names its groups (for messages)."""
     if problem.names is not None and g < len(problem.names):
         return f"group {g} ({problem.names[g]!r})"
     return f"group {g}"
@@ -121,7 +122,6 @@ def evaluate_choice(problem: ILPProblem, choice: tuple[int, ...]) -> tuple[float
     return cost, problem.memory_constant + mem
 
 
-
 def format_bytes(x: float) -> str:
     """``x`` bytes in the largest binary unit that keeps it >= 1 (``3.2 MiB``)."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -136,6 +136,8 @@ def min_memory_bytes(problem: ILPProblem) -> float:
 
 
 def infeasible_error(problem: ILPProblem) -> InfeasibleMemoryError:
+    """The error for a budget below the problem's memory floor: the floor, the excess, the
+    largest groups and how to fix it."""
     required = min_memory_bytes(problem)
     budget = float(problem.memory_budget if problem.memory_budget is not None else math.inf)
     mins = sorted(((float(np.min(m)), g) for g, m in enumerate(problem.node_memory)), reverse=True)[:3]

@@ -464,30 +464,62 @@ def test_a_large_fixed_cost_does_not_let_a_rounding_pass_for_optimal() -> None:
 def test_the_groups_the_lp_leaves_fractional_are_solved_exactly_within_the_budget(monkeypatch, budget) -> None:
     """Groups u and v want to agree ((0, 0) costs 0, (1, 1) 1, mixed 10): from (1, 1) neither
     moves alone, so the local search stops there. With the LP made to leave u and v fractional
-    and set w, the MIP over u and v alone finds (0, 0), at the LP bound, and the full MIP does not
-    run. With a budget that (0, 0) exceeds (each of u and v holds 10 bytes on its option 0), the
-    answer stays within it: (1, 1), the optimum."""
-    costs = (np.zeros(2), np.zeros(2), np.array([0.0, 1.0]))
-    mem = (np.array([10.0, 0.0]), np.array([10.0, 0.0]), np.zeros(2))
-    edges = (ILPEdge(0, 1, np.array([[0.0, 10.0], [10.0, 1.0]])),
-             ILPEdge(2, 0, np.array([[0.0, 0.5], [0.0, 0.0]])))
+    and set w and x (half the groups free), the MIP over u and v alone finds (0, 0), at the LP
+    bound, and the full MIP does not run. With a budget that (0, 0) exceeds (each of u and v
+    holds 10 bytes on its option 0), the answer stays within it: (1, 1), the optimum."""
+    costs = (np.zeros(2), np.zeros(2), np.array([0.0, 1.0]), np.array([0.0, 1.0]))
+    mem = (np.array([10.0, 0.0]), np.array([10.0, 0.0]), np.zeros(2), np.zeros(2))
+    nudge = np.array([[0.0, 0.5], [0.0, 0.0]])  # (keeps w's and x's options apart in presolve)
+    edges = (ILPEdge(0, 1, np.array([[0.0, 10.0], [10.0, 1.0]])), ILPEdge(2, 0, nudge), ILPEdge(3, 2, nudge))
     problem = ILPProblem(costs, mem, edges, budget)
     best = brute_force(problem)
-    start = {0: 1, 1: 1, 2: 0}
+    start = {0: 1, 1: 1, 2: 0, 3: 0}
     red, slack = ilp._presolve(problem)
     assert not any(red.fixed) and ilp._improve(red, dict(start), slack) == start
     real_lp = ilp._solve_lp
 
     def stuck(red, slack, limit):  # (the whole problem's LP; the neighbourhood's as it is)
         lp = real_lp(red, slack, limit)
-        return ilp._LPResult(lp.model, dict(start), False, lp.bound) if len(lp.pos) == 3 else lp
+        return ilp._LPResult(lp.model, dict(start), False, lp.bound) if len(lp.pos) == 4 else lp
 
     monkeypatch.setattr(ilp, "_solve_lp", stuck)
-    monkeypatch.setattr(ilp, "_settled", lambda model: {2: 0} if len(model.groups) == 3 else {})
+    monkeypatch.setattr(ilp, "_settled", lambda model: {2: 0, 3: 0} if len(model.groups) == 4 else {})
     if budget is None:
         monkeypatch.setattr(ilp, "_solve_mip", lambda *a: pytest.fail("the MIP ran"))
     sol = solve_ilp(problem)
-    assert sol.choice == best.choice == ((0, 0, 0) if budget is None else (1, 1, 0))
+    assert sol.choice == best.choice == ((0, 0, 0, 0) if budget is None else (1, 1, 0, 0))
     assert sol.memory_bytes <= (budget or math.inf)
     if budget is None:
         assert (sol.backend, sol.status) == ("lp-rounding", "optimal")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 4, 5, 7, 11])  # (seed 6: the presolve settles 5 of 6)
+def test_the_neighbourhood_is_the_best_choice_of_its_free_groups(monkeypatch, seed: int) -> None:
+    """Random problems (uneven edge matrices in both orientations, memory on every group, a
+    budget that binds, options the presolve drops): holding half the open groups at a feasible
+    choice, the neighbourhood's answer is the cheapest choice of the other half within the
+    budget (enumerated), and keeps the held groups as they were."""
+    rng = np.random.default_rng(seed)
+    sizes = (2, 3, 2, 3, 2, 3)
+    costs = tuple(rng.random(k) for k in sizes)
+    mem = tuple(rng.integers(0, 6, k).astype(float) for k in sizes)
+    pairs = ((0, 1), (2, 1), (1, 3), (4, 3), (5, 4), (0, 5), (2, 3))
+    edges = tuple(ILPEdge(u, v, rng.random((sizes[u], sizes[v])) * rng.integers(0, 2, (sizes[u], sizes[v])))
+                  for u, v in pairs)
+    budget = float(sum(m.min() for m in mem) + 8)
+    problem = ILPProblem(costs, mem, edges, budget, time_limit_s=30.0)
+    red, slack = ilp._presolve(problem)
+    open_ = [g for g in range(len(sizes)) if not red.fixed[g]]
+    assert len(open_) >= 5  # (the neighbourhood has groups to solve: not a case passed by refusing)
+    extra = {g: red.mem[g] - red.mem[g].min() for g in open_}
+    fits = [dict(zip(open_, c)) for c in itertools.product(*(range(len(red.opts[g])) for g in open_))
+            if sum(extra[g][s] for g, s in zip(open_, c)) <= slack]
+    pos = fits[int(rng.integers(len(fits)))]
+    held = open_[::2]  # (every other: free groups on both ends of edges to held ones)
+    monkeypatch.setattr(ilp, "_settled", lambda model: {g: pos[g] for g in held})
+    lp = ilp._LPResult(None, dict(pos), False, 0.0)
+    got = ilp._neighbourhood(problem, red, lp, dict(pos), slack, time.perf_counter())
+    best = min((c for c in fits if all(c[g] == pos[g] for g in held)), key=lambda c: ilp._reduced_value(red, c))
+    assert all(got[g] == pos[g] for g in held)
+    assert sum(extra[g][got[g]] for g in open_) <= slack
+    assert ilp._reduced_value(red, got) == pytest.approx(ilp._reduced_value(red, best), rel=1e-4, abs=1e-12)
