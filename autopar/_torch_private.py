@@ -9,6 +9,7 @@ failing later inside a planner with an obscure ``AttributeError``.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -24,6 +25,8 @@ __all__ = [
     "older_than",
     "sharding_propagator",
     "enumerate_op_strategy",
+    "MeshExpansion",
+    "MIXED_PARTIALS_DROPPED",
     "redistribute_local",
     "init_fake_process_group",
     "resolve_process_group",
@@ -97,15 +100,19 @@ from torch.distributed.tensor._op_schema import (  # noqa: E402
     RuntimeSchemaInfo,
     TupleStrategy,
 )
+import torch.distributed.tensor._ops.utils as op_utils  # noqa: E402
 from torch.distributed.tensor._ops.utils import (  # noqa: E402
     expand_to_full_mesh_op_strategy,
     generate_redistribute_costs,
+    is_tensor_shardable,
 )
 from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 from torch.distributed.tensor._ops.single_dim_strategy import (  # noqa: E402
     _expand_single_dim_strategy_to_mesh,
 )
 from torch.distributed.tensor._redistribute import redistribute_local_tensor  # noqa: E402
+
+_expand_to_full_mesh = op_utils.expand_to_full_mesh_op_strategy  # (DTensor's, while patched)
 
 
 def sharding_propagator() -> Any:
@@ -119,19 +126,99 @@ def has_rule(op: torch._ops.OpOverload) -> bool:
     return op in prop.op_strategy_funcs or op in prop.op_single_dim_strategy_funcs
 
 
+@dataclass(frozen=True)
+class MeshExpansion:
+    """A single-dim rule's strategies for one mesh axis, as DTensor hands them to
+    ``expand_to_full_mesh_op_strategy`` (which builds every combination over the mesh's axes
+    as specs, most of them then found uneven): captured instead, for autopar to expand with
+    plain tuples (:mod:`autopar.strategies.expansion`).
+
+    ``single_dim``: each strategy's placement per position, outputs then tensor inputs
+    (``None``: no tensor there); ``num_outputs``: how many leading positions are outputs;
+    ``input_shapes`` and ``input_placements``: each tensor input's shape and the one placement
+    the schema gave it (DTensor keeps an uneven split equal to it where the rule allows
+    uneven sharding); ``mesh``: the device mesh expanded over.
+    """
+
+    single_dim: tuple[tuple[Any, ...], ...]
+    num_outputs: int
+    input_shapes: tuple[tuple[int, ...], ...]
+    input_placements: tuple[tuple[Any, ...], ...]
+    allow_uneven_sharding: bool
+    allow_unbacked_sharding: bool | None
+    mesh: Any
+
+    def shardable(self, index: int, placements: tuple[Any, ...]) -> bool:
+        """Whether DTensor's expansion keeps input ``index`` at ``placements``
+        (``is_tensor_shardable``, or the uneven rule's exception)."""
+        spec = _PlacementsOnMesh(placements, self.mesh)
+        return is_tensor_shardable(self.input_shapes[index], spec,  # type: ignore[arg-type]
+                                   allow_unbacked_sharding=self.allow_unbacked_sharding) or (
+            self.allow_uneven_sharding and placements == self.input_placements[index])
+
+
+@dataclass(frozen=True)
+class _PlacementsOnMesh:
+    """What ``is_tensor_shardable`` reads of a ``DTensorSpec`` (building one costs tens of
+    microseconds)."""
+
+    placements: tuple[Any, ...]
+    mesh: Any
+
+
+# whether DTensor's expansion over the mesh drops a combination whose placements of one tensor
+# mix partial kinds (sum with max, say; sum with avg of one type excepted): torch 2.13 does
+# (``expand_to_full_mesh_op_strategy``'s ``has_mixed_partial``), 2.11 does not; None where not
+# read (2.12): autopar.strategies.expansion then leaves such rules to DTensor
+MIXED_PARTIALS_DROPPED: bool | None = {"2.11": False, "2.13": True}.get(RELEASE)
+
+_EXPANSION_KWARGS = frozenset({"output_tensor_meta", "input_index", "inplace_op",
+                               "allow_unbacked_sharding", "allow_uneven_sharding",
+                               "is_valid_strategy_cb", "different_mesh_args"})
+
+
+def _capture_expansion(mesh: Any, op_schema: OpSchema, single_mesh_dim_strategies: Any,
+                       **kwargs: Any) -> Any:
+    """``expand_to_full_mesh_op_strategy`` as :func:`enumerate_op_strategy` calls it with
+    ``capture=True``: the plain case returned as a :class:`MeshExpansion`; an in-place or
+    out-variant op, a validity callback, arguments on other meshes or arguments this release
+    does not name expanded by DTensor itself."""
+    inputs = op_schema.args_strategy + op_schema.kwargs_strategy
+    if set(kwargs) - _EXPANSION_KWARGS or kwargs.get("inplace_op") or \
+            kwargs.get("is_valid_strategy_cb") is not None or kwargs.get("different_mesh_args") \
+            or op_schema.is_out_variant_op() or not inputs:
+        return _expand_to_full_mesh(mesh, op_schema, single_mesh_dim_strategies, **kwargs)
+    return MeshExpansion(
+        tuple(tuple(s) for s in single_mesh_dim_strategies), kwargs.get("input_index", 1),
+        tuple(tuple(i.shape) for i in inputs),
+        tuple(tuple(i.strategies[0].output_spec.placements) for i in inputs),
+        bool(kwargs.get("allow_uneven_sharding", False)), kwargs.get("allow_unbacked_sharding"),
+        mesh)
+
+
 def enumerate_op_strategy(
-    op: torch._ops.OpOverload, schema: OpSchema, out_meta: Any, mesh: Any
-) -> OpStrategy | None:
+    op: torch._ops.OpOverload, schema: OpSchema, out_meta: Any, mesh: Any, capture: bool = False,
+) -> OpStrategy | MeshExpansion | None:
     """All of DTensor's candidate strategies for ``op`` on ``mesh``.
 
     ``schema`` holds an ``OpStrategy`` for every tensor argument (the candidate placements of
-    its producer). Returns ``None`` when DTensor has no rule for the op.
+    its producer). Returns ``None`` when DTensor has no rule for the op. ``capture``: a
+    single-dim rule's strategies are returned before their expansion over the mesh
+    (:class:`MeshExpansion`), where DTensor would expand them plainly.
     """
     prop = sharding_propagator()
     single = prop.op_single_dim_strategy_funcs.get(op)
     if single is not None:
-        fn = _expand_single_dim_strategy_to_mesh(mesh, schema, single, out_meta)
-        return fn(op, schema.args_meta, schema.kwargs_meta)
+        if not capture:
+            fn = _expand_single_dim_strategy_to_mesh(mesh, schema, single, out_meta)
+            return fn(op, schema.args_meta, schema.kwargs_meta)
+        # (the single-dim module imports the expansion from utils when it makes ``fn``)
+        op_utils.expand_to_full_mesh_op_strategy = _capture_expansion
+        try:
+            fn = _expand_single_dim_strategy_to_mesh(mesh, schema, single, out_meta)
+            return fn(op, schema.args_meta, schema.kwargs_meta)
+        finally:
+            op_utils.expand_to_full_mesh_op_strategy = _expand_to_full_mesh
     fn = prop.op_strategy_funcs.get(op)
     if fn is None:
         return None
@@ -146,8 +233,6 @@ def no_redistribute_costs() -> Any:
     (``redistribute_cost``); autopar prices edges itself, so this work (most of enumeration's
     time) is wasted. Only for planning: runtime dispatch needs DTensor's costs to choose.
     """
-    import torch.distributed.tensor._ops.utils as op_utils
-
     original = op_utils.redistribute_cost
     op_utils.redistribute_cost = lambda *args, **kwargs: 0.0
     try:

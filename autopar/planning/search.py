@@ -30,7 +30,7 @@ from autopar.config import Config
 from autopar.cost_models.compute import graph_flops
 from autopar.cost_models.step_price import memory_floor, price_setup
 from autopar.cost_models.training_step import (
-    RECOMPUTE, LayerCosts, Setup, StepCost, UnitCosts,
+    LayerCosts, Setup, StepCost, UnitCosts,
 )
 from autopar.errors import PlanError
 from autopar.mesh import Mesh
@@ -45,7 +45,8 @@ from autopar.planning.pipeline import batch_size
 from autopar.planning.records import NORMS
 from autopar.planning.candidates import Candidate, inner_axes
 from autopar.planning.setups import (
-    TP_ACROSS_NODES_MAX, candidate_setups, sequence_length, tp_degrees, tried_last,
+    TP_ACROSS_NODES_MAX, Twins, candidate_setups, only_when_needed, sequence_length, tp_degrees,
+    tried_last,
 )
 from autopar.planning.solve import solve_space, unpinned_space
 from autopar.planning.unit_costs import layer_costs
@@ -89,6 +90,9 @@ class SearchResult:
     # (step_price.memory_floor); when nothing fits, the search prices them too (for the
     # smallest need its InfeasibleMemoryError names) and returns no result
     set_aside: tuple[Setup, ...] = ()
+    # setups not priced (nor counted in ``evaluated``): a twin with less recomputation or ZeRO
+    # fits, so only_when_needed would drop them
+    twins: int = 0
 
     @property
     def over_memory(self) -> int:
@@ -327,31 +331,6 @@ def _shallow(module: nn.Module) -> nn.Module:
     return out
 
 
-def only_when_needed(ranked: list[StepCost]) -> list[StepCost]:
-    """Drop a setup that recomputes or shards the optimizer when a twin doing less of either
-    (same degrees, microbatches and schedule) fits too: the techniques are for memory, and
-    turned on only when memory requires them (as ``make_plan`` does). A twin that fits is always
-    in ``ranked``, so the best setup is never lost, only a faster-on-paper one that trades
-    memory the job does not need (ZeRO-1's optimizer step is priced 1/dp: that alone is not a
-    reason to shard)."""
-    def key(setup: Setup) -> Setup:
-        """The setup with the stage split and the gradient-sync mode normalised (an even-split
-        variant is the same twin; the mode follows from ZeRO)."""
-        return dataclasses.replace(setup, even_split=False, grad_sync="step",
-                                   dp_shard=setup.dp_shard if setup.zero else 0)
-
-    fits = {key(c.setup) for c in ranked}
-
-    def needed(setup: Setup) -> bool:
-        """Whether no twin with less recomputation or no ZeRO fits."""
-        r = RECOMPUTE.index(setup.recompute)
-        return not any(key(dataclasses.replace(setup, recompute=r2, zero=z2)) in fits
-                       for r2 in RECOMPUTE[:r + 1] for z2 in range(setup.zero + 1)
-                       if (r2, z2) != (setup.recompute, setup.zero))
-
-    return [c for c in ranked if needed(c.setup)]
-
-
 def search_unsupported(model: nn.Module, example_inputs: Any, mesh: Mesh,
                        config: Config) -> str | None:
     """Why the setup search cannot price ``model`` on ``mesh`` under ``config`` (``None``: it
@@ -441,7 +420,7 @@ def search(model: nn.Module, example_inputs: Any, mesh: Mesh, config: Config | N
     timings = {"trace_s": rep.trace_s, "layer_ilp_s": rep.solve_s, "price_s": done.price_s,
                "total_s": time.perf_counter() - t0, "workers": workers}
     return SearchResult(tuple(ranked), tuple(pruned), len(ranked) + len(pruned) + len(done.over),
-                        len(rep.solved), timings, mesh.size, done.bounded, done.over)
+                        len(rep.solved), timings, mesh.size, done.bounded, done.over, done.twins)
 
 
 def start_ahead(rep: LayerSolver, setups: Sequence[Setup], config: Config
@@ -478,19 +457,21 @@ def start_ahead(rep: LayerSolver, setups: Sequence[Setup], config: Config
 class _Priced:
     """What :func:`_price_all` found: the setups that fit, those priced that do not, those
     whose :func:`~autopar.cost_models.step_price.memory_floor` is over the budget (not priced),
-    how many its bound skipped, and the seconds spent pricing."""
+    how many its bound skipped, the seconds spent pricing, and how many were not priced as a
+    lighter twin fits (:class:`~autopar.planning.setups.Twins`)."""
 
     ranked: tuple[StepCost, ...]
     pruned: tuple[StepCost, ...]
     over: tuple[Setup, ...]
     bounded: int
     price_s: float
+    twins: int = 0
 
     def then(self, more: "_Priced") -> "_Priced":
         """This pass followed by ``more``."""
         return _Priced(self.ranked + more.ranked, self.pruned + more.pruned,
                        self.over + more.over, self.bounded + more.bounded,
-                       self.price_s + more.price_s)
+                       self.price_s + more.price_s, self.twins + more.twins)
 
 
 def _price_all(rep: LayerSolver, queue: list[Setup], later: list[Setup], config: Config,
@@ -500,12 +481,15 @@ def _price_all(rep: LayerSolver, queue: list[Setup], later: list[Setup], config:
     (:func:`~autopar.cost_models.step_price.memory_floor`) is set aside unpriced. A setup
     skipped by its bound (:meth:`LayerSolver.bound`) whose layer ILP another setup solved
     after all is priced at the end (cheaply), so that :func:`only_when_needed` sees every
-    twin that fits."""
+    twin that fits. A setup with a twin doing less recomputation or ZeRO that fits is not
+    priced: :func:`only_when_needed` would drop it (``candidate_setups`` yields the lighter
+    twins first: recomputation, then ZeRO, outside the other choices)."""
     ranked: list[StepCost] = []
     pruned: list[StepCost] = []
     skipped: list[Setup] = []
     over: list[Setup] = []
-    price_s, best_s, n = 0.0, float("inf"), 0
+    price_s, best_s, n, twins = 0.0, float("inf"), 0, 0
+    fitting = Twins()  # (those that fit)
     topo = rep.mesh.topology
     while queue or (later and not ranked):
         if not queue:  # nothing fits without a pipeline
@@ -520,6 +504,9 @@ def _price_all(rep: LayerSolver, queue: list[Setup], later: list[Setup], config:
                 best_s < float("inf") and rep.bound(setup, budget).step_time_s >= best_s:
             skipped.append(setup)
             continue
+        if fitting.lighter_fits(setup):  # (only_when_needed would drop it)
+            twins += 1
+            continue
         lc = rep.costs(*layer_key(setup))
         t1 = time.perf_counter()
         if memory_floor(lc, setup, topo) > budget:
@@ -531,6 +518,7 @@ def _price_all(rep: LayerSolver, queue: list[Setup], later: list[Setup], config:
         (ranked if cost.fits else pruned).append(cost)
         if cost.fits:
             best_s = min(best_s, cost.step_time_s)
+            fitting.add(cost.setup)
         if progress and n % 500 == 0:
             best = min(ranked, key=lambda c: c.step_time_s) if ranked else None
             progress(f"{n} setups priced, {len(rep.solved)} layer ILPs solved; best so far: "
@@ -541,7 +529,7 @@ def _price_all(rep: LayerSolver, queue: list[Setup], later: list[Setup], config:
     priced = [_price_either_split(rep, st, budget) for st in late if st not in aside]
     return _Priced(tuple(ranked + [c for c in priced if c.fits]),
                    tuple(pruned + [c for c in priced if not c.fits]), tuple(over),
-                   len(skipped) - len(late), price_s)
+                   len(skipped) - len(late), price_s, twins)
 
 
 def _price_either_split(rep: LayerSolver, setup: Setup, budget: float) -> StepCost:

@@ -5,16 +5,18 @@ microbatch size, schedule, recomputation, ZeRO stage and sequence parallelism th
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterator, Sequence
 
 import torch
 
 from autopar.config import Config
-from autopar.cost_models.training_step import RECOMPUTE, Setup
+from autopar.cost_models.training_step import RECOMPUTE, Setup, StepCost
 from autopar.planning.candidates import cp_orders, ep_options
 
 __all__ = ["CP_MAX", "CP_MIN_SEQUENCE", "TP_ACROSS_NODES_MAX", "candidate_setups", "cp_degrees",
-           "sequence_length", "sequences_beside_cp", "tp_degrees", "tried_last", "zero_stages"]
+           "only_when_needed", "sequence_length", "sequences_beside_cp",
+           "tp_degrees", "tried_last", "Twins", "zero_stages"]
 
 _MAX_MICROBATCH = 8
 _MAX_VIRTUAL = 8
@@ -34,6 +36,48 @@ def tried_last(setup: Setup, config: Config) -> bool:
     ``microbatch_size``."""
     return (sequences_beside_cp(setup) and config.microbatch_size is None
             and None in (config.dp, config.cp))
+
+
+def only_when_needed(ranked: list[StepCost]) -> list[StepCost]:
+    """Drop a setup that recomputes or shards the optimizer when a twin doing less of either
+    (same degrees, microbatches and schedule) fits too: the techniques are for memory, and
+    turned on only when memory requires them (as ``make_plan`` does). A twin that fits is always
+    in ``ranked``, so the best setup is never lost, only a faster-on-paper one that trades
+    memory the job does not need (ZeRO-1's optimizer step is priced 1/dp: that alone is not a
+    reason to shard)."""
+    fits = Twins()
+    for c in ranked:
+        fits.add(c.setup)
+    return [c for c in ranked if not fits.lighter_fits(c.setup)]
+
+
+class Twins:
+    """Setups that fit, kept by twin: the same setup but for recomputation and ZeRO (and the
+    stage split and gradient-sync mode, which follow), as :func:`only_when_needed` compares
+    them."""
+
+    def __init__(self) -> None:
+        self._by_base: dict[Setup, list[tuple[int, int, int]]] = {}
+
+    @staticmethod
+    def _base(setup: Setup) -> Setup:
+        return dataclasses.replace(setup, even_split=False, grad_sync="step", dp_shard=0,
+                                   recompute="none", zero=0)
+
+    def add(self, setup: Setup) -> None:
+        """Note that ``setup`` fits."""
+        self._by_base.setdefault(self._base(setup), []).append(
+            (RECOMPUTE.index(setup.recompute), setup.zero, setup.dp_shard if setup.zero else 0))
+
+    def lighter_fits(self, setup: Setup) -> bool:
+        """Whether a twin of ``setup`` with less recomputation or ZeRO (or both) fits (a twin
+        with ZeRO shards over the same ``dp_shard``)."""
+        known = self._by_base.get(self._base(setup)) if self._by_base else None
+        if not known:
+            return False
+        r, z = RECOMPUTE.index(setup.recompute), setup.zero
+        return any(r2 <= r and z2 <= z and (r2, z2) != (r, z) and (z2 == 0 or s2 == setup.dp_shard)
+                   for r2, z2, s2 in known)
 
 
 def candidate_setups(num_devices: int, gpus_per_node: int, batch: int, num_blocks: int,

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar import _torch_private as private
@@ -31,6 +31,7 @@ from autopar._torch_private import (
 from autopar.errors import PlanError, UnsupportedOpError
 from autopar.graph import TracedGraph
 from autopar.strategies import fused
+from autopar.strategies.expansion import expand, is_even
 from autopar.strategies.nested_views import VIEW_OPS, nested_view_strategies
 from autopar.strategies import rules as _rules  # noqa: F401  (registers autopar's own rules)
 
@@ -120,26 +121,6 @@ def _meta(val: torch.Tensor) -> TensorMeta:
     return TensorMeta(tuple(val.shape), tuple(val.stride()), val.dtype)
 
 
-def _even(shape: Sequence[int], placements: Placements, mesh_shape: Sequence[int],
-          strided_ok: frozenset[int] = frozenset()) -> bool:
-    """Whether ``placements`` shard ``shape`` evenly; strided shards only with a fused factor."""
-    sizes = list(shape)
-    for axis, p in enumerate(placements):
-        if isinstance(p, _StridedShard):
-            if p.split_factor not in strided_ok:
-                return False  # strided layouts from views (e.g. flattening a sharded seq dim)
-            if p.dim >= len(sizes) or sizes[p.dim] % (mesh_shape[axis] * p.split_factor):
-                return False
-            sizes[p.dim] //= mesh_shape[axis]
-        elif isinstance(p, Shard):
-            if p.dim >= len(sizes) or sizes[p.dim] % mesh_shape[axis]:
-                return False
-            sizes[p.dim] //= mesh_shape[axis]
-        elif type(p) not in (Replicate, Partial):
-            return False  # other exotic placements are not planned over
-    return True
-
-
 def _placeholder_strategies(
     shape: Sequence[int], mesh_shape: Sequence[int], role: str, dp_axes: Sequence[int],
     fused: tuple[int, int] | None = None, cp_axes: Sequence[int] = (),
@@ -153,7 +134,7 @@ def _placeholder_strategies(
     """
     if role == "boundary":
         edge = boundary_placements(shape, mesh_shape, dp_axes, cp_axes)
-        return [Strategy((edge,), ())] if _even(shape, edge, mesh_shape) else []
+        return [Strategy((edge,), ())] if is_even(shape, edge, mesh_shape) else []
     per_axis: list[list[Placement]] = []
     for axis in range(len(mesh_shape)):
         if role == "tangent":
@@ -171,7 +152,7 @@ def _placeholder_strategies(
     for opts in per_axis:
         combos = [c + (p,) for c in combos for p in opts]
     ks = frozenset([fused[1]]) if fused else frozenset()
-    return [Strategy((c,), ()) for c in combos if _even(shape, c, mesh_shape, ks)]
+    return [Strategy((c,), ()) for c in combos if is_even(shape, c, mesh_shape, ks)]
 
 
 def _mixes_strided(strategy: Strategy) -> bool:
@@ -365,13 +346,12 @@ class _Builder:
             return self._fallback(n, f"no sharding rule for {op}")
         out_meta = _out_meta(n.meta.get("val"))
         try:
-            result = private.enumerate_op_strategy(op, self._schema(n), out_meta, self.mesh)
-            strategies = self._convert(n, result, len(inputs))
+            strategies = self._expanded(n, self._schema(n), out_meta, len(inputs))
             strided = self._strided_rep(inputs)
             if strided is not None and op in self.prop.op_single_dim_strategy_funcs:
                 # single-axis rules expand shard placeholders only to the shard types they see
-                result = private.enumerate_op_strategy(op, self._schema(n, single_rep=strided), out_meta, self.mesh)
-                strategies = list(dict.fromkeys(strategies + self._convert(n, result, len(inputs))))
+                strategies = list(dict.fromkeys(strategies + self._expanded(
+                    n, self._schema(n, single_rep=strided), out_meta, len(inputs))))
         except Exception as first:  # some rules assume one candidate per secondary input
             # ... or fail on one candidate placement: ask per candidate, keep those that work
             strategies, errors = [], []
@@ -402,7 +382,7 @@ class _Builder:
         pairs = nested_view_strategies(in_shape, out_shape, self.candidates(self.value(source)),
                                        self.mesh_shape)
         return [Strategy((o,), (i,)) for i, o in pairs
-                if _even(in_shape, i, self.mesh_shape) and _even(out_shape, o, self.mesh_shape)]
+                if is_even(in_shape, i, self.mesh_shape) and is_even(out_shape, o, self.mesh_shape)]
 
     def _strided_rep(self, inputs: list[fx.Node]) -> Placements | None:
         for a in inputs:
@@ -444,6 +424,22 @@ class _Builder:
         kwargs = {k: wrap(v) for k, v in n.kwargs.items()}
         return OpSchema(n.target, args, kwargs, schema_info=self.prop.op_to_schema_info.get(n.target))
 
+    def _expanded(self, n: fx.Node, schema: OpSchema, out_meta: Any, n_inputs: int) -> list[Strategy]:
+        """DTensor's strategies for ``n`` on ``schema``, even ones only: a single-dim rule's
+        expanded over the mesh by :func:`~autopar.strategies.expansion.expand` where it can
+        (the same strategies, without building DTensor's specs), by DTensor otherwise."""
+        result = private.enumerate_op_strategy(n.target, schema, out_meta, self.mesh, capture=True)
+        if isinstance(result, private.MeshExpansion):
+            val = n.meta.get("val")
+            out_shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else None
+                          for v in (val if isinstance(val, (tuple, list)) else [val])]
+            in_shapes = [tuple(a.meta["val"].shape) for a in tensor_inputs(n)]
+            pairs = expand(result, out_shapes, in_shapes, self.mesh_shape, self.strided_ok)
+            if pairs is not None:
+                return [Strategy(o, i) for o, i in pairs]
+            result = private.enumerate_op_strategy(n.target, schema, out_meta, self.mesh)
+        return self._convert(n, result, n_inputs)
+
     def _convert(self, n: fx.Node, result: Any, n_inputs: int) -> list[Strategy]:
         if not isinstance(result, OpStrategy):
             return []
@@ -465,9 +461,9 @@ class _Builder:
             if len(ins) != n_inputs or any(not isinstance(s, DTensorSpec) for s in ins):
                 continue
             ins_p = tuple(s.placements for s in ins)
-            ok = all(p is None or s is None or _even(s, p, self.mesh_shape, self.strided_ok)
+            ok = all(p is None or s is None or is_even(s, p, self.mesh_shape, self.strided_ok)
                      for p, s in zip(outs_p, out_shapes))
-            ok = ok and all(_even(s, p, self.mesh_shape, self.strided_ok) for p, s in zip(ins_p, in_shapes))
+            ok = ok and all(is_even(s, p, self.mesh_shape, self.strided_ok) for p, s in zip(ins_p, in_shapes))
             if ok:
                 seen.setdefault(Strategy(outs_p, ins_p), None)
         return list(seen)
