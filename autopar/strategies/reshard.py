@@ -10,6 +10,7 @@ to the last.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -100,23 +101,37 @@ def reshard_steps(
     """The single-axis moves from ``src`` to ``dst`` placements of a tensor of global ``shape``."""
     if src == dst:
         return []
+    steps = []
+    for a, kind, before, after in _moves(tuple(src), tuple(dst), tuple(mesh_shape)):
+        size = 0 if kind == "local" else _numel(local_shape(shape, before, mesh_shape)) * itemsize
+        steps.append(Step(a, kind, after, size * mesh_shape[a] if kind == "all_gather" else size))
+    return steps
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def _moves(src: Placements, dst: Placements, mesh_shape: tuple[int, ...]
+           ) -> tuple[tuple[int, str, Placements, Placements], ...]:
+    """:func:`reshard_steps` without sizes, which the moves do not depend on: ``(axis, kind,
+    placements before, placements after)`` per move (kept for the process: a space prices
+    the same pair of placements for many tensors)."""
     cur = list(src)
-    steps: list[Step] = []
+    moves = []
     undo = _axes_to_undo(cur, dst)
     for a in sorted(undo, reverse=True):
-        size = _numel(local_shape(shape, cur, mesh_shape)) * itemsize
+        before = tuple(cur)
         if isinstance(cur[a], Partial):
             if _can_reduce_scatter(cur, dst, a, undo):
                 cur[a] = dst[a]
-                steps.append(Step(a, "reduce_scatter", tuple(cur), size))
+                moves.append((a, "reduce_scatter", before, tuple(cur)))
             else:
                 cur[a] = Replicate()
-                steps.append(Step(a, "all_reduce", tuple(cur), size))
+                moves.append((a, "all_reduce", before, tuple(cur)))
         else:  # Shard -> Replicate (also on the way to another Shard)
             cur[a] = Replicate()
-            steps.append(Step(a, "all_gather", tuple(cur), size * mesh_shape[a]))
+            moves.append((a, "all_gather", before, tuple(cur)))
     for a in range(len(cur)):
         if cur[a] != dst[a]:
+            before = tuple(cur)
             cur[a] = dst[a]
-            steps.append(Step(a, "local", tuple(cur), 0))
-    return steps
+            moves.append((a, "local", before, tuple(cur)))
+    return tuple(moves)
