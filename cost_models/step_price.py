@@ -283,11 +283,11 @@ def _memory(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], s: _StageSums
     peak = [lc.block.peak(setup.recompute) * (counts[j] > 0) for j in range(stages)]
     if lc.lead_blocks:  # (the first stage's leading blocks recompute too)
         peak[0] = max(peak[0], lc.pre.peak(setup.recompute))
-    experts = _expert_setup(setup)
+    experts, dense = _expert_setup(setup), _dense_setup(setup)
     buffers = [[_step_buffers(lc, setup, j, s.act[j], flight[j], s.elems[j], s.xelems[j], t, b)
                 for t, b in ((0.0, False), (_transient(lc, setup, counts, j, bact), True))]
                for j in range(stages)]
-    base = [_state_memory(lc, _dense_setup(setup), s.state[j] - s.xstate[j],
+    base = [_state_memory(lc, dense, s.state[j] - s.xstate[j],
                           s.gathered[j] - s.xgathered[j])
             + _state_memory(lc, experts, s.xstate[j], s.xgathered[j])
             + buffers[j][0] + peak[j] for j in range(stages)]
@@ -300,7 +300,7 @@ def _memory(lc: LayerCosts, setup: Setup, counts: tuple[int, ...], s: _StageSums
         # the computing stage's gathered parameters and the next action's gather in flight,
         # its flat buffer and packed shards (runtime.prefetch; one stage of a rank computes at
         # a time, the others hold no gathered copy)
-        ahead = 2 + 1 / _dense_setup(setup).shard
+        ahead = 2 + 1 / dense.shard
         # (experts on ranks of their own, dp = ep, are not sharded: no gathered copy of them)
         held = s.gathered if experts.shard > 1 else [g - x for g, x in zip(s.gathered,
                                                                            s.xgathered)]
@@ -390,7 +390,7 @@ def _gather_per_microbatch(setup: Setup, s: _StageSums, topology: Topology
     its own stage's. Also the longest gather: each rank's first of the step is waited for at
     once, after its first input arrives (on the pipeline's fill)."""
     out_f, out_b, most = [], [], 0.0
-    experts, inner = _expert_setup(setup), setup.cp * setup.tp
+    experts, dense, inner = _expert_setup(setup), _dense_setup(setup), setup.cp * setup.tp
     # (with dp cut into (dp / ep, ep): the experts' over their own replicas, ep groups apart,
     # in their own bucket, as :func:`_step_end` strides them)
     stride = inner * setup.ep
@@ -399,7 +399,7 @@ def _gather_per_microbatch(setup: Setup, s: _StageSums, topology: Topology
         if setup.ep == 1 or setup.ep_in_cp:  # (one bucket, over dp)
             gather = axis_collective_time("all_gather", g, setup.shard, inner, topology)
         else:
-            gather = (axis_collective_time("all_gather", g - xg, _dense_setup(setup).shard,
+            gather = (axis_collective_time("all_gather", g - xg, dense.shard,
                                            inner, topology)
                       + axis_collective_time("all_gather", xg, experts.shard, stride, topology))
         out_f.append(max(f, gather))
