@@ -9,6 +9,7 @@ failing later inside a planner with an obscure ``AttributeError``.
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -112,8 +113,6 @@ from torch.distributed.tensor._ops.single_dim_strategy import (  # noqa: E402
 )
 from torch.distributed.tensor._redistribute import redistribute_local_tensor  # noqa: E402
 
-_expand_to_full_mesh = op_utils.expand_to_full_mesh_op_strategy  # (DTensor's, while patched)
-
 
 def sharding_propagator() -> Any:
     """DTensor's global sharding propagator (holds the per-op strategy registries)."""
@@ -177,17 +176,17 @@ _EXPANSION_KWARGS = frozenset({"output_tensor_meta", "input_index", "inplace_op"
                                "is_valid_strategy_cb", "different_mesh_args"})
 
 
-def _capture_expansion(mesh: Any, op_schema: OpSchema, single_mesh_dim_strategies: Any,
-                       **kwargs: Any) -> Any:
+def _capture_expansion(original: Callable[..., Any], mesh: Any, op_schema: OpSchema,
+                       single_mesh_dim_strategies: Any, **kwargs: Any) -> Any:
     """``expand_to_full_mesh_op_strategy`` as :func:`enumerate_op_strategy` calls it with
     ``capture=True``: the plain case returned as a :class:`MeshExpansion`; an in-place or
     out-variant op, a validity callback, arguments on other meshes or arguments this release
-    does not name expanded by DTensor itself."""
+    does not name expanded by DTensor itself (``original``)."""
     inputs = op_schema.args_strategy + op_schema.kwargs_strategy
     if set(kwargs) - _EXPANSION_KWARGS or kwargs.get("inplace_op") or \
             kwargs.get("is_valid_strategy_cb") is not None or kwargs.get("different_mesh_args") \
             or op_schema.is_out_variant_op() or not inputs:
-        return _expand_to_full_mesh(mesh, op_schema, single_mesh_dim_strategies, **kwargs)
+        return original(mesh, op_schema, single_mesh_dim_strategies, **kwargs)
     return MeshExpansion(
         tuple(tuple(s) for s in single_mesh_dim_strategies), kwargs.get("input_index", 1),
         tuple(tuple(i.shape) for i in inputs),
@@ -204,7 +203,10 @@ def enumerate_op_strategy(
     ``schema`` holds an ``OpStrategy`` for every tensor argument (the candidate placements of
     its producer). Returns ``None`` when DTensor has no rule for the op. ``capture``: a
     single-dim rule's strategies are returned before their expansion over the mesh
-    (:class:`MeshExpansion`), where DTensor would expand them plainly.
+    (:class:`MeshExpansion`), where DTensor would expand them plainly. (DTensor's expansion
+    is replaced for the call's duration, and captures only the call this one makes: on this
+    thread, for this ``schema``; any other call, on another thread or for another schema,
+    reaches DTensor's.)
     """
     prop = sharding_propagator()
     single = prop.op_single_dim_strategy_funcs.get(op)
@@ -212,13 +214,20 @@ def enumerate_op_strategy(
         if not capture:
             fn = _expand_single_dim_strategy_to_mesh(mesh, schema, single, out_meta)
             return fn(op, schema.args_meta, schema.kwargs_meta)
+        original, thread = op_utils.expand_to_full_mesh_op_strategy, threading.get_ident()
+
+        def expansion(mesh: Any, op_schema: OpSchema, strategies: Any, **kwargs: Any) -> Any:
+            if op_schema is schema and threading.get_ident() == thread:
+                return _capture_expansion(original, mesh, op_schema, strategies, **kwargs)
+            return original(mesh, op_schema, strategies, **kwargs)
+
         # (the single-dim module imports the expansion from utils when it makes ``fn``)
-        op_utils.expand_to_full_mesh_op_strategy = _capture_expansion
+        op_utils.expand_to_full_mesh_op_strategy = expansion
         try:
             fn = _expand_single_dim_strategy_to_mesh(mesh, schema, single, out_meta)
             return fn(op, schema.args_meta, schema.kwargs_meta)
         finally:
-            op_utils.expand_to_full_mesh_op_strategy = _expand_to_full_mesh
+            op_utils.expand_to_full_mesh_op_strategy = original
     fn = prop.op_strategy_funcs.get(op)
     if fn is None:
         return None

@@ -2,6 +2,7 @@
 
     python benchmarks/moe_plan_scale.py                          # both rows, the search only
     python benchmarks/moe_plan_scale.py --rows mixtral-8x7b --plan   # the whole autopar.plan
+    python benchmarks/moe_plan_scale.py --rows deepseek-v3 --plan-only   # autopar.plan alone
     python benchmarks/moe_plan_scale.py --rows deepseek-v3-7 --agreement
 
 Rows: Mixtral-8x7B (32 layers, 8 experts, top-2; batch 64 x 4,096) on 64 virtual H100s (8 DGX
@@ -58,6 +59,14 @@ _CHILD = textwrap.dedent("""
             search_gib=[x / 2**30 for x in res.best.stage_memory_bytes],
             plan_s=plan.predicted["step_time_s"],
             plan_gib=[x / 2**30 for x in plan.pipeline.predicted["stage_memory_bytes"]])
+        print(json.dumps(out))
+        sys.exit(0)
+    if mode == "plan-only":  # (autopar.plan alone, in a fresh process: its own time)
+        t0 = time.perf_counter()
+        plan = autopar.plan(model, mesh, inputs)
+        out["plan_only"] = dict(setup=plan.solver["setup"], step_s=plan.predicted["step_time_s"],
+                                plan_s=time.perf_counter() - t0, search_s=plan.solver["search_s"],
+                                placement_s=plan.solver["placement_s"])
         print(json.dumps(out))
         sys.exit(0)
     t0 = time.perf_counter()
@@ -132,13 +141,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", nargs="*", default=["mixtral-8x7b", "deepseek-v3"], choices=list(ROWS))
     ap.add_argument("--plan", action="store_true", help="also run the whole autopar.plan")
+    ap.add_argument("--plan-only", action="store_true",
+                    help="only the whole autopar.plan, timed in a fresh process")
     ap.add_argument("--agreement", action="store_true",
                     help="one setup's closed-form price against its per-operator plan")
     ap.add_argument("--workers", default="auto",
                     help="processes solving layer costs ahead of the search (LayerSolver.workers; "
                          "default: one fewer than the CPUs; 0: none)")
     args = ap.parse_args()
-    mode = "agreement" if args.agreement else "plan" if args.plan else "search"
+    mode = "agreement" if args.agreement else "plan-only" if args.plan_only else \
+        "plan" if args.plan else "search"
     for name in args.rows:
         proc = subprocess.run([sys.executable, "-c", _CHILD, name, json.dumps(ROWS[name]), mode,
                                os.path.dirname(os.path.abspath(__file__)), args.workers],
@@ -151,6 +163,12 @@ def main() -> None:
             print(f"{name}: {a['setup']}\n  search: step {a['search_s']:.2f} s, stages "
                   f"{', '.join(f'{g:.1f}' for g in a['search_gib'])} GiB\n  per operator: step "
                   f"{a['plan_s']:.2f} s, stages {', '.join(f'{g:.1f}' for g in a['plan_gib'])} GiB")
+            continue
+        if "plan_only" in out:
+            p = out["plan_only"]
+            print(f"{name}: autopar.plan in {p['plan_s']:.1f} s (search {p['search_s']:.1f} s, "
+                  f"placements {p['placement_s']:.1f} s): {p['setup']}, predicted step "
+                  f"{p['step_s']:.2f} s")
             continue
         t = out["timings"]
         print(f"{name}: search {out['search_s']:.1f} s with {t['workers']} worker(s) (traces "

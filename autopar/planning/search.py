@@ -483,13 +483,16 @@ def _price_all(rep: LayerSolver, queue: list[Setup], later: list[Setup], config:
     after all is priced at the end (cheaply), so that :func:`only_when_needed` sees every
     twin that fits. A setup with a twin doing less recomputation or ZeRO that fits is not
     priced: :func:`only_when_needed` would drop it (``candidate_setups`` yields the lighter
-    twins first: recomputation, then ZeRO, outside the other choices)."""
+    twins first: recomputation, then ZeRO, outside the other choices). The best step found so
+    far, which the bound is held against, is taken only from setups that
+    :func:`only_when_needed` keeps: none with a lighter twin that fits (not priced) or that
+    its bound skipped (which may be priced at the end, fit and drop it)."""
     ranked: list[StepCost] = []
     pruned: list[StepCost] = []
     skipped: list[Setup] = []
     over: list[Setup] = []
     price_s, best_s, n, twins = 0.0, float("inf"), 0, 0
-    fitting = Twins()  # (those that fit)
+    fitting, held = Twins(), Twins()  # (those that fit; those skipped by their bound)
     topo = rep.mesh.topology
     while queue or (later and not ranked):
         if not queue:  # nothing fits without a pipeline
@@ -500,12 +503,13 @@ def _price_all(rep: LayerSolver, queue: list[Setup], later: list[Setup], config:
                 not rep.shards_sequence(setup.microbatch_size):
             continue  # (the same program as its twin without it, which is priced; when forced,
             # the plan is refused later, saying why: entry._check_forced)
+        if fitting.has_lighter(setup):  # (only_when_needed would drop it)
+            twins += 1
+            continue
         if (setup.cp > 1 or (setup.tp > 1 and layer_key(setup) not in rep.solved)) and \
                 best_s < float("inf") and rep.bound(setup, budget).step_time_s >= best_s:
             skipped.append(setup)
-            continue
-        if fitting.lighter_fits(setup):  # (only_when_needed would drop it)
-            twins += 1
+            held.add(setup)
             continue
         lc = rep.costs(*layer_key(setup))
         t1 = time.perf_counter()
@@ -517,19 +521,22 @@ def _price_all(rep: LayerSolver, queue: list[Setup], later: list[Setup], config:
         price_s += time.perf_counter() - t1
         (ranked if cost.fits else pruned).append(cost)
         if cost.fits:
-            best_s = min(best_s, cost.step_time_s)
             fitting.add(cost.setup)
+            if not held.has_lighter(cost.setup):  # (else only_when_needed may drop it)
+                best_s = min(best_s, cost.step_time_s)
         if progress and n % 500 == 0:
             best = min(ranked, key=lambda c: c.step_time_s) if ranked else None
             progress(f"{n} setups priced, {len(rep.solved)} layer ILPs solved; best so far: "
                      + (f"{best.setup.describe()} {best.step_time_s:.3f} s" if best else "none fits"))
     late = [st for st in skipped if layer_key(st) in rep.solved]
+    dropped = [st for st in late if fitting.has_lighter(st)]
+    late = [st for st in late if not fitting.has_lighter(st)]
     aside = {st for st in late if memory_floor(rep.costs(*layer_key(st)), st, topo) > budget}
     over += [st for st in late if st in aside]
     priced = [_price_either_split(rep, st, budget) for st in late if st not in aside]
     return _Priced(tuple(ranked + [c for c in priced if c.fits]),
                    tuple(pruned + [c for c in priced if not c.fits]), tuple(over),
-                   len(skipped) - len(late), price_s, twins)
+                   len(skipped) - len(late) - len(dropped), price_s, twins + len(dropped))
 
 
 def _price_either_split(rep: LayerSolver, setup: Setup, budget: float) -> StepCost:

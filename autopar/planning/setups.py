@@ -48,11 +48,11 @@ def only_when_needed(ranked: list[StepCost]) -> list[StepCost]:
     fits = Twins()
     for c in ranked:
         fits.add(c.setup)
-    return [c for c in ranked if not fits.lighter_fits(c.setup)]
+    return [c for c in ranked if not fits.has_lighter(c.setup)]
 
 
 class Twins:
-    """Setups that fit, kept by twin: the same setup but for recomputation and ZeRO (and the
+    """A set of setups kept by twin: the same setup but for recomputation and ZeRO (and the
     stage split and gradient-sync mode, which follow), as :func:`only_when_needed` compares
     them."""
 
@@ -61,17 +61,19 @@ class Twins:
 
     @staticmethod
     def _base(setup: Setup) -> Setup:
+        """What ``setup``'s twins share: itself without recomputation, ZeRO and what follows
+        from them (the ZeRO shard group is kept beside it, per twin)."""
         return dataclasses.replace(setup, even_split=False, grad_sync="step", dp_shard=0,
                                    recompute="none", zero=0)
 
     def add(self, setup: Setup) -> None:
-        """Note that ``setup`` fits."""
+        """Put ``setup`` in the set."""
         self._by_base.setdefault(self._base(setup), []).append(
             (RECOMPUTE.index(setup.recompute), setup.zero, setup.dp_shard if setup.zero else 0))
 
-    def lighter_fits(self, setup: Setup) -> bool:
-        """Whether a twin of ``setup`` with less recomputation or ZeRO (or both) fits (a twin
-        with ZeRO shards over the same ``dp_shard``)."""
+    def has_lighter(self, setup: Setup) -> bool:
+        """Whether a twin of ``setup`` with less recomputation or ZeRO (or both) is in the set
+        (a twin with ZeRO sharding over the same ``dp_shard``)."""
         known = self._by_base.get(self._base(setup)) if self._by_base else None
         if not known:
             return False

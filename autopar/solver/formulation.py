@@ -80,7 +80,8 @@ def formulate(costs: Sequence[np.ndarray], edges: Sequence[tuple[int, int, np.nd
     splits back as ``y[s, t] = y[i, j] x[u, s] x[v, t] / (X[u, i] X[v, j])``, which meets the
     pairs' constraints), and an edge between a producer whose strategies give few distinct
     outputs and a consumer whose strategies need few distinct inputs has far fewer variables:
-    half of DeepSeek-V3's on a (dp, ep, tp) stage mesh."""
+    DeepSeek-V3's stage 0 on a (dp, ep, tp) mesh has 1.97M edge variables per pair before the
+    presolve and 0.96M per class; 880k against 676k variables in all once presolved."""
     sizes = [len(c) for c in costs]
     _check(sizes, edges, extra_memory)
     starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)

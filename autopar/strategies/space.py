@@ -31,7 +31,7 @@ from autopar._torch_private import (
 from autopar.errors import PlanError, UnsupportedOpError
 from autopar.graph import TracedGraph
 from autopar.strategies import fused
-from autopar.strategies.expansion import expand, is_even
+from autopar.strategies.expansion import ExpansionError, expand, is_even
 from autopar.strategies.nested_views import VIEW_OPS, nested_view_strategies
 from autopar.strategies import rules as _rules  # noqa: F401  (registers autopar's own rules)
 
@@ -352,6 +352,8 @@ class _Builder:
                 # single-axis rules expand shard placeholders only to the shard types they see
                 strategies = list(dict.fromkeys(strategies + self._expanded(
                     n, self._schema(n, single_rep=strided), out_meta, len(inputs))))
+        except ExpansionError:  # (autopar's own expansion failing is a bug, not a rule's refusal)
+            raise
         except Exception as first:  # some rules assume one candidate per secondary input
             # ... or fail on one candidate placement: ask per candidate, keep those that work
             strategies, errors = [], []
@@ -434,7 +436,13 @@ class _Builder:
             out_shapes = [tuple(v.shape) if isinstance(v, torch.Tensor) else None
                           for v in (val if isinstance(val, (tuple, list)) else [val])]
             in_shapes = [tuple(a.meta["val"].shape) for a in tensor_inputs(n)]
-            pairs = expand(result, out_shapes, in_shapes, self.mesh_shape, self.strided_ok)
+            try:
+                pairs = expand(result, out_shapes, in_shapes, self.mesh_shape, self.strided_ok)
+            except Exception as e:
+                raise ExpansionError(
+                    f"internal: expanding the single-dim strategies of {n.target} (node {n.name}) "
+                    f"over the mesh {self.mesh_shape} failed ({type(e).__name__}: {e}). Please "
+                    f"report this with the model.") from e
             if pairs is not None:
                 return [Strategy(o, i) for o, i in pairs]
             result = private.enumerate_op_strategy(n.target, schema, out_meta, self.mesh)

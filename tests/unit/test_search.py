@@ -23,11 +23,11 @@ import autopar
 from autopar.planning.entry import model_fingerprint
 from autopar.cost_models.step_price import price_setup
 from autopar.cost_models.training_step import (
-    LayerCosts, Setup, UnitCosts, blocks_per_stage,
+    RECOMPUTE, LayerCosts, Setup, UnitCosts, blocks_per_stage,
 )
 from autopar.model_presets import megatron_gpt
 from autopar.planning.search import LayerSolver, only_when_needed, search
-from autopar.planning.setups import candidate_setups
+from autopar.planning.setups import Twins, candidate_setups
 from models import build
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
@@ -329,3 +329,38 @@ def test_the_bound_is_below_the_price_for_experts_full_recomputation_and_interle
                 assert solver.bound(setup, 80e9).step_time_s <= price, setup.describe()
                 checked += 1
     assert checked == 12
+
+
+def _old_twin_key(setup):
+    """The twin key only_when_needed compared before Twins (kept here as the reference)."""
+    return dataclasses.replace(setup, even_split=False, grad_sync="step",
+                               dp_shard=setup.dp_shard if setup.zero else 0)
+
+
+def test_twins_find_a_lighter_twin_exactly_as_the_key_rule_did():
+    """Twins.has_lighter against the rule only_when_needed applied with one key per twin: on
+    setups differing in recomputation, ZeRO stage (0, 1, 3), shard group, stage split, gradient
+    sync and degrees, every pair of (set, setup)."""
+    base = Setup(8, 2, 2, 1, 4, "1f1b", 1, "none", 0, False)
+    setups = [dataclasses.replace(base, recompute=r, zero=z, dp_shard=d, even_split=e,
+                                  grad_sync=g, dp=dp)
+              for r in RECOMPUTE for z in (0, 1, 3) for d in (0, 2) for e in (False, True)
+              for g in ("step", "gathered") for dp in (8, 4)]
+    def old_rule(setup, fits):
+        keys = {_old_twin_key(c) for c in fits}
+        r = RECOMPUTE.index(setup.recompute)
+        return any(_old_twin_key(dataclasses.replace(setup, recompute=r2, zero=z2)) in keys
+                   for r2 in RECOMPUTE[:r + 1] for z2 in range(setup.zero + 1)
+                   if (r2, z2) != (setup.recompute, setup.zero))
+    import random
+    rng = random.Random(0)
+    found = 0
+    for _ in range(40):
+        fits = rng.sample(setups, 12)
+        twins = Twins()
+        for c in fits:
+            twins.add(c)
+        for st in setups:
+            assert twins.has_lighter(st) == old_rule(st, fits), (st, fits)
+            found += twins.has_lighter(st)
+    assert found > 100  # (the sets do hold lighter twins)
