@@ -13,9 +13,7 @@ of ``linear_solver.proto``, checked against protobuf's own encoding in ``tests/u
 the constraints through protobuf's message API, one call per constraint; both halves are parsed
 as one message (protobuf merges repeated fields of concatenated messages). The model lists its
 variables and constraints in the order the call-by-call build did, so that a backend given the
-same problem takes the same path. An edge's variables stand for classes of identical rows and
-columns of its cost matrix (:func:`formulate`), which leaves the optima as they are: DeepSeek-V3's
-stage 0 has 676k variables written so, against 880k per pair of strategies.
+same problem takes the same path.
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ from ortools.linear_solver import linear_solver_pb2, pywraplp
 
 from autopar.errors import AutoparError
 
-__all__ = ["Formulation", "LoadedModel", "edge_classes", "formulate", "load", "variable_records"]
+__all__ = ["Formulation", "LoadedModel", "formulate", "load", "variable_records"]
 
 # MPModelProto.variable is field 3; MPVariableProto's lower_bound 1, upper_bound 2,
 # objective_coefficient 3 (doubles, wire type 1), is_integer 4 (varint, wire type 0)
@@ -65,23 +63,12 @@ class Formulation:
 
 def formulate(costs: Sequence[np.ndarray], edges: Sequence[tuple[int, int, np.ndarray]],
               extra_memory: Sequence[np.ndarray] | None, slack: float, integer: bool) -> Formulation:
-    """Alpa's model over open groups ``0..len(costs)-1``, with each edge's variables for its
-    classes of strategies: ``x[g, s]`` (binary when ``integer``, else in [0, 1]) with
-    ``sum_s x[g, s] = 1`` and objective ``costs[g]``; per edge ``(u, v, mat)`` (in the order
-    given), with ``mat``'s identical rows and identical columns as classes
-    (:func:`edge_classes`), ``y[i, j]`` in [0, 1] with ``sum_j y[i, j] = sum_{s in i} x[u, s]``,
-    ``sum_i y[i, j] = sum_{t in j} x[v, t]`` and objective ``reduced[i, j]``; with
-    ``extra_memory``, ``sum extra[g, s] x[g, s] <= slack`` (coefficients that are 0 left out).
-    Costs are taken as given (already scaled by the caller).
-
-    The classes change neither the integer optimum (one strategy per group puts a 1 on one row
-    class and one column class, so ``y`` is 1 at their crossing, whose cost is the pair's) nor
-    the LP's (an LP solution per pair adds up to one per class of the same cost; one per class
-    splits back as ``y[s, t] = y[i, j] x[u, s] x[v, t] / (X[u, i] X[v, j])``, which meets the
-    pairs' constraints), and an edge between a producer whose strategies give few distinct
-    outputs and a consumer whose strategies need few distinct inputs has far fewer variables:
-    DeepSeek-V3's stage 0 on a (dp, ep, tp) mesh has 1.97M edge variables per pair before the
-    presolve and 0.96M per class; 880k against 676k variables in all once presolved."""
+    """Alpa's model over open groups ``0..len(costs)-1``: ``x[g, s]`` (binary when ``integer``,
+    else in [0, 1]) with ``sum_s x[g, s] = 1`` and objective ``costs[g]``; per edge ``(u, v,
+    mat)`` (in the order given) ``y[s, t]`` in [0, 1] with ``sum_t y[s, t] = x[u, s]``,
+    ``sum_s y[s, t] = x[v, t]`` and objective ``mat``; with ``extra_memory``, ``sum extra[g, s]
+    x[g, s] <= slack`` (coefficients that are 0 left out). Costs are taken as given (already
+    scaled by the caller)."""
     sizes = [len(c) for c in costs]
     _check(sizes, edges, extra_memory)
     starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -93,19 +80,16 @@ def formulate(costs: Sequence[np.ndarray], edges: Sequence[tuple[int, int, np.nd
     objective = [np.asarray(c, dtype=np.float64) for c in costs]
     first = int(starts[-1])
     for u, v, mat in edges:
-        reduced, row_of, col_of = edge_classes(np.asarray(mat, dtype=np.float64))
-        ri, cj = reduced.shape
-        ys = first + np.arange(ri * cj, dtype=np.int64).reshape(ri, cj)
-        for i, members in enumerate(_members(row_of, ri)):
-            add(lower_bound=0.0, upper_bound=0.0,
-                var_index=[*(int(starts[u]) + members).tolist(), *ys[i].tolist()],
-                coefficient=[-1.0] * len(members) + [1.0] * cj)
-        for j, members in enumerate(_members(col_of, cj)):
-            add(lower_bound=0.0, upper_bound=0.0,
-                var_index=[*(int(starts[v]) + members).tolist(), *ys[:, j].tolist()],
-                coefficient=[-1.0] * len(members) + [1.0] * ri)
-        objective.append(reduced.ravel())
-        first += ri * cj
+        ku, kv = mat.shape
+        ys = first + np.arange(ku * kv, dtype=np.int64).reshape(ku, kv)
+        for s in range(ku):
+            add(lower_bound=0.0, upper_bound=0.0, var_index=[int(starts[u]) + s, *ys[s].tolist()],
+                coefficient=[-1.0] + [1.0] * kv)
+        for t in range(kv):
+            add(lower_bound=0.0, upper_bound=0.0, var_index=[int(starts[v]) + t, *ys[:, t].tolist()],
+                coefficient=[-1.0] + [1.0] * ku)
+        objective.append(np.asarray(mat, dtype=np.float64).ravel())
+        first += ku * kv
     if extra_memory is not None:
         index = [int(starts[g]) + s for g, e in enumerate(extra_memory) for s in np.flatnonzero(e)]
         value = [float(e[s]) for e in extra_memory for s in np.flatnonzero(e)]
@@ -116,21 +100,6 @@ def formulate(costs: Sequence[np.ndarray], edges: Sequence[tuple[int, int, np.nd
             + variable_records(np.zeros(ny), np.ones(ny), obj[nx:], False)
             + model.SerializeToString())
     return Formulation(linear_solver_pb2.MPModelProto.FromString(data), tuple(int(s) for s in starts))
-
-
-def edge_classes(mat: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(reduced, row_of, col_of)``: the distinct rows of ``mat`` (``np.unique`` order), then
-    the distinct columns of those, and the class of each row and column of ``mat``:
-    ``mat[s, t] == reduced[row_of[s], col_of[t]]``."""
-    rows, row_of = np.unique(mat, axis=0, return_inverse=True)
-    reduced, col_of = np.unique(rows, axis=1, return_inverse=True)
-    return reduced, row_of.reshape(-1), col_of.reshape(-1)
-
-
-def _members(of: np.ndarray, k: int) -> list[np.ndarray]:
-    """The indices in each of the ``k`` classes ``of`` assigns, ascending."""
-    order = np.argsort(of, kind="stable")
-    return np.split(order, np.cumsum(np.bincount(of, minlength=k))[:-1])
 
 
 def _check(sizes: list[int], edges: Sequence[tuple[int, int, np.ndarray]],

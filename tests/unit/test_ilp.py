@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import time
@@ -12,7 +11,7 @@ import pytest
 from ortools.linear_solver import linear_solver_pb2, pywraplp
 
 import autopar.solver.ilp as ilp
-from autopar.solver.formulation import edge_classes, formulate, load, variable_records
+from autopar.solver.formulation import formulate, load, variable_records
 from autopar.errors import PlanError
 from autopar.solver.mip import SolverTimeoutError
 from autopar.solver.ilp import (
@@ -329,31 +328,22 @@ def test_variable_records_are_protobufs_own_encoding() -> None:
         assert got.SerializeToString() == ref.SerializeToString()
 
 
-def _call_by_call(solver: pywraplp.Solver, costs, edges, extra, slack: float,
-                  classes: bool = True, integer: bool = True) -> None:
+def _call_by_call(solver: pywraplp.Solver, costs, edges, extra, slack: float) -> None:
     """The model :func:`formulate` writes, built with one pywraplp call per term (the order
-    of variables, constraints and terms included): the build it replaced, with each edge's
-    variables per class of identical rows and columns (``classes``; per pair of strategies,
-    as Alpa writes it, without)."""
+    of variables, constraints and terms included): the build it replaced."""
     xs = []
     for c in costs:
-        row = [solver.BoolVar("") if integer else solver.NumVar(0.0, 1.0, "") for _ in c]
+        row = [solver.BoolVar("") for _ in c]
         one = solver.Constraint(1.0, 1.0)
         for var, value in zip(row, c):
             one.SetCoefficient(var, 1.0)
             solver.Objective().SetCoefficient(var, float(value))
         xs.append(row)
     for u, v, mat in edges:
-        if classes:
-            mat, row_of, col_of = edge_classes(mat)
-        else:
-            row_of, col_of = np.arange(mat.shape[0]), np.arange(mat.shape[1])
-        rows = [solver.Constraint(0.0, 0.0) for _ in range(mat.shape[0])]
-        cols = [solver.Constraint(0.0, 0.0) for _ in range(mat.shape[1])]
-        for s, var in enumerate(xs[u]):
-            rows[row_of[s]].SetCoefficient(var, -1.0)
-        for t, var in enumerate(xs[v]):
-            cols[col_of[t]].SetCoefficient(var, -1.0)
+        rows = [solver.Constraint(0.0, 0.0) for _ in xs[u]]
+        cols = [solver.Constraint(0.0, 0.0) for _ in xs[v]]
+        for ct, var in [*zip(rows, xs[u]), *zip(cols, xs[v])]:
+            ct.SetCoefficient(var, -1.0)
         for s, t in itertools.product(range(mat.shape[0]), range(mat.shape[1])):
             y = solver.NumVar(0.0, 1.0, "")
             rows[s].SetCoefficient(y, 1.0)
@@ -393,56 +383,6 @@ def test_the_written_model_is_the_one_built_call_by_call(with_memory: bool) -> N
     assert ref.Solve() == loaded.solver.Solve() == pywraplp.Solver.OPTIMAL
     assert [v.solution_value() for v in ref.variables()] == \
         [v.solution_value() for v in loaded.solver.variables()]
-
-
-def _classed_edge(rng, shape, classes):
-    """A random cost matrix of ``shape`` with rows and columns repeated: ``classes`` distinct
-    of each (at most), in random places."""
-    base = rng.random((classes[0], classes[1])).round(1)
-    return base[rng.integers(0, classes[0], shape[0])][:, rng.integers(0, classes[1], shape[1])]
-
-
-def test_edge_classes_are_the_identical_rows_and_columns() -> None:
-    rng = np.random.default_rng(5)
-    mat = _classed_edge(rng, (7, 9), (3, 4))
-    reduced, row_of, col_of = edge_classes(mat)
-    assert np.array_equal(reduced[row_of][:, col_of], mat)
-    assert len(np.unique(mat, axis=0)) == reduced.shape[0] < 7
-    assert len(np.unique(mat, axis=1).T) == reduced.shape[1] < 9
-    for a, b in itertools.combinations(range(7), 2):  # one class exactly when the rows are equal
-        assert (row_of[a] == row_of[b]) == bool(np.array_equal(mat[a], mat[b]))
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_edge_classes_change_neither_the_lp_nor_the_integer_optimum(seed: int) -> None:
-    """Edge variables per class of identical rows and columns (formulate) against per pair of
-    strategies: the same LP optimum (the relaxation the rounding starts from), the same
-    integer optimum (brute force), with fewer variables; a self-edge and a memory row
-    included."""
-    rng = np.random.default_rng(seed)
-    sizes = [int(k) for k in rng.integers(2, 5, 5)]
-    costs = [rng.random(k).round(1) for k in sizes]
-    pairs = [(0, 1), (1, 2), (0, 2), (2, 3), (3, 4), (1, 4), (3, 3)]
-    edges = [(u, v, _classed_edge(rng, (sizes[u], sizes[v]), (2, 2))) for u, v in pairs]
-    memory = [rng.random(k).round(1) for k in sizes]
-    extra = [m - m.min() for m in memory]  # (as solver.ilp writes its memory row)
-    slack = 0.1 * sum(float(e.max()) for e in extra)  # (binds: checked below)
-    optimum = {}
-    for integer, backend in ((False, "GLOP"), (True, "CBC")):
-        ref = pywraplp.Solver.CreateSolver(backend)
-        _call_by_call(ref, costs, edges, extra, slack, classes=False, integer=integer)
-        model = load(pywraplp.Solver.CreateSolver(backend),
-                     formulate(costs, edges, extra, slack, integer=integer))
-        assert ref.Solve() == model.solver.Solve() == pywraplp.Solver.OPTIMAL
-        assert model.solver.Objective().Value() == pytest.approx(ref.Objective().Value(), abs=1e-9)
-        assert model.solver.NumVariables() < ref.NumVariables()
-        optimum[integer] = model.solver.Objective().Value()
-    problem = ILPProblem(tuple(costs), tuple(memory), tuple(ILPEdge(u, v, m) for u, v, m in edges),
-                         memory_budget=slack + sum(float(m.min()) for m in memory))
-    assert optimum[True] == pytest.approx(brute_force(problem).objective, abs=1e-9)
-    assert optimum[False] <= optimum[True] + 1e-9
-    free = brute_force(dataclasses.replace(problem, memory_budget=None))
-    assert free.objective < optimum[True] - 1e-9  # (the memory row binds)
 
 
 def test_the_written_model_refuses_rows_that_do_not_fit_their_groups() -> None:
