@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["ExplainContext", "attach", "context_of"]
+__all__ = ["ExplainContext", "attach", "carry", "context_of"]
 
 
 @dataclass(frozen=True)
@@ -28,17 +28,45 @@ class ExplainContext:
 
 
 
-_CONTEXTS: dict[int, ExplainContext] = {}
+class _Deferred:
+    """A context made on first use, once (a pipeline stage placed in a worker process,
+    autopar.planning.stage_workers: its strategy space is made again only if it is explained)."""
+
+    def __init__(self, make: Callable[[], ExplainContext]) -> None:
+        self._make: Callable[[], ExplainContext] | None = make
+        self._ctx: ExplainContext | None = None
+
+    def get(self) -> ExplainContext:
+        if self._make is not None:
+            self._ctx, self._make = self._make(), None
+        return self._ctx
 
 
-def attach(plan: Any, ctx: ExplainContext | None) -> Any:
-    """Keep ``ctx`` with ``plan`` (until the plan is garbage collected); returns ``plan``."""
+_CONTEXTS: dict[int, ExplainContext | _Deferred] = {}
+
+
+def attach(plan: Any, ctx: ExplainContext | Callable[[], ExplainContext] | None) -> Any:
+    """Keep ``ctx`` with ``plan`` (until the plan is garbage collected); returns ``plan``.
+    ``ctx`` may be a function making it, called the first time :func:`context_of` asks."""
     if ctx is not None and id(plan) not in _CONTEXTS:
-        _CONTEXTS[id(plan)] = ctx
+        _CONTEXTS[id(plan)] = ctx if isinstance(ctx, (ExplainContext, _Deferred)) else _Deferred(ctx)
         weakref.finalize(plan, _CONTEXTS.pop, id(plan), None)
     return plan
 
 
 def context_of(plan: Any) -> ExplainContext | None:
     """The context :func:`attach` kept with ``plan``, or ``None``."""
-    return _CONTEXTS.get(id(plan))
+    ctx = _CONTEXTS.get(id(plan))
+    return ctx.get() if isinstance(ctx, _Deferred) else ctx
+
+
+def carry(src: Any, dst: Any,
+          change: Callable[[ExplainContext], ExplainContext] | None = None) -> Any:
+    """Keep with ``dst`` (a plan made from ``src``) ``src``'s context, ``change``d, without
+    making a deferred one; returns ``dst``."""
+    ctx = _CONTEXTS.get(id(src))
+    if ctx is None or change is None:
+        return attach(dst, ctx)
+    if isinstance(ctx, ExplainContext):
+        return attach(dst, change(ctx))
+    return attach(dst, lambda: change(ctx.get()))

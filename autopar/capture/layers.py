@@ -10,6 +10,7 @@ block and unit follow; ``partitioner_tag`` tells the backward from the forward.
 
 from __future__ import annotations
 
+import copy
 import re
 from typing import Any, Sequence
 
@@ -20,7 +21,8 @@ import torch.nn as nn
 from autopar._torch_private import OpOverload
 
 __all__ = ["PRE", "POST", "WRAP", "aten_ops", "attribute", "block_fingerprint", "block_prefix", "identical_blocks", "leading_blocks",
-           "is_backward", "is_op", "layer_units", "module_paths", "node_phase"]
+           "is_backward", "is_op", "layer_units", "module_paths", "node_phase", "set_module_attr",
+           "with_blocks"]
 
 PRE = "pre"
 POST = "post"
@@ -175,3 +177,40 @@ def attribute(module: Any, target: str) -> Any:
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def set_module_attr(root: nn.Module, target: str, value: torch.Tensor | nn.Module) -> None:
+    """Register ``value`` under the dotted ``target`` of ``root`` (creating empty modules on the
+    way): a Parameter as a parameter, a module as a submodule, any other tensor as a buffer."""
+    *path, leaf = target.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part):
+            mod.add_module(part, nn.Module())
+        mod = getattr(mod, part)
+    if isinstance(value, nn.Parameter):
+        mod.register_parameter(leaf, value)
+    elif isinstance(value, nn.Module):  # the body of a higher-order op (autocast, no_grad regions)
+        mod.add_module(leaf, value)
+    else:
+        mod.register_buffer(leaf, value)
+
+
+def with_blocks(model: nn.Module, prefix: str, blocks: Sequence[nn.Module]) -> nn.Module:
+    """A shallow copy of ``model`` whose module list at ``prefix`` holds ``blocks`` (the
+    modules themselves, weights shared, not copied); ``model`` is left as it was."""
+    parts = prefix.split(".")
+    root = _shallow(model)
+    parent = root
+    for name in parts[:-1]:
+        child = _shallow(parent._modules[name])
+        parent._modules[name] = child
+        parent = child
+    parent._modules[parts[-1]] = nn.ModuleList(blocks)
+    return root
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    out = copy.copy(module)
+    out._modules = dict(module._modules)  # so replacing a child leaves the original intact
+    return out

@@ -49,11 +49,15 @@ from autopar.capture.joint import (
 )
 from autopar.errors import CaptureError
 from autopar.graph import TracedGraph
-from autopar.capture.layers import WRAP, attribute, block_prefix, layer_units
+from autopar.capture.layers import (
+    WRAP, attribute, block_prefix, identical_blocks, layer_units, leading_blocks, set_module_attr,
+    with_blocks,
+)
+from autopar.capture.unroll import unroll_blocks
 from autopar.capture.stage_copies import copied_stage, stage_signature
 
 __all__ = ["ForwardGraph", "StageGraph", "capture_stages", "capture_with_forward", "export_forward",
-           "first_microbatch", "microbatch_inputs", "node_stages", "set_module_attr", "split_stages",
+           "first_microbatch", "microbatch_inputs", "node_stages", "split_stages",
            "unflatten_inputs"]
 
 
@@ -145,20 +149,24 @@ def capture_with_forward(model: nn.Module, example_inputs: Any,
     return traced, fwd
 
 
-def export_forward(model: nn.Module, example_inputs: Any, ep: Any = None) -> ForwardGraph:
+def export_forward(model: nn.Module, example_inputs: Any, ep: Any = None,
+                   unroll: bool | None = None) -> ForwardGraph:
     """Export ``model`` (wrapped to return its loss) on ``example_inputs``; find its layer units.
 
     ``ep``: an export of the wrapped model on these inputs, if one was already made.
+    ``unroll``: export a copy with the model's leading blocks and two of its repeated ones and
+    copy the last for the others (:mod:`autopar.capture.unroll`), where the blocks allow it; by
+    default for a model that is never run (built under ``FakeTensorMode``) only.
     """
     args, kwargs, fake_mode = prepare_inputs(model, example_inputs)
-    if ep is None:
-        with fake_mode if fake_mode is not None else contextlib.nullcontext():
-            ep = export_program(LossModule(model), args, kwargs)
-    gm = ep.module()
-    for n in list(gm.graph.nodes):
-        if n.op == "call_module" and not n.users:  # export's input guard
-            gm.graph.erase_node(n)
-    strip_assertions(gm)
+    if unroll is None:
+        unroll = ep is None and model_is_fake(model)
+    gm = _unrolled(model, args, kwargs, fake_mode) if unroll else None
+    if gm is None:
+        if ep is None:
+            with fake_mode if fake_mode is not None else contextlib.nullcontext():
+                ep = export_program(LossModule(model), args, kwargs)
+        gm = _module(ep)
     names = [n.target[len(WRAP):] for n in gm.graph.nodes if n.op == "get_attr"]
     prefix = block_prefix(names)
     blocks = len({n.split(".")[len(prefix.split("."))] for n in names
@@ -170,6 +178,29 @@ def export_forward(model: nn.Module, example_inputs: Any, ep: Any = None) -> For
         canonical[name] = owner.setdefault(id(p), name)
     _, spec = tree_flatten((args, kwargs))
     return ForwardGraph(gm, units, unit_of, canonical, fake_mode, spec)
+
+
+def _module(ep: Any) -> fx.GraphModule:
+    """The unlifted module of an export, without its input guard and assertions."""
+    gm = ep.module()
+    for n in list(gm.graph.nodes):
+        if n.op == "call_module" and not n.users:  # export's input guard
+            gm.graph.erase_node(n)
+    strip_assertions(gm)
+    return gm
+
+
+def _unrolled(model: nn.Module, args: tuple, kwargs: dict, fake_mode: Any) -> fx.GraphModule | None:
+    """The forward graph of ``model`` from a short copy's export (:mod:`autopar.capture.
+    unroll`), or ``None`` when its blocks do not allow it (the whole model is exported)."""
+    prefix, total, _ = identical_blocks(model)
+    lead = leading_blocks(model)
+    if prefix is None or lead < 0 or total <= lead + 2:
+        return None
+    short = with_blocks(model, prefix, list(model.get_submodule(prefix))[:lead + 2])
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        gm = _module(export_program(LossModule(short), args, kwargs))
+    return None if unroll_blocks(gm, model, prefix, lead, total) else gm
 
 
 def capture_stages(fwd: ForwardGraph, stage_of_unit: Sequence[int], mb_inputs: Sequence[Any],
@@ -368,20 +399,3 @@ def _pure_closure(roots: list[fx.Node], pure: set[str], stage_of: dict[str, int]
         if a.name in pure or a.op == "get_attr":
             stack.extend(a.all_input_nodes)
     return needed
-
-
-def set_module_attr(root: nn.Module, target: str, value: torch.Tensor | nn.Module) -> None:
-    """Register ``value`` under the dotted ``target`` of ``root`` (creating empty modules on the
-    way): a Parameter as a parameter, a module as a submodule, any other tensor as a buffer."""
-    *path, leaf = target.split(".")
-    mod = root
-    for part in path:
-        if not hasattr(mod, part):
-            mod.add_module(part, nn.Module())
-        mod = getattr(mod, part)
-    if isinstance(value, nn.Parameter):
-        mod.register_parameter(leaf, value)
-    elif isinstance(value, nn.Module):  # the body of a higher-order op (autocast, no_grad regions)
-        mod.add_module(leaf, value)
-    else:
-        mod.register_buffer(leaf, value)

@@ -35,7 +35,7 @@ from autopar._torch_private import tree_flatten
 from autopar.capture import capture, model_fingerprint, normalize_inputs
 from autopar.config import Config
 from autopar.errors import PlanError
-from autopar.plan_context import attach, context_of
+from autopar.plan_context import carry
 from autopar.mesh import Mesh
 from autopar.capture.layers import identical_blocks
 from autopar.plan import Plan
@@ -168,7 +168,7 @@ def _first_line(e: Exception) -> str:
 
 def _replace(plan: Plan, **kw: Any) -> Plan:
     """``dataclasses.replace`` keeping what ``plan.explain`` needs."""
-    return attach(dataclasses.replace(plan, **kw), context_of(plan))
+    return carry(plan, dataclasses.replace(plan, **kw))
 
 
 def _plan_by_search(model: nn.Module, mesh: Mesh, example_inputs: Any, config: Config,

@@ -25,7 +25,8 @@ __all__ = ['make_plan']
 from autopar.strategies.rules import EXPERT_OPS
 from autopar.strategies.space import tensor_inputs
 from autopar.planning.candidates import Candidate, memory_techniques, mesh_candidates
-from autopar.planning.pipeline import ModelFacts, build_pipeline_plan, search_pipeline
+from autopar.planning.pipeline import ModelFacts, build_pipeline_plan
+from autopar.planning.pipeline_search import search_pipeline
 from autopar.planning.assembly import utilization
 from autopar.planning.solve import replace_plan, solve_candidate
 

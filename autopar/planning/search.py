@@ -16,7 +16,6 @@ degree only splits the batch and adds the gradient reduction, priced per step.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import time
@@ -36,7 +35,7 @@ from autopar.errors import PlanError
 from autopar.mesh import Mesh
 from autopar.capture.moe import expert_count
 from autopar.capture.layers import (
-    block_fingerprint, block_prefix, identical_blocks, is_op, leading_blocks,
+    block_fingerprint, block_prefix, identical_blocks, is_op, leading_blocks, with_blocks,
 )
 from autopar.planning.ahead import (
     AheadSolver, LayerKey, TraceFacts, default_workers, fork_is_safe,
@@ -306,13 +305,6 @@ def two_block_copy(model: nn.Module) -> tuple[nn.Module, str, int, tuple[int, ..
         raise PlanError(f"the blocks of {prefix!r} differ other than in a leading run; the "
                         f"cluster search needs identical blocks after the first few. Plan it "
                         f"with autopar.plan(...) instead.")
-    parts = prefix.split(".")
-    root = _shallow(model)
-    parent = root
-    for name in parts[:-1]:
-        child = _shallow(parent._modules[name])
-        parent._modules[name] = child
-        parent = child
     firsts, runs = [], []
     for j, b in enumerate(list(blocks)[:lead]):
         if runs and block_fingerprint(b) == block_fingerprint(blocks[firsts[-1]]):
@@ -320,15 +312,8 @@ def two_block_copy(model: nn.Module) -> tuple[nn.Module, str, int, tuple[int, ..
         else:
             firsts.append(j)
             runs.append(1)
-    parent._modules[parts[-1]] = nn.ModuleList([blocks[j] for j in firsts]
-                                               + list(blocks)[lead:lead + 2])
+    root = with_blocks(model, prefix, [blocks[j] for j in firsts] + list(blocks)[lead:lead + 2])
     return root, prefix, len(blocks) - lead, tuple(runs)
-
-
-def _shallow(module: nn.Module) -> nn.Module:
-    out = copy.copy(module)
-    out._modules = dict(module._modules)  # so replacing a child leaves the original intact
-    return out
 
 
 def search_unsupported(model: nn.Module, example_inputs: Any, mesh: Mesh,

@@ -29,7 +29,7 @@ from autopar.solver.mip import SolverTimeoutError
 from autopar.solver.intra_op import IntraOpResult, ilp_groups, solve_intra_op
 from autopar.planning.records import NORMS
 from autopar.planning.sequence import cp_layout, graph_sequence_length
-from autopar.plan_context import ExplainContext, attach, context_of
+from autopar.plan_context import ExplainContext, attach, carry
 from autopar.capture.layers import is_backward, is_op
 from autopar.capture.remat import recompute_nodes
 from autopar.strategies.rules import (
@@ -37,7 +37,7 @@ from autopar.strategies.rules import (
 )
 from autopar.strategies.space import Strategy, StrategySpace, build_space, share_equal_strategies
 
-__all__ = ['gradient_axes', 'regathered_share', 'replace_plan', 'solve_candidate', 'solve_space',
+__all__ = ['explain_context', 'gradient_axes', 'regathered_share', 'replace_plan', 'solve_candidate', 'solve_space',
            'unpinned_space']
 
 
@@ -464,9 +464,8 @@ def solve_candidate(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candi
     """
     defer_grad_sync = stage is not None
     zero_once = defer_grad_sync and bool(config.zero)
-    space, costs = priced_space(traced, mesh, config, cand, cost_passes, fixed, activation_scale,
-                                gradient_share=1 / microbatches if defer_grad_sync else 1.0,
-                                zero_once=zero_once)
+    space, costs = _stage_space(traced, mesh, config, cand, cost_passes, stage, fixed,
+                                activation_scale, microbatches)
 
     def solve(ilp_budget: float | None) -> tuple:  # the ILP again, not the prices
         res = solve_intra_op(traced, space, costs, ilp_budget, config.solver_time_limit_s)
@@ -488,6 +487,28 @@ def solve_candidate(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candi
         plan = replace_plan(plan, collectives=tuple(dataclasses.replace(c, stage=stage)
                                                 for c in plan.collectives))
     return plan
+
+
+def explain_context(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate,
+                    cost_passes: Sequence[Callable[..., SpaceCosts]], budget: float | None,
+                    stage: int | None = None, fixed: dict[str, tuple[str, ...]] | None = None,
+                    activation_scale: int = 1, microbatches: int = 1,
+                    split_backward: bool = False, *, choice: dict[str, int]) -> ExplainContext:
+    """The context :func:`solve_candidate` keeps with its plan, made again from its arguments
+    and the ILP's ``choice`` (for a stage placed in a worker process: made when explained)."""
+    space, costs = _stage_space(traced, mesh, config, cand, cost_passes, stage, fixed,
+                                activation_scale, microbatches)
+    return ExplainContext(traced, space, costs, choice, budget, ilp_groups(traced, space)[0])
+
+
+def _stage_space(traced: TracedGraph, mesh: Mesh, config: Config, cand: Candidate,
+                 cost_passes: Sequence[Callable[..., SpaceCosts]], stage: int | None,
+                 fixed: dict[str, tuple[str, ...]] | None, activation_scale: int,
+                 microbatches: int) -> tuple:
+    defer_grad_sync = stage is not None
+    return priced_space(traced, mesh, config, cand, cost_passes, fixed, activation_scale,
+                        gradient_share=1 / microbatches if defer_grad_sync else 1.0,
+                        zero_once=defer_grad_sync and bool(config.zero))
 
 
 _BUDGET_RETRIES = 3  # ILP solves with a lowered budget when the plan's peak is over the budget
@@ -540,7 +561,7 @@ def _within_budget(solve: Callable[[float | None], tuple], budget: float | None)
 
 def replace_plan(plan: Plan, **kw: Any) -> Plan:
     """``dataclasses.replace`` that keeps what ``plan.explain`` needs."""
-    return attach(dataclasses.replace(plan, **kw), context_of(plan))
+    return carry(plan, dataclasses.replace(plan, **kw))
 
 
 def _with_recompute_peak(traced: TracedGraph, costs: SpaceCosts) -> SpaceCosts:

@@ -11,7 +11,7 @@ import torch
 
 from autopar.graph import TracedGraph
 from autopar.plan import Plan
-from autopar.plan_context import attach, context_of
+from autopar.plan_context import carry
 
 __all__ = ["renamed_stage_plan", "stage_key"]
 
@@ -60,5 +60,4 @@ def renamed_stage_plan(plan: Plan, traced: TracedGraph, flight: int, other: Trac
             predicted[key] += (other_flight - flight) * predicted["saved_bytes"]
     out = dataclasses.replace(plan, params=params, nodes=nodes, collectives=collectives,
                               predicted=predicted, model_fingerprint=other.fingerprint())
-    ctx = context_of(plan)
-    return attach(out, dataclasses.replace(ctx, traced=other) if ctx is not None else None)
+    return carry(plan, out, lambda ctx: dataclasses.replace(ctx, traced=other))

@@ -20,7 +20,7 @@ from autopar.cost_models.experts import (
 )
 from autopar.cost_models.sharding import alias_root, recomputed_bytes, state_bytes_per_element
 from autopar.cost_models.training_step import RECOMPUTE, LayerCosts, UnitCosts
-from autopar.planning.pipeline import chosen_comm
+from autopar.planning.pipeline_search import chosen_comm
 from autopar.planning.sequence import graph_sequence_length
 from autopar.strategies.rules import EXPERT_OPS
 from autopar.strategies.reshard import local_shape

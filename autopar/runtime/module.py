@@ -25,7 +25,7 @@ from autopar.plan import Plan
 from autopar.sequence_layout import layout_of_plan
 from autopar.passes.gather_buffers import compilable, gather_into_buffers
 from autopar.passes.lower import placements_of
-from autopar.capture.stages import set_module_attr
+from autopar.capture.layers import set_module_attr
 from autopar.runtime.faults import collective_failures
 from autopar.runtime.state import StateDictMixin, model_state
 

@@ -45,7 +45,8 @@ from autopar.errors import InputMismatchError, PlanError
 from autopar.graph import TracedGraph
 from autopar.passes.gather_buffers import all_gather_into_buffer
 from autopar.passes.lower import placements_of
-from autopar.capture.stages import StageGraph, set_module_attr
+from autopar.capture.layers import set_module_attr
+from autopar.capture.stages import StageGraph
 from autopar.sequence_layout import SequenceLayout, layout_of_plan
 from autopar.plan import Plan
 from autopar.runtime.faults import collective_failures

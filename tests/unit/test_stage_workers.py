@@ -1,0 +1,102 @@
+"""Distinct pipeline stages placed by forked workers (autopar.planning.stage_workers) give the
+plan placing them in order gives, explained the same; a worker that fails or dies leaves its
+stages to the planner, with a warning; stages pinned by a tied weight are not sent out."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+import autopar
+from autopar.planning import pipeline
+from autopar.planning import stage_workers
+from autopar.planning.ahead import fork_is_safe
+from models import GPT
+
+FOUR = autopar.Mesh.virtual("a100-dgx", nodes=1, gpus_per_node=4)
+# four stages of a 6-block GPT on 2 ranks (interleaved): 3 distinct stage graphs (first, middle, last)
+_CFG = autopar.Config(pp=2, schedule="interleaved-1f1b", virtual_stages=2, microbatch_size=1)
+
+_NEEDS_FORK = pytest.mark.skipif(not fork_is_safe(), reason="workers are not started here "
+                                 "(torch before 2.13, no fork, or macOS): ahead.fork_is_safe")
+
+
+def _model(tied: int = 0):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (4, 16))
+    return GPT(vocab=64, dim=32, heads=2, layers=6, seq=16, tied=tied), (ids, ids)
+
+
+def _plan(monkeypatch, workers: int, tied: int = 0, spy: list | None = None):
+    model, inputs = _model(tied)
+    monkeypatch.setattr(pipeline, "worker_count", lambda m: workers)
+    real = stage_workers.StageWorkers
+
+    def counted(jobs, n, limit):
+        out = real(jobs, n, limit)
+        if spy is not None:
+            spy.append((len(jobs), len(out.procs)))
+        return out
+
+    monkeypatch.setattr(pipeline, "StageWorkers", counted)
+    pipeline._LAST_STAGES.clear()
+    try:
+        return autopar.plan(model, FOUR, inputs, config=_CFG)
+    finally:
+        pipeline._LAST_STAGES.clear()
+
+
+def _same(a, b):
+    assert a.params == b.params and a.collectives == b.collectives
+    assert a.predicted == b.predicted
+    for x, y in zip(a.pipeline.stages, b.pipeline.stages):
+        assert x.params == y.params and x.nodes == y.nodes and x.collectives == y.collectives
+
+
+@_NEEDS_FORK
+def test_stages_placed_by_workers_are_the_plan_placed_in_order(monkeypatch):
+    alone = _plan(monkeypatch, 0)
+    spy = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # (no worker may have failed)
+        forked = _plan(monkeypatch, 2, spy=spy)
+    assert spy == [(2, 2)]  # (the middle and last stage graphs, each in a worker of its own)
+    _same(forked, alone)
+    # their strategy spaces were not sent back: the explanation makes them again
+    for target in ("blocks.3.qkv", "head", "blocks.0.fc1"):  # (a middle, the last, the first stage)
+        got = forked.explain(target)
+        assert got.nodes and got == alone.explain(target), target
+
+
+@_NEEDS_FORK
+def test_a_stage_pinned_by_a_tied_weight_stays_with_the_planner(monkeypatch):
+    spy = []
+    forked = _plan(monkeypatch, 2, tied=1, spy=spy)
+    # the last stage reads the embedding the first one places: only the middle one goes out
+    assert spy == [(1, 1)]
+    _same(forked, _plan(monkeypatch, 0, tied=1))
+
+
+@_NEEDS_FORK
+@pytest.mark.parametrize("how", ["raises", "dies"])
+def test_a_failed_worker_leaves_its_stages_to_the_planner(monkeypatch, how):
+    alone = _plan(monkeypatch, 0)
+    parent = os.getpid()
+    real = pipeline.solve_candidate
+
+    def failing(*args, **kwargs):
+        if os.getpid() != parent:
+            if how == "dies":
+                os._exit(3)
+            raise RuntimeError("a stage worker's error")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "solve_candidate", failing)
+    with pytest.warns(RuntimeWarning, match="did not place stage graph") as caught:
+        forked = _plan(monkeypatch, 1)
+    said = " ".join(str(w.message) for w in caught)
+    assert ("a stage worker's error" if how == "raises" else "ended without sending") in said
+    _same(forked, alone)
