@@ -206,7 +206,9 @@ def with_blocks(model: nn.Module, prefix: str, blocks: Sequence[nn.Module]) -> n
         child = _shallow(parent._modules[name])
         parent._modules[name] = child
         parent = child
-    parent._modules[parts[-1]] = nn.ModuleList(blocks)
+    held = copy.copy(parent._modules[parts[-1]])  # (the same kind of list: a Sequential runs)
+    held._modules = {str(i): b for i, b in enumerate(blocks)}
+    parent._modules[parts[-1]] = held
     return root
 
 

@@ -53,7 +53,7 @@ from autopar.capture.layers import (
     WRAP, attribute, block_prefix, identical_blocks, layer_units, leading_blocks, set_module_attr,
     with_blocks,
 )
-from autopar.capture.unroll import unroll_blocks
+from autopar.capture.unroll import attribute_refusal, unroll_blocks
 from autopar.capture.stage_copies import copied_stage, stage_signature
 
 __all__ = ["ForwardGraph", "StageGraph", "capture_stages", "capture_with_forward", "export_forward",
@@ -192,14 +192,22 @@ def _module(ep: Any) -> fx.GraphModule:
 
 def _unrolled(model: nn.Module, args: tuple, kwargs: dict, fake_mode: Any) -> fx.GraphModule | None:
     """The forward graph of ``model`` from a short copy's export (:mod:`autopar.capture.
-    unroll`), or ``None`` when its blocks do not allow it (the whole model is exported)."""
+    unroll`), or ``None`` when its blocks do not allow it or the copy does not export (a model
+    that indexes its blocks by count, say): the whole model is exported then, and a real error
+    is raised there."""
     prefix, total, _ = identical_blocks(model)
     lead = leading_blocks(model)
     if prefix is None or lead < 0 or total <= lead + 2:
         return None
-    short = with_blocks(model, prefix, list(model.get_submodule(prefix))[:lead + 2])
-    with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        gm = _module(export_program(LossModule(short), args, kwargs))
+    blocks = list(model.get_submodule(prefix))
+    if attribute_refusal(blocks, lead) is not None:
+        return None
+    short = with_blocks(model, prefix, blocks[:lead + 2])
+    try:
+        with fake_mode if fake_mode is not None else contextlib.nullcontext():
+            gm = _module(export_program(LossModule(short), args, kwargs))
+    except CaptureError:
+        return None
     return None if unroll_blocks(gm, model, prefix, lead, total) else gm
 
 

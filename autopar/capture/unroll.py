@@ -32,7 +32,7 @@ parameters; on refusal (a reason returned) ``gm`` is unchanged.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -42,7 +42,33 @@ from autopar._torch_private import FakeTensor
 
 from autopar.capture.layers import WRAP, attribute, layer_units, set_module_attr
 
-__all__ = ["unroll_blocks"]
+__all__ = ["attribute_refusal", "unroll_blocks"]
+
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def attribute_refusal(blocks: Sequence[nn.Module], lead: int) -> str | None:
+    """Why the repeated blocks after the two exported ones may not behave as the second, if a
+    plain attribute tells (an ``int``, ``float``, ``bool``, ``str`` or ``None``, or a tuple
+    of them, on any of their modules): one that differs from block ``lead + 1``'s where blocks
+    ``lead`` and ``lead + 1`` agree, as a sliding window set from the config on some layers
+    only. One the two exported blocks already differ in (a layer index) is one the node-for-node
+    check of :func:`unroll_blocks` shows the graph does not depend on."""
+    def plain(block: nn.Module) -> dict[tuple[str, str], str]:
+        return {(path, k): repr(v) for path, m in block.named_modules() for k, v in vars(m).items()
+                if not k.startswith("_") and (isinstance(v, _PLAIN) or isinstance(v, tuple)
+                                              and all(isinstance(x, _PLAIN) for x in v))}
+
+    ref, first = plain(blocks[lead + 1]), plain(blocks[lead])
+    free = {k for k in ref.keys() | first.keys() if ref.get(k) != first.get(k)}
+    for i in range(lead + 2, len(blocks)):
+        got = plain(blocks[i])
+        for key in sorted(got.keys() | ref.keys()):
+            if key not in free and got.get(key) != ref.get(key):
+                path = ".".join(p for p in (str(i), *key) if p)
+                return (f"block attribute {path} is {got.get(key)}, where block {lead + 1}'s is "
+                        f"{ref.get(key)}: the blocks may differ beyond the two exported")
+    return None
 
 
 def unroll_blocks(gm: fx.GraphModule, model: nn.Module, prefix: str, lead: int,
@@ -75,7 +101,9 @@ def unroll_blocks(gm: fx.GraphModule, model: nn.Module, prefix: str, lead: int,
             value = attribute(gm, a.target)
             if isinstance(value, fx.GraphModule):
                 return ("body", value.code)
-            return ("const", _constant_key(value)) if m is not None else ("shared", a)
+            if m is None:
+                return ("shared", a)
+            return ("const", _constant_key(value)) if int(m.group(1)) == unit - 1 else None
         u = unit_of.get(a.name, 0)
         if u == unit:
             return ("own", pos[a])
@@ -88,23 +116,13 @@ def unroll_blocks(gm: fx.GraphModule, model: nn.Module, prefix: str, lead: int,
         why = _same_step(x, y, role, roles, prev_unit, last_unit)
         if why:
             return f"blocks {lead} and {lead + 1} differ: {why}"
-    # the copies go right after the last block; what follows it (final norm, head, loss: not
-    # always labelled post, as a top-level module first used before the blocks holds them)
-    # must be no block's and read no block but the last
-    end = nodes.index(in_last[-1]) + 1
-    block_units = range(1, last_unit + 1)
-    after = [n for n in nodes[end:] if n.op in ("call_function", "output")]
-    for z in after:
-        if unit_of.get(z.name) in block_units:
-            return f"{z.name} of a block comes after block {lead + 1}'s last node"
-        for a in z.all_input_nodes:
-            if unit_of.get(a.name) in range(1, last_unit) or \
-                    (a.op == "get_attr" and a.target in own_tensors and block_attr.match(a.target)):
-                return f"{z.name} after the blocks reads {a.name} of an earlier block"
+    end = nodes.index(in_last[-1]) + 1  # (the copies go right after the last block)
+    why = _outside_refusal(nodes, unit_of, end, last_unit, lambda a: a.op == "get_attr"
+                           and a.target in own_tensors and block_attr.match(a.target) is not None)
+    if why:
+        return why
     inside = set(in_last)
-    for y in in_last:
-        if any(u not in inside and nodes.index(u) < end for u in y.users):
-            return f"{y.name} of block {lead + 1} is read before the block ends"
+    after = [n for n in nodes[end:] if n.op in ("call_function", "output")]
     last = _copies(gm, model, prefix, lead, total, in_last, roles, nodes[end])
     for z in after:
         for b in [a for a in z.all_input_nodes if a in inside]:
@@ -115,11 +133,38 @@ def unroll_blocks(gm: fx.GraphModule, model: nn.Module, prefix: str, lead: int,
     return None
 
 
+def _outside_refusal(nodes: list[fx.Node], unit_of: dict[str, int], end: int, last_unit: int,
+                     block_weight: Callable[[fx.Node], bool]) -> str | None:
+    """Why the code outside the blocks stops the copies, if it does: it must read no block's
+    node but the last one's, and that only after the last block's nodes (the final norm, head
+    and loss: not always labelled post, as a top-level module first used before the blocks
+    holds them), and no block's weight; no block's node may come after the last block's."""
+    blocks = range(1, last_unit + 1)
+    for i, z in enumerate(nodes):
+        if z.op not in ("call_function", "output"):
+            continue
+        if unit_of.get(z.name) in blocks:
+            if i >= end:
+                return f"{z.name} of a block comes after the last exported block's last node"
+            continue
+        for a in z.all_input_nodes:
+            u = unit_of.get(a.name)
+            if u in blocks and (u != last_unit or i < end):
+                return (f"{z.name}, outside the blocks, reads {a.name} of block {u - 1} "
+                        f"(e.g. a loss over every block's output)")
+            if block_weight(a):
+                return f"{z.name}, outside the blocks, reads a block's weight ({a.target})"
+    return None
+
+
+_NODE = object()  # (a node's place among a call's arguments)
+
+
 def _inputs(n: fx.Node) -> tuple[list[fx.Node], Any]:
-    """``n``'s input nodes in argument order (repeats kept) and its arguments with the nodes
-    blanked (the constants it is called with)."""
+    """``n``'s input nodes in argument order (repeats kept) and its arguments with each node
+    replaced by one marker (the constants it is called with, and where the nodes go)."""
     found: list[fx.Node] = []
-    blank = fx.node.map_arg((n.args, n.kwargs), lambda a: found.append(a) or None)
+    blank = fx.node.map_arg((n.args, n.kwargs), lambda a: found.append(a) or _NODE)
     return found, blank
 
 
@@ -164,6 +209,7 @@ def _copies(gm: fx.GraphModule, model: nn.Module, prefix: str, lead: int, total:
                 if kind == "prev":
                     return prev[key]
                 if kind in ("attr", "const"):  # (a constant: the last block's value, own name)
+                    assert a.target.startswith(src_prefix), (a.target, src_prefix)
                     name = a.target[len(src_prefix):]
                     if name not in attrs:
                         target = f"{WRAP}{prefix}.{k}.{name}"

@@ -30,8 +30,8 @@ from autopar.solver.ilp import InfeasibleMemoryError, format_bytes
 from autopar.planning.assembly import traced_flops
 from autopar.planning.candidates import Candidate
 from autopar.planning.collectives import step_end_reductions
-from autopar.planning.solve import explain_context, solve_candidate
-from autopar.planning.stage_workers import StageWorkers, independent_jobs, worker_count
+from autopar.planning.solve import solve_candidate
+from autopar.planning.stage_workers import StageWorkers, explained, independent_jobs, worker_count
 from autopar.plan_context import attach
 from autopar.planning.records import param_shards
 from autopar.planning.sequence import common_cp_layout
@@ -228,10 +228,9 @@ def build_pipeline_plan(model: Any, example_inputs: Any, facts: ModelFacts, mesh
             key = stage_key(traced, fixed)
             if key not in solved:
                 solve = job(st, traced, shape, fixed)
-                plan, choice = workers.plan(key, solve)
-                if choice is not None:  # (placed by a worker: explained from its choice)
-                    attach(plan, functools.partial(explain_context, *solve.args, choice=choice,
-                                                   **solve.keywords))
+                plan, extra = workers.plan(key, solve)
+                if extra is not None:  # (placed by a worker: explained from its choice)
+                    attach(plan, functools.partial(explained, solve, extra))
                 solved[key] = (plan, traced, most[shape])
                 if progress:
                     progress(f"placed stage {st.index} ({len(solved)} distinct so far), "

@@ -31,11 +31,13 @@ from typing import Any, Callable, Hashable, Sequence
 
 import torch.nn as nn
 
+from autopar.errors import PlanError
 from autopar.planning.ahead import default_workers, fork_is_safe
+from autopar.planning.solve import explain_context
 from autopar.planning.stage_reuse import stage_key
 from autopar.plan_context import context_of
 
-__all__ = ["MIN_PARAMS", "StageWorkers", "independent_jobs", "worker_count"]
+__all__ = ["MIN_PARAMS", "StageWorkers", "explained", "independent_jobs", "worker_count"]
 
 # workers are forked for models of this many parameters or more: forking the planner and
 # sending a plan back costs tens of milliseconds, a small model's stage solves less
@@ -80,35 +82,50 @@ class StageWorkers:
         self._conns: dict[int, Any] = {}
         self._ready: dict[Hashable, tuple] = {}
         self._lost: dict[Hashable, str] = {}
+        self._proc: dict[int, Any] = {}
         self.procs: list[Any] = []
         ctx = mp.get_context("fork") if jobs and workers > 0 and fork_is_safe() else None
         count = min(workers, len(jobs)) if ctx is not None else 0
         self._silence_s = _SILENCE_S + 2 * time_limit_s * -(-len(jobs) // max(count, 1))
-        for i in range(count):
-            mine = list(jobs[i::count])
-            reader, writer = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_work, daemon=True,
-                            args=(mine, writer, [reader, *self._conns.values()]))
-            try:
-                p.start()
-            except OSError as e:  # (out of processes or memory: the planner solves them)
-                warnings.warn(f"autopar: a stage worker could not start ({e}); the planner "
-                              f"places its stages itself.", RuntimeWarning, stacklevel=2)
-                reader.close()
-                writer.close()
-                break
-            writer.close()  # (the worker holds the only writing end: its death ends the pipe)
-            self._conns[i] = reader
-            self.procs.append(p)
-            self._where.update({key: i for key, _ in mine})
+        try:
+            for i in range(count):
+                if not self._start(ctx, i, list(jobs[i::count])):
+                    break
+        except BaseException:  # (no worker left behind by an interrupted start)
+            self.close()
+            raise
 
-    def plan(self, key: Hashable, solve: Callable[[], Any]) -> tuple[Any, dict[str, int] | None]:
-        """``key``'s plan and its ILP's choice, from its worker, or ``(solve(), None)`` when
-        no worker has it or its worker failed (told with a warning)."""
+    def _start(self, ctx: Any, i: int, mine: list) -> bool:
+        """Fork worker ``i`` for ``mine``; False (with a warning) if it cannot start."""
+        reader, writer = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=_work, daemon=True,
+                        args=(mine, writer, [reader, *self._conns.values()]))
+        try:
+            p.start()
+        except OSError as e:  # (out of processes or memory: the planner solves them)
+            warnings.warn(f"autopar: a stage worker could not start ({e}); the planner "
+                          f"places its stages itself.", RuntimeWarning, stacklevel=3)
+            reader.close()
+            writer.close()
+            return False
+        writer.close()  # (the worker holds the only writing end: its death ends the pipe)
+        self._conns[i] = reader
+        self._proc[i] = p
+        self.procs.append(p)
+        self._where.update({key: i for key, _ in mine})
+        return True
+
+    def plan(self, key: Hashable, solve: Callable[[], Any]) -> tuple[Any, dict | None]:
+        """``key``'s plan and what its worker sends with it (:func:`_work`), or ``(solve(),
+        None)`` when no worker has it or its worker failed (told with a warning). The
+        warnings the worker's solve raised are raised here."""
         if key in self._where:
             self._wait(key)
             if key in self._ready:
-                return self._ready.pop(key)
+                plan, extra, caught = self._ready.pop(key)
+                for message, category in caught:
+                    warnings.warn(message, category, stacklevel=2)
+                return plan, extra
             warnings.warn(f"autopar: a stage worker did not place stage graph {key!r:.40} "
                           f"({self._lost[key]}); the planner places it itself.",
                           RuntimeWarning, stacklevel=2)
@@ -119,7 +136,10 @@ class StageWorkers:
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
-            p.join()
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
         for conn in self._conns.values():
             conn.close()
         self.procs, self._conns = [], {}
@@ -131,10 +151,15 @@ class StageWorkers:
         while key not in self._ready and key not in self._lost:
             try:
                 if conn is None or not conn.poll(self._silence_s):
-                    raise EOFError(f"silent for {self._silence_s:.0f} s")
+                    raise TimeoutError(f"silent for {self._silence_s:.0f} s: stopped")
                 got, status, *rest = conn.recv()
             except (EOFError, OSError) as e:
-                why = f"it ended without sending it ({e or 'its pipe closed'})"
+                proc = self._proc.get(i)
+                if proc is not None and proc.is_alive():
+                    proc.terminate()  # (silent: the planner does its work now)
+                    proc.join(5)
+                code = f", exit code {proc.exitcode}" if proc is not None else ""
+                why = f"it ended without sending it ({str(e) or 'its pipe closed'}{code})"
                 for k, j in self._where.items():
                     if j == i and k not in self._ready:
                         self._lost.setdefault(k, why)
@@ -158,9 +183,13 @@ def _work(jobs: list[tuple[Hashable, Callable[[], Any]]], writer: Any, others: l
     for key, job in jobs:
         t0 = time.perf_counter()
         try:
-            plan = job()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                plan = job()
             ctx = context_of(plan)
-            message = (key, "ok", plan, dict(ctx.choice) if ctx is not None else None)
+            extra = {"choice": dict(ctx.choice), "strategies": _counts(ctx)} if ctx else None
+            message = (key, "ok", plan, extra,
+                       [(str(w.message), w.category) for w in caught])
         except Exception as e:  # (told to the planner, which solves the stage itself)
             text = str(e).strip().splitlines()
             message = (key, "failed", f"{type(e).__name__}: {text[0] if text else ''} "
@@ -171,3 +200,21 @@ def _work(jobs: list[tuple[Hashable, Callable[[], Any]]], writer: Any, others: l
             writer.send((key, "failed", f"its plan could not be sent: {type(e).__name__}: {e}"))
             os._exit(1)
     writer.close()
+
+
+def _counts(ctx: Any) -> dict[str, int]:
+    """How many strategies each node of a solved stage had (what its choice indexes)."""
+    return {n: len(s.strategies) for n, s in ctx.space.nodes.items()}
+
+
+def explained(solve: Any, extra: dict) -> Any:
+    """The explanation context of a stage a worker placed, made again here from its solve's
+    arguments (``solve``: a ``functools.partial`` of ``solve_candidate``) and the worker's
+    choice; refused (PlanError) if the strategy space made again is not the one the worker's
+    choice indexes (a time-limited pinning ILP may land elsewhere on another run)."""
+    ctx = explain_context(*solve.args, choice=extra["choice"], **solve.keywords)
+    if _counts(ctx) != extra["strategies"]:
+        raise PlanError("plan.explain: this pipeline stage was placed by a worker process, and "
+                        "its strategy space made again here differs from the one it solved; "
+                        "plan again to explain it (or plan a smaller model, placed in order).")
+    return ctx

@@ -17,7 +17,7 @@ from autopar.capture import stages as stages_mod
 from autopar.capture.joint import LossModule, export_program, prepare_inputs
 from autopar.capture.layers import attribute, module_paths, with_blocks
 from autopar.capture.stages import capture_stages, export_forward, microbatch_inputs
-from autopar.capture.unroll import unroll_blocks
+from autopar.capture.unroll import attribute_refusal, unroll_blocks
 from autopar.planning import pipeline
 from models import GPT, hf_moe
 
@@ -122,24 +122,26 @@ class _Scaled(nn.Module):
 
 class _Stack(nn.Module):
     def __init__(self, blocks: list[nn.Module], every: bool = False,
-                 before_last: bool = False) -> None:
+                 before_last: bool = False, each: bool = False) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(blocks)
         self.head = nn.Linear(8, 8)
         self.aux = nn.Linear(8, 8)
-        self.every, self.before_last = every, before_last
+        self.every, self.before_last, self.each = every, before_last, each
 
     def forward(self, x, y):
-        outs = []
+        outs, aux = [], 0.0
         for b in self.blocks:
             x = b(x)
             outs.append(x)
+            if self.each:  # (a module outside the blocks reading each one's output, in the loop)
+                aux = aux + self.aux(x).pow(2).mean()
         # every: the head reads every block's output; before_last: a module after the blocks
         # reads the one before the last (in the short copy, the first: what the copies cannot see)
         h = self.head(torch.stack(outs).sum(0) if self.every else x)
         if self.before_last:
             h = h + self.aux(outs[-2])
-        return (h - y).pow(2).mean()
+        return (h - y).pow(2).mean() + aux
 
 
 def _reason(model: nn.Module, inputs: tuple) -> str | None:
@@ -153,11 +155,12 @@ def _reason(model: nn.Module, inputs: tuple) -> str | None:
     return why
 
 
-@pytest.mark.parametrize("case", ["scaled", "every", "before_last", "plain"])
+@pytest.mark.parametrize("case", ["scaled", "every", "before_last", "each", "plain"])
 def test_blocks_that_are_not_one_function_are_not_unrolled(case):
     torch.manual_seed(0)
-    blocks = [_Scaled(i if case == "scaled" else 0) for i in range(4)]
-    model = _Stack(blocks, every=case == "every", before_last=case == "before_last")
+    blocks = [_Scaled(i if case == "scaled" else 0) for i in range(5)]
+    model = _Stack(blocks, every=case == "every", before_last=case == "before_last",
+                   each=case == "each")
     inputs = (torch.randn(3, 8), torch.randn(3, 8))
     why = _reason(model, inputs)
     if case == "plain":  # (the same blocks, the loss on the last: unrolled)
@@ -165,6 +168,54 @@ def test_blocks_that_are_not_one_function_are_not_unrolled(case):
     else:
         assert why is not None, case
     # export_forward falls back to the whole export: the loss is the model's either way
+    fwd = export_forward(model, inputs, unroll=True)
+    torch.testing.assert_close(fwd.gm(*inputs), model(*inputs), rtol=0, atol=0)
+
+
+def test_a_block_differing_beyond_the_exported_two_by_an_attribute_is_not_unrolled():
+    # blocks 0 and 1 alike, block 3 scaled otherwise (a window on the last layers, say): the
+    # exported two cannot show it; the blocks' plain attributes do
+    torch.manual_seed(0)
+    model = _Stack([_Scaled(3 if i == 3 else 0) for i in range(5)])
+    inputs = (torch.randn(3, 8), torch.randn(3, 8))
+    assert _reason(model, inputs) is None  # (the graph check alone would unroll it)
+    why = attribute_refusal(list(model.blocks), 0)
+    assert why is not None and "3.scale" in why
+    fwd = export_forward(model, inputs, unroll=True)
+    torch.testing.assert_close(fwd.gm(*inputs), model(*inputs), rtol=0, atol=0)
+    # an attribute the exported two already differ in (a layer index) does not refuse
+    for i, b in enumerate(model.blocks):
+        b.scale, b.index = 1.0, i
+    assert attribute_refusal(list(model.blocks), 0) is None
+
+
+class _Indexed(_Stack):
+    """Blocks in a Sequential called whole, or looped over by a count kept apart."""
+
+    def __init__(self, sequential: bool) -> None:
+        super().__init__([_Scaled(0) for _ in range(5)])
+        self.sequential, self.n = sequential, 5
+        if sequential:
+            self.blocks = nn.Sequential(*self.blocks)
+
+    def forward(self, x, y):
+        if self.sequential:
+            x = self.blocks(x)
+        else:
+            for i in range(self.n):
+                x = self.blocks[i](x)
+        return (self.head(x) - y).pow(2).mean()
+
+
+@pytest.mark.parametrize("sequential", [True, False])
+def test_a_short_copy_that_does_not_export_leaves_the_whole_export(sequential):
+    # a Sequential stays one in the copy (unrolled); a count kept apart indexes past the
+    # copy's blocks (IndexError while exporting it): the whole model is exported instead
+    torch.manual_seed(0)
+    model = _Indexed(sequential)
+    inputs = (torch.randn(3, 8), torch.randn(3, 8))
+    args, kwargs, fake = prepare_inputs(model, inputs)
+    assert (stages_mod._unrolled(model, args, kwargs, fake) is not None) == sequential
     fwd = export_forward(model, inputs, unroll=True)
     torch.testing.assert_close(fwd.gm(*inputs), model(*inputs), rtol=0, atol=0)
 
