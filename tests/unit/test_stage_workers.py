@@ -50,6 +50,16 @@ def _plan(monkeypatch, workers: int, tied: int = 0, spy: list | None = None):
         pipeline._LAST_STAGES.clear()
 
 
+_ALONE: dict = {}
+
+
+def _alone(monkeypatch, tied: int = 0):
+    """The plan placing the stages in order (made once for the module)."""
+    if tied not in _ALONE:
+        _ALONE[tied] = _plan(monkeypatch, 0, tied=tied)
+    return _ALONE[tied]
+
+
 def _same(a, b):
     assert a.params == b.params and a.collectives == b.collectives
     assert a.predicted == b.predicted
@@ -59,7 +69,7 @@ def _same(a, b):
 
 @_NEEDS_FORK
 def test_stages_placed_by_workers_are_the_plan_placed_in_order(monkeypatch):
-    alone = _plan(monkeypatch, 0)
+    alone = _alone(monkeypatch)
     spy = []
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # (no worker may have failed)
@@ -78,13 +88,13 @@ def test_a_stage_pinned_by_a_tied_weight_stays_with_the_planner(monkeypatch):
     forked = _plan(monkeypatch, 2, tied=1, spy=spy)
     # the last stage reads the embedding the first one places: only the middle one goes out
     assert spy == [(1, 1)]
-    _same(forked, _plan(monkeypatch, 0, tied=1))
+    _same(forked, _alone(monkeypatch, tied=1))
 
 
 @_NEEDS_FORK
 @pytest.mark.parametrize("how", ["raises", "dies", "warns"])
 def test_a_failed_worker_leaves_its_stages_to_the_planner(monkeypatch, how):
-    alone = _plan(monkeypatch, 0)
+    alone = _alone(monkeypatch)
     parent = os.getpid()
     real = pipeline.solve_candidate
 
