@@ -20,8 +20,7 @@ from autopar.config import Config
 from autopar.cost_models.comm import axis_collective_time
 from autopar.cost_models.sharding import stored_placement
 from autopar.cost_models.compute import mfu
-from autopar.cost_models.pipeline import (held_until, in_flight,
-                                          rank_memory, simulate)
+from autopar.cost_models.pipeline import held_until, in_flight, rank_memory, simulate
 from autopar.errors import PlanError
 from autopar.graph import TracedGraph
 from autopar.mesh import Mesh
@@ -87,6 +86,7 @@ class PipelineSetup:
 
 
 def batch_size(example_inputs: Any) -> int:
+    """The inputs' batch (their common dim-0 size); PlanError when they differ."""
     chunks, _ = microbatch_inputs(example_inputs, 1)
     sizes = {x.shape[0] for x in chunks[0] if hasattr(x, "shape") and x.dim() > 0}
     if len(sizes) != 1:

@@ -126,7 +126,7 @@ class StageWorkers:
                 for message, category in caught:
                     warnings.warn(message, category, stacklevel=2)
                 return plan, extra
-            warnings.warn(f"autopar: a stage worker did not place stage graph {key!r:.40} "
+            warnings.warn(f"autopar: a stage worker did not place stage graph {str(key)[:12]} "
                           f"({self._lost[key]}); the planner places it itself.",
                           RuntimeWarning, stacklevel=2)
         return solve(), None
@@ -171,9 +171,10 @@ class StageWorkers:
 
 
 def _work(jobs: list[tuple[Hashable, Callable[[], Any]]], writer: Any, others: list[Any]) -> None:
-    """A worker: compute each job and send ``(key, "ok", plan, choice)`` or ``(key, "failed",
-    message)``; the reading ends it inherited are closed (a planner that died leaves no pipe
-    held open by its worker)."""
+    """A worker: compute each job and send ``(key, "ok", plan, extra, warnings)`` (``extra``:
+    the ILP's choice and each node's strategy count, for the explanation; ``warnings``: those
+    the solve raised, as message and category) or ``(key, "failed", message)``; the reading
+    ends it inherited are closed (a planner that died leaves no pipe held open by its worker)."""
     import torch
 
     # (no OpenMP team here: the parent's pool of threads is not in the fork)
