@@ -41,7 +41,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["AheadSolver", "LayerKey", "TraceFacts", "default_workers", "fork_is_safe"]
+__all__ = ["AheadSolver", "LayerKey", "TraceFacts", "default_workers", "fork_is_safe", "sending"]
 
 LayerKey = tuple[int, int, bool, int, bool]  # (tp, b, sp, cp, cp inside tp): search.layer_key
 
@@ -192,7 +192,7 @@ class AheadSolver:
 
     def send(self, *message: Any) -> None:
         """(In a worker.) Pass ``message`` (the worker's number first) to the search, through
-        the worker's sending thread (:func:`_sending`)."""
+        the worker's sending thread (:func:`sending`)."""
         self._outbox.put(message)
 
     def _pending(self, b: int) -> bool:
@@ -267,7 +267,7 @@ def _work(solver: Any, ahead: AheadSolver, me: int, skip_unsplit: bool) -> None:
     for conn in [ahead._in, *ahead._conns.values()]:
         conn.close()
     ahead._outbox = queue.Queue()
-    sender = threading.Thread(target=_sending, args=(ahead._out, ahead._outbox), daemon=True)
+    sender = threading.Thread(target=sending, args=(ahead._out, ahead._outbox), daemon=True)
     sender.start()
     try:
         _solve_sizes(solver, ahead, me, skip_unsplit)
@@ -276,11 +276,14 @@ def _work(solver: Any, ahead: AheadSolver, me: int, skip_unsplit: bool) -> None:
         sender.join()
 
 
-def _sending(conn: Any, outbox: "queue.Queue") -> None:
-    """(A worker's thread.) Write each message of ``outbox`` to the search's pipe until
-    ``None``, so that the worker computes on while the search is busy. A message that cannot
-    be written (one that does not pickle, a search that has gone) ends the worker at once, its
-    traceback on its stderr: the search then reads the pipe's end and solves its sizes."""
+def sending(conn: Any, outbox: "queue.Queue") -> None:
+    """(A worker's thread.) Write each message of ``outbox`` to the planner's pipe until
+    ``None``, so that the worker computes on while the planner is busy (a message is written
+    whole only once the planner reads it: a pipe holds a few kilobytes); ``bytes`` are written
+    as they are (a message pickled by the worker, ``conn.recv()`` reads it as sent). A message
+    that cannot be written (one that does not pickle, a planner that has gone) ends the worker
+    at once, its traceback on its stderr: the planner then reads the pipe's end and does the
+    worker's work itself."""
     try:
         while (message := outbox.get()) is not None:
             _write_message(conn, message)
@@ -294,9 +297,12 @@ def _sending(conn: Any, outbox: "queue.Queue") -> None:
 
 
 def _write_message(conn: Any, message: tuple) -> None:
-    """Write one message to the search (a function of its own: a test stops a worker in the
+    """Write one message to the planner (a function of its own: a test stops a worker in the
     middle of one)."""
-    conn.send(message)
+    if isinstance(message, bytes):
+        conn.send_bytes(message)
+    else:
+        conn.send(message)
 
 
 def _solve_sizes(solver: Any, ahead: AheadSolver, me: int, skip_unsplit: bool) -> None:

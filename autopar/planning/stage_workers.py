@@ -24,15 +24,17 @@ does not pickle): the plan's explanation (``plan.explain``) makes it again when 
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
+import queue
+import threading
 import time
 import warnings
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Callable, Hashable, Sequence
 
 import torch.nn as nn
 
 from autopar.errors import PlanError
-from autopar.planning.ahead import default_workers, fork_is_safe
+from autopar.planning.ahead import default_workers, fork_is_safe, sending
 from autopar.planning.solve import explain_context
 from autopar.planning.stage_reuse import stage_key
 from autopar.plan_context import context_of
@@ -173,34 +175,50 @@ class StageWorkers:
 def _work(jobs: list[tuple[Hashable, Callable[[], Any]]], writer: Any, others: list[Any]) -> None:
     """A worker: compute each job and send ``(key, "ok", plan, extra, warnings)`` (``extra``:
     the ILP's choice and each node's strategy count, for the explanation; ``warnings``: those
-    the solve raised, as message and category) or ``(key, "failed", message)``; the reading
-    ends it inherited are closed (a planner that died leaves no pipe held open by its worker)."""
+    the solve raised, as message and category) or ``(key, "failed", message)``, each pickled
+    here and written by a thread (:func:`~autopar.planning.ahead.sending`), so that the next
+    job starts while the planner has not read the last (a pipe holds a few kilobytes of a
+    plan); the reading ends it inherited are closed (a planner that died leaves no pipe held
+    open by its worker)."""
     import torch
 
     # (no OpenMP team here: the parent's pool of threads is not in the fork)
     torch.set_num_threads(1)
     for conn in others:
         conn.close()
-    for key, job in jobs:
-        t0 = time.perf_counter()
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                plan = job()
-            ctx = context_of(plan)
-            extra = {"choice": dict(ctx.choice), "strategies": _counts(ctx)} if ctx else None
-            message = (key, "ok", plan, extra,
-                       [(str(w.message), w.category) for w in caught])
-        except Exception as e:  # (told to the planner, which solves the stage itself)
-            text = str(e).strip().splitlines()
-            message = (key, "failed", f"{type(e).__name__}: {text[0] if text else ''} "
-                                      f"after {time.perf_counter() - t0:.1f} s")
-        try:
-            writer.send(message)
-        except Exception as e:  # (a plan that does not pickle: the planner solves the rest)
-            writer.send((key, "failed", f"its plan could not be sent: {type(e).__name__}: {e}"))
-            os._exit(1)
-    writer.close()
+    outbox: queue.Queue = queue.Queue()
+    sender = threading.Thread(target=sending, args=(writer, outbox), daemon=True)
+    sender.start()
+    try:
+        for key, job in jobs:
+            data, sent = _message(key, job)
+            outbox.put(data)
+            if not sent:  # (a plan that does not pickle: the planner solves the rest)
+                break
+    finally:
+        outbox.put(None)
+        sender.join()
+
+
+def _message(key: Hashable, job: Callable[[], Any]) -> tuple[bytes, bool]:
+    """``job``'s message for the planner, pickled, and whether it holds the plan."""
+    t0 = time.perf_counter()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plan = job()
+        ctx = context_of(plan)
+        extra = {"choice": dict(ctx.choice), "strategies": _counts(ctx)} if ctx else None
+        message = (key, "ok", plan, extra, [(str(w.message), w.category) for w in caught])
+    except Exception as e:  # (told to the planner, which solves the stage itself)
+        text = str(e).strip().splitlines()
+        message = (key, "failed", f"{type(e).__name__}: {text[0] if text else ''} "
+                                  f"after {time.perf_counter() - t0:.1f} s")
+    try:
+        return bytes(ForkingPickler.dumps(message)), True
+    except Exception as e:
+        return bytes(ForkingPickler.dumps(
+            (key, "failed", f"its plan could not be sent: {type(e).__name__}: {e}"))), False
 
 
 def _counts(ctx: Any) -> dict[str, int]:

@@ -6,6 +6,7 @@ stages pinned by a tied weight are not sent out."""
 from __future__ import annotations
 
 import os
+import time
 import warnings
 
 import pytest
@@ -16,6 +17,7 @@ from autopar.planning import pipeline
 from autopar.planning import stage_workers
 from autopar.planning.ahead import fork_is_safe
 from models import GPT
+from plan_equality import assert_same_pipeline_plan
 
 FOUR = autopar.Mesh.virtual("a100-dgx", nodes=1, gpus_per_node=4)
 # four stages of a 6-block GPT on 2 ranks (interleaved): 3 distinct stage graphs (first, middle, last)
@@ -60,13 +62,6 @@ def _alone(monkeypatch, tied: int = 0):
     return _ALONE[tied]
 
 
-def _same(a, b):
-    assert a.params == b.params and a.collectives == b.collectives
-    assert a.predicted == b.predicted
-    for x, y in zip(a.pipeline.stages, b.pipeline.stages):
-        assert x.params == y.params and x.nodes == y.nodes and x.collectives == y.collectives
-
-
 @_NEEDS_FORK
 def test_stages_placed_by_workers_are_the_plan_placed_in_order(monkeypatch):
     alone = _alone(monkeypatch)
@@ -75,7 +70,7 @@ def test_stages_placed_by_workers_are_the_plan_placed_in_order(monkeypatch):
         warnings.simplefilter("error", RuntimeWarning)  # (no worker may have failed)
         forked = _plan(monkeypatch, 2, spy=spy)
     assert spy == [(2, 2)]  # (the middle and last stage graphs, each in a worker of its own)
-    _same(forked, alone)
+    assert_same_pipeline_plan(forked, alone)
     # their strategy spaces were not sent back: the explanation makes them again
     for target in ("blocks.3.qkv", "head", "blocks.0.fc1"):  # (a middle, the last, the first stage)
         got = forked.explain(target)
@@ -88,7 +83,7 @@ def test_a_stage_pinned_by_a_tied_weight_stays_with_the_planner(monkeypatch):
     forked = _plan(monkeypatch, 2, tied=1, spy=spy)
     # the last stage reads the embedding the first one places: only the middle one goes out
     assert spy == [(1, 1)]
-    _same(forked, _alone(monkeypatch, tied=1))
+    assert_same_pipeline_plan(forked, _alone(monkeypatch, tied=1))
 
 
 @_NEEDS_FORK
@@ -116,4 +111,29 @@ def test_a_failed_worker_leaves_its_stages_to_the_planner(monkeypatch, how):
     else:
         expected = "a stage worker's error" if how == "raises" else "exit code 3"
         assert any("did not place stage graph" in m and expected in m for m in said), said
-    _same(forked, alone)
+    assert_same_pipeline_plan(forked, alone)
+
+
+
+@_NEEDS_FORK
+def test_a_worker_starts_its_next_stage_before_the_planner_reads_the_last(monkeypatch, tmp_path):
+    parent = os.getpid()
+    real = pipeline.solve_candidate
+
+    def timed(*args, **kwargs):
+        if os.getpid() != parent:
+            (tmp_path / f"start{kwargs['stage']}").write_text(repr(time.time()))
+        plan = real(*args, **kwargs)
+        if os.getpid() == parent:  # (the planner's own stage, the first: slow)
+            time.sleep(3)
+            (tmp_path / "planner").write_text(repr(time.time()))
+        else:  # (a plan larger than a pipe holds: its write waits for the planner's read)
+            plan.solver["padding"] = "x" * 4_000_000
+        return plan
+
+    monkeypatch.setattr(pipeline, "solve_candidate", timed)
+    _plan(monkeypatch, 1)
+    # the worker holds the middle and last stage graphs (stages 1 and 3): it began the last
+    # while the planner was still on its own, before the middle one's plan was read
+    started = float((tmp_path / "start3").read_text())
+    assert started < float((tmp_path / "planner").read_text())

@@ -20,6 +20,7 @@ from autopar.capture.stages import capture_stages, export_forward, microbatch_in
 from autopar.capture.unroll import attribute_refusal, unroll_blocks
 from autopar.planning import pipeline
 from models import GPT, hf_moe
+from plan_equality import assert_same_pipeline_plan
 
 FOUR = autopar.Mesh.virtual("a100-dgx", nodes=1, gpus_per_node=4)
 
@@ -240,9 +241,4 @@ def test_a_fake_models_pipeline_plan_is_the_same_unrolled(monkeypatch):
     monkeypatch.setattr(pipeline, "export_forward", functools.partial(real, unroll=False))
     whole = autopar.plan(model, FOUR, (ids, ids), config=cfg)
     pipeline._LAST_STAGES.clear()
-    assert unrolled.pipeline.stage_of_unit == whole.pipeline.stage_of_unit
-    assert unrolled.params == whole.params
-    assert unrolled.collectives == whole.collectives
-    assert unrolled.predicted == whole.predicted
-    for a, b in zip(unrolled.pipeline.stages, whole.pipeline.stages):
-        assert a.params == b.params and a.nodes == b.nodes and a.collectives == b.collectives
+    assert_same_pipeline_plan(unrolled, whole)

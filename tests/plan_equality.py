@@ -1,0 +1,19 @@
+"""One assertion shared by the tests that plan a pipelined model two ways which must give the same
+plan (stage copies against traces, an unrolled export against the whole one, stage workers
+against placing in order)."""
+
+from __future__ import annotations
+
+__all__ = ["assert_same_pipeline_plan"]
+
+
+def assert_same_pipeline_plan(a, b) -> None:
+    """``a`` and ``b`` are the same pipelined plan: the cut, every parameter's placement, the
+    collectives, the predictions, and per stage its parameters, nodes and collectives."""
+    assert a.pipeline.stage_of_unit == b.pipeline.stage_of_unit
+    assert a.params == b.params
+    assert a.collectives == b.collectives
+    assert a.predicted == b.predicted
+    assert len(a.pipeline.stages) == len(b.pipeline.stages)
+    for x, y in zip(a.pipeline.stages, b.pipeline.stages):
+        assert x.params == y.params and x.nodes == y.nodes and x.collectives == y.collectives
