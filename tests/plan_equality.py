@@ -4,10 +4,12 @@ against placing in order)."""
 
 from __future__ import annotations
 
+from autopar.plan import Plan
+
 __all__ = ["assert_same_pipeline_plan"]
 
 
-def assert_same_pipeline_plan(a, b) -> None:
+def assert_same_pipeline_plan(a: Plan, b: Plan) -> None:
     """``a`` and ``b`` are the same pipelined plan: the cut, every parameter's placement, the
     collectives, the predictions, and per stage its parameters, nodes and collectives."""
     assert a.pipeline.stage_of_unit == b.pipeline.stage_of_unit

@@ -279,7 +279,7 @@ def _work(solver: Any, ahead: AheadSolver, me: int, skip_unsplit: bool) -> None:
 def sending(conn: Any, outbox: "queue.Queue") -> None:
     """(A worker's thread.) Write each message of ``outbox`` to the planner's pipe until
     ``None``, so that the worker computes on while the planner is busy (a message is written
-    whole only once the planner reads it: a pipe holds a few kilobytes); ``bytes`` are written
+    whole only once the planner reads it: a pipe holds 64 KiB on Linux); ``bytes`` are written
     as they are (a message pickled by the worker, ``conn.recv()`` reads it as sent). A message
     that cannot be written (one that does not pickle, a planner that has gone) ends the worker
     at once, its traceback on its stderr: the planner then reads the pipe's end and does the
@@ -296,7 +296,7 @@ def sending(conn: Any, outbox: "queue.Queue") -> None:
         os._exit(1)
 
 
-def _write_message(conn: Any, message: tuple) -> None:
+def _write_message(conn: Any, message: tuple | bytes) -> None:
     """Write one message to the planner (a function of its own: a test stops a worker in the
     middle of one)."""
     if isinstance(message, bytes):

@@ -24,6 +24,7 @@ does not pickle): the plan's explanation (``plan.explain``) makes it again when 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import threading
 import time
@@ -177,8 +178,8 @@ def _work(jobs: list[tuple[Hashable, Callable[[], Any]]], writer: Any, others: l
     the ILP's choice and each node's strategy count, for the explanation; ``warnings``: those
     the solve raised, as message and category) or ``(key, "failed", message)``, each pickled
     here and written by a thread (:func:`~autopar.planning.ahead.sending`), so that the next
-    job starts while the planner has not read the last (a pipe holds a few kilobytes of a
-    plan); the reading ends it inherited are closed (a planner that died leaves no pipe held
+    job starts while the planner has not read the last (a pipe holds 64 KiB on Linux, a plan
+    more); the reading ends it inherited are closed (a planner that died leaves no pipe held
     open by its worker)."""
     import torch
 
@@ -187,6 +188,7 @@ def _work(jobs: list[tuple[Hashable, Callable[[], Any]]], writer: Any, others: l
     for conn in others:
         conn.close()
     outbox: queue.Queue = queue.Queue()
+    sent = True
     sender = threading.Thread(target=sending, args=(writer, outbox), daemon=True)
     sender.start()
     try:
@@ -198,6 +200,8 @@ def _work(jobs: list[tuple[Hashable, Callable[[], Any]]], writer: Any, others: l
     finally:
         outbox.put(None)
         sender.join()
+    if not sent:  # (a failure's exit code, which the planner's warning for the rest tells)
+        os._exit(1)
 
 
 def _message(key: Hashable, job: Callable[[], Any]) -> tuple[bytes, bool]:

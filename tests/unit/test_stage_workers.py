@@ -87,20 +87,24 @@ def test_a_stage_pinned_by_a_tied_weight_stays_with_the_planner(monkeypatch):
 
 
 @_NEEDS_FORK
-@pytest.mark.parametrize("how", ["raises", "dies", "warns"])
+@pytest.mark.parametrize("how", ["raises", "dies", "warns", "does-not-pickle"])
 def test_a_failed_worker_leaves_its_stages_to_the_planner(monkeypatch, how):
     alone = _alone(monkeypatch)
     parent = os.getpid()
     real = pipeline.solve_candidate
 
     def failing(*args, **kwargs):
-        if os.getpid() != parent:
-            if how == "dies":
-                os._exit(3)
-            if how == "raises":
-                raise RuntimeError("a stage worker's error")
+        worker = os.getpid() != parent
+        if worker and how == "dies":
+            os._exit(3)
+        if worker and how == "raises":
+            raise RuntimeError("a stage worker's error")
+        if worker and how == "warns":
             warnings.warn("a warning in a worker", UserWarning)
-        return real(*args, **kwargs)
+        plan = real(*args, **kwargs)
+        if worker and how == "does-not-pickle":
+            plan.solver["callback"] = lambda: None
+        return plan
 
     monkeypatch.setattr(pipeline, "solve_candidate", failing)
     with pytest.warns(Warning) as caught:
@@ -108,11 +112,13 @@ def test_a_failed_worker_leaves_its_stages_to_the_planner(monkeypatch, how):
     said = [str(w.message) for w in caught]
     if how == "warns":  # (the worker's warnings, raised here: one per stage it placed)
         assert said == ["a warning in a worker"] * 2
+    elif how == "does-not-pickle":  # (the first stage's plan; the worker then stops)
+        for expected in ("its plan could not be sent", "exit code 1"):
+            assert any("did not place stage graph" in m and expected in m for m in said), said
     else:
         expected = "a stage worker's error" if how == "raises" else "exit code 3"
         assert any("did not place stage graph" in m and expected in m for m in said), said
     assert_same_pipeline_plan(forked, alone)
-
 
 
 @_NEEDS_FORK
@@ -120,20 +126,25 @@ def test_a_worker_starts_its_next_stage_before_the_planner_reads_the_last(monkey
     parent = os.getpid()
     real = pipeline.solve_candidate
 
-    def timed(*args, **kwargs):
-        if os.getpid() != parent:
-            (tmp_path / f"start{kwargs['stage']}").write_text(repr(time.time()))
+    def solve(*args, **kwargs):
         plan = real(*args, **kwargs)
-        if os.getpid() == parent:  # (the planner's own stage, the first: slow)
-            time.sleep(3)
-            (tmp_path / "planner").write_text(repr(time.time()))
-        else:  # (a plan larger than a pipe holds: its write waits for the planner's read)
+        if os.getpid() == parent:  # (the planner's own stage, the first: it waits for the
+            # worker to start its second stage, a minute at most, before it reads any plan)
+            deadline = time.monotonic() + 60
+            while not (tmp_path / "started3").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            (tmp_path / "waited").write_text(str((tmp_path / "started3").exists()))
+        elif kwargs["stage"] == 1:  # (more than a pipe holds: its write waits for a read)
             plan.solver["padding"] = "x" * 4_000_000
+        else:
+            (tmp_path / f"started{kwargs['stage']}").write_text("")
         return plan
 
-    monkeypatch.setattr(pipeline, "solve_candidate", timed)
-    _plan(monkeypatch, 1)
+    monkeypatch.setattr(pipeline, "solve_candidate", solve)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # (no worker may have failed)
+        forked = _plan(monkeypatch, 1)
     # the worker holds the middle and last stage graphs (stages 1 and 3): it began the last
-    # while the planner was still on its own, before the middle one's plan was read
-    started = float((tmp_path / "start3").read_text())
-    assert started < float((tmp_path / "planner").read_text())
+    # while the planner had not read the middle one's plan, which came whole
+    assert (tmp_path / "waited").read_text() == "True"
+    assert len(forked.pipeline.stages[1].solver["padding"]) == 4_000_000
