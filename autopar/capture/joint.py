@@ -19,7 +19,7 @@ import os
 import re
 import time
 import traceback
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
@@ -35,7 +35,7 @@ from autopar.graph import InputInfo, Layer, ParamInfo, TracedGraph
 
 __all__ = ["LossModule", "build_traced", "capture", "capture_with_export", "export_program",
            "extract_loss", "first_line", "model_device", "model_fingerprint", "model_is_fake",
-           "normalize_inputs", "prepare_inputs", "split_mean_losses", "strip_assertions",
+           "node_layers", "normalize_inputs", "prepare_inputs", "split_mean_losses", "strip_assertions",
            "strip_input_grads", "to_fake"]
 
 _WRAP = "model."
@@ -444,7 +444,7 @@ def build_traced(
     if len(input_grad) != len(boundary):
         raise CaptureError(f"pipeline stage {stage.index}: gradients of {len(input_grad)} of its "
                            f"{len(boundary)} boundary activations were traced; each must require grad.")
-    node_layer, layers = _layers(gm, params, prefix)
+    node_layer, layers = node_layers(gm, params, prefix)
     return TracedGraph(
         gm=gm, params=tuple(params), inputs=tuple(inputs), buffers=tuple(buffers),
         tangent_nodes=tuple(tangents),
@@ -491,7 +491,7 @@ def _short(target: str) -> str:
     return target[len(_WRAP):] if target.startswith(_WRAP) else target
 
 
-def _layers(gm: fx.GraphModule, params: list[ParamInfo], prefix: str | None = None
+def node_layers(gm: fx.GraphModule, params: Sequence[ParamInfo], prefix: str | None = None
             ) -> tuple[dict[str, str], tuple[Layer, ...]]:
     """Assign every node to a layer (``prefix.N`` of the repeated module, or ``""``)."""
     prefix = prefix or block_prefix([p.name for p in params])

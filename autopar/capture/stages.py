@@ -53,6 +53,7 @@ from autopar.capture.layers import (
     WRAP, attribute, block_prefix, identical_blocks, layer_units, leading_blocks, set_module_attr,
     with_blocks,
 )
+from autopar.capture.joint_unroll import alike_run, short_stage, unroll_joint
 from autopar.capture.unroll import attribute_refusal, unroll_blocks
 from autopar.capture.stage_copies import copied_stage, stage_signature
 
@@ -265,8 +266,28 @@ def capture_stages(fwd: ForwardGraph, stage_of_unit: Sequence[int], mb_inputs: S
 
 def _trace_stage(st: StageGraph, args: tuple, fwd: ForwardGraph, ctx: Any, cast: Any,
                  is_fake: bool, prefix: str | None) -> tuple[TracedGraph, Any]:
-    """One stage's joint trace and its forward outputs on ``args``."""
+    """One stage's joint trace and its forward outputs on ``args``: for a model that is never
+    run, from the trace of a short copy of the stage where its blocks allow it
+    (:mod:`autopar.capture.joint_unroll`), else of the whole stage."""
     start = time.perf_counter()
+    run = alike_run(st, fwd.unit_of, prefix) if is_fake and prefix else []
+    short = short_stage(st, fwd.unit_of, run, prefix) if run else None
+    gm, outs = _joint(short or st, args, ctx, cast)
+    if short is not None:
+        unrolled = unroll_joint(gm, st, prefix, run)
+        if isinstance(unrolled, str):  # (the blocks differ where the check can see it)
+            gm, outs = _joint(st, args, ctx, cast)
+        else:
+            gm = unrolled
+    # a stage of one block cannot show which module list repeats: the model's tells it
+    traced = build_traced(gm, st.gm, fwd.in_spec, is_fake, time.perf_counter() - start,
+                          stage=st, prefix=prefix)
+    return traced, outs
+
+
+def _joint(st: StageGraph, args: tuple, ctx: Any, cast: Any) -> tuple[fx.GraphModule, Any]:
+    """The joint graph of ``st``'s program on ``args`` (user inputs' gradients and assertions
+    left out, mean losses split) and its forward outputs."""
     with ctx, contextlib.ExitStack() as stack:
         stack.enter_context(cast())
         try:
@@ -279,10 +300,7 @@ def _trace_stage(st: StageGraph, args: tuple, fwd: ForwardGraph, ctx: Any, cast:
     strip_input_grads(gm, keep=st.num_boundary)
     strip_assertions(gm)
     split_mean_losses(gm)
-    # a stage of one block cannot show which module list repeats: the model's tells it
-    traced = build_traced(gm, st.gm, fwd.in_spec, is_fake, time.perf_counter() - start,
-                          stage=st, prefix=prefix)
-    return traced, outs
+    return gm, outs
 
 
 @dataclass(frozen=True)

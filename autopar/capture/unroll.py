@@ -42,7 +42,7 @@ from autopar._torch_private import FakeTensor
 
 from autopar.capture.layers import WRAP, attribute, layer_units, set_module_attr
 
-__all__ = ["attribute_refusal", "unroll_blocks"]
+__all__ = ["attribute_refusal", "call_inputs", "constant_key", "renamed_meta", "unroll_blocks"]
 
 _PLAIN = (int, float, bool, str, type(None))
 
@@ -103,7 +103,7 @@ def unroll_blocks(gm: fx.GraphModule, model: nn.Module, prefix: str, lead: int,
                 return ("body", value.code)
             if m is None:
                 return ("shared", a)
-            return ("const", _constant_key(value)) if int(m.group(1)) == unit - 1 else None
+            return ("const", constant_key(value)) if int(m.group(1)) == unit - 1 else None
         u = unit_of.get(a.name, 0)
         if u == unit:
             return ("own", pos[a])
@@ -160,7 +160,7 @@ def _outside_refusal(nodes: list[fx.Node], unit_of: dict[str, int], end: int, la
 _NODE = object()  # (a node's place among a call's arguments)
 
 
-def _inputs(n: fx.Node) -> tuple[list[fx.Node], Any]:
+def call_inputs(n: fx.Node) -> tuple[list[fx.Node], Any]:
     """``n``'s input nodes in argument order (repeats kept) and its arguments with each node
     replaced by one marker (the constants it is called with, and where the nodes go)."""
     found: list[fx.Node] = []
@@ -172,8 +172,8 @@ def _same_step(x: fx.Node, y: fx.Node, role: Any, roles: dict, prev_unit: int,
                last_unit: int) -> str | None:
     """Whether ``y`` (the last exported block) does what ``x`` (the block before) does;
     records the roles of ``y``'s inputs."""
-    xs, xc = _inputs(x)
-    ys, yc = _inputs(y)
+    xs, xc = call_inputs(x)
+    ys, yc = call_inputs(y)
     if x.target != y.target or xc != yc or len(xs) != len(ys):
         return f"{x.name} and {y.name} are different calls"
     for ax, ay in zip(xs, ys):
@@ -223,7 +223,7 @@ def _copies(gm: fx.GraphModule, model: nn.Module, prefix: str, lead: int, total:
 
             for y in in_last:
                 new = graph.node_copy(y, arg)
-                new.meta = _renamed(y.meta, src, f"{WRAP}{prefix}.{k}")
+                new.meta = renamed_meta(y.meta, src, f"{WRAP}{prefix}.{k}")
                 env.append(new)
             prev = env
     return prev
@@ -240,7 +240,7 @@ def _in_model_order(graph: fx.Graph, rank: dict[str, int]) -> None:
         anchor.prepend(n)
 
 
-def _constant_key(value: Any) -> tuple:
+def constant_key(value: Any) -> tuple:
     """What makes a block's lifted constant the same as another's: its type, shape, dtype and,
     for a real tensor, its values (a fake one has none: the same op made it in both blocks)."""
     if not isinstance(value, torch.Tensor):
@@ -249,11 +249,14 @@ def _constant_key(value: Any) -> tuple:
     return (tuple(value.shape), value.dtype, tuple(value.flatten().tolist()) if real else None)
 
 
-def _renamed(meta: dict, src: str, dst: str) -> dict:
-    """``meta`` with the module paths of its module stack moved from block ``src`` to ``dst``."""
+def renamed_meta(meta: dict, src: str, dst: str) -> dict:
+    """``meta`` with the module paths of its module stacks (the forward's, and the one a
+    backward node may carry from its forward) moved from block ``src`` to ``dst`` (regular
+    expressions, as :func:`re.sub` takes them)."""
     out = dict(meta)
-    stack = meta.get("nn_module_stack")
-    if stack:
-        out["nn_module_stack"] = {re.sub(src, dst, k): (re.sub(src, dst, v[0]), *v[1:])
-                                  if isinstance(v, tuple) else v for k, v in stack.items()}
+    for field in ("nn_module_stack", "fwd_nn_module_stack"):
+        stack = meta.get(field)
+        if stack:
+            out[field] = {re.sub(src, dst, k): (re.sub(src, dst, v[0]), *v[1:])
+                          if isinstance(v, tuple) else v for k, v in stack.items()}
     return out

@@ -14,7 +14,11 @@ no ILP stops at ``Config.solver_time_limit_s``, whose best-so-far the machine's 
 Workers are forked where :func:`~autopar.planning.ahead.fork_is_safe` allows it, for models of
 :data:`~autopar.planning.search.AHEAD_MIN_PARAMS` parameters or more (forking costs tens of
 milliseconds, a small stage's solve less), at most :func:`~autopar.planning.ahead.
-default_workers` of them, each taking every so many of the stages in turn. A worker that fails
+default_workers` of them, each taking every so many of the stages in turn; a job no worker
+has begun when the planner comes to wait for one is taken by the planner (marked in a shared
+array, so that exactly one process solves it), which is otherwise idle then: on two CPUs,
+DeepSeek-V3's last stage is placed by the planner while its worker places the middle one. A
+worker that fails
 (an error, a plan that does not pickle, its death, silence past its solves' time limits) leaves
 its stages to the planner, which solves them itself (a real error is raised there, with its
 traceback) and warns with the worker's message. A stage's strategy space is not sent back (it
@@ -86,23 +90,29 @@ class StageWorkers:
         self._ready: dict[Hashable, tuple] = {}
         self._lost: dict[Hashable, str] = {}
         self._proc: dict[int, Any] = {}
+        self._jobs = list(jobs)
+        self._mine: dict[Hashable, Any] = {}  # (plans of the jobs the planner took itself)
         self.procs: list[Any] = []
         ctx = mp.get_context("fork") if jobs and workers > 0 and fork_is_safe() else None
         count = min(workers, len(jobs)) if ctx is not None else 0
         self._silence_s = _SILENCE_S + 2 * time_limit_s * -(-len(jobs) // max(count, 1))
+        # who took each job (0: nobody yet, else _PLANNER or _WORKER), under its lock
+        self._taken = ctx.Array("b", len(self._jobs)) if count else None
         try:
             for i in range(count):
-                if not self._start(ctx, i, list(jobs[i::count])):
+                if not self._start(ctx, i, list(range(i, len(self._jobs), count))):
                     break
         except BaseException:  # (no worker left behind by an interrupted start)
             self.close()
             raise
 
-    def _start(self, ctx: Any, i: int, mine: list) -> bool:
-        """Fork worker ``i`` for ``mine``; False (with a warning) if it cannot start."""
+    def _start(self, ctx: Any, i: int, mine: list[int]) -> bool:
+        """Fork worker ``i`` for the jobs at ``mine``; False (with a warning) if it cannot
+        start."""
         reader, writer = ctx.Pipe(duplex=False)
         p = ctx.Process(target=_work, daemon=True,
-                        args=(mine, writer, [reader, *self._conns.values()]))
+                        args=([(j, *self._jobs[j]) for j in mine], self._taken, writer,
+                              [reader, *self._conns.values()]))
         try:
             p.start()
         except OSError as e:  # (out of processes or memory: the planner solves them)
@@ -115,14 +125,21 @@ class StageWorkers:
         self._conns[i] = reader
         self._proc[i] = p
         self.procs.append(p)
-        self._where.update({key: i for key, _ in mine})
+        self._where.update({self._jobs[j][0]: i for j in mine})
         return True
 
     def plan(self, key: Hashable, solve: Callable[[], Any]) -> tuple[Any, dict | None]:
         """``key``'s plan and what its worker sends with it (:func:`_work`), or ``(solve(),
-        None)`` when no worker has it or its worker failed (told with a warning). The
-        warnings the worker's solve raised are raised here."""
+        None)`` when no worker has it, its worker failed (told with a warning) or had not
+        begun it (the planner takes it then). The warnings the worker's solve raised are
+        raised here. While it waits for a worker, the planner solves the jobs no worker has
+        begun (which it would otherwise solve after waiting)."""
+        if key in self._mine:
+            return self._mine.pop(key), None
+        if key in self._where and self._take(key):
+            return solve(), None
         if key in self._where:
+            self._take_the_rest()
             self._wait(key)
             if key in self._ready:
                 plan, extra, caught = self._ready.pop(key)
@@ -133,6 +150,18 @@ class StageWorkers:
                           f"({self._lost[key]}); the planner places it itself.",
                           RuntimeWarning, stacklevel=2)
         return solve(), None
+
+    def _take(self, key: Hashable) -> bool:
+        """Whether the planner takes ``key``'s job (no worker has begun it)."""
+        j = next(j for j, (k, _) in enumerate(self._jobs) if k == key)
+        return _take(self._taken, j, _PLANNER)
+
+    def _take_the_rest(self) -> None:
+        """Solve here, in order, the jobs no worker has begun."""
+        for key, job in self._jobs:
+            if key in self._where and key not in self._mine and key not in self._ready \
+                    and self._take(key):
+                self._mine[key] = job()
 
     def close(self) -> None:
         """Stop the workers still running."""
@@ -173,8 +202,21 @@ class StageWorkers:
                 self._lost[got] = rest[0]
 
 
-def _work(jobs: list[tuple[Hashable, Callable[[], Any]]], writer: Any, others: list[Any]) -> None:
-    """A worker: compute each job and send ``(key, "ok", plan, extra, warnings)`` (``extra``:
+_PLANNER, _WORKER = 1, 2
+
+
+def _take(taken: Any, j: int, who: int) -> bool:
+    """Whether ``who`` takes job ``j`` (nobody had): marked in the shared array ``taken``."""
+    with taken.get_lock():
+        if taken[j]:
+            return False
+        taken[j] = who
+        return True
+
+
+def _work(jobs: list[tuple[int, Hashable, Callable[[], Any]]], taken: Any, writer: Any,
+          others: list[Any]) -> None:
+    """A worker: compute each job (index, key, function) the planner has not taken, and send ``(key, "ok", plan, extra, warnings)`` (``extra``:
     the ILP's choice and each node's strategy count, for the explanation; ``warnings``: those
     the solve raised, as message and category) or ``(key, "failed", message)``, each pickled
     here and written by a thread (:func:`~autopar.planning.ahead.sending`), so that the next
@@ -192,7 +234,9 @@ def _work(jobs: list[tuple[Hashable, Callable[[], Any]]], writer: Any, others: l
     sender = threading.Thread(target=sending, args=(writer, outbox), daemon=True)
     sender.start()
     try:
-        for key, job in jobs:
+        for j, key, job in jobs:
+            if not _take(taken, j, _WORKER):
+                continue  # (the planner took it while it waited for another)
             data, sent = _message(key, job)
             outbox.put(data)
             if not sent:  # (a plan that does not pickle: the planner solves the rest)

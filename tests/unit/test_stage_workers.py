@@ -33,7 +33,10 @@ def _model(tied: int = 0):
     return GPT(vocab=64, dim=32, heads=2, layers=6, seq=16, tied=tied), (ids, ids)
 
 
-def _plan(monkeypatch, workers: int, tied: int = 0, spy: list | None = None):
+def _plan(monkeypatch, workers: int, tied: int = 0, spy: list | None = None,
+          procs: list | None = None):
+    """The plan with ``workers`` stage workers; ``spy`` gets (jobs, workers started),
+    ``procs`` the workers' processes."""
     model, inputs = _model(tied)
     monkeypatch.setattr(pipeline, "worker_count", lambda m: workers)
     real = stage_workers.StageWorkers
@@ -42,6 +45,8 @@ def _plan(monkeypatch, workers: int, tied: int = 0, spy: list | None = None):
         out = real(jobs, n, limit)
         if spy is not None:
             spy.append((len(jobs), len(out.procs)))
+        if procs is not None:
+            procs.extend(out.procs)
         return out
 
     monkeypatch.setattr(pipeline, "StageWorkers", counted)
@@ -88,13 +93,15 @@ def test_a_stage_pinned_by_a_tied_weight_stays_with_the_planner(monkeypatch):
 
 @_NEEDS_FORK
 @pytest.mark.parametrize("how", ["raises", "dies", "warns", "does-not-pickle"])
-def test_a_failed_worker_leaves_its_stages_to_the_planner(monkeypatch, how):
+def test_a_failed_worker_leaves_its_stages_to_the_planner(monkeypatch, how, tmp_path):
     alone = _alone(monkeypatch)
     parent = os.getpid()
     real = pipeline.solve_candidate
 
     def failing(*args, **kwargs):
         worker = os.getpid() != parent
+        if worker:  # (the planner takes the worker's second stage if it has not begun it)
+            (tmp_path / f"worker{kwargs['stage']}").write_text("")
         if worker and how == "dies":
             os._exit(3)
         if worker and how == "raises":
@@ -107,14 +114,17 @@ def test_a_failed_worker_leaves_its_stages_to_the_planner(monkeypatch, how):
         return plan
 
     monkeypatch.setattr(pipeline, "solve_candidate", failing)
+    procs: list = []
     with pytest.warns(Warning) as caught:
-        forked = _plan(monkeypatch, 1)
+        forked = _plan(monkeypatch, 1, procs=procs)
     said = [str(w.message) for w in caught]
     if how == "warns":  # (the worker's warnings, raised here: one per stage it placed)
-        assert said == ["a warning in a worker"] * 2
-    elif how == "does-not-pickle":  # (the first stage's plan; the worker then stops)
-        for expected in ("its plan could not be sent", "exit code 1"):
-            assert any("did not place stage graph" in m and expected in m for m in said), said
+        placed = len(list(tmp_path.glob("worker*")))
+        assert placed >= 1 and said == ["a warning in a worker"] * placed
+    elif how == "does-not-pickle":  # (its first stage's plan; the worker then stops, code 1)
+        assert any("did not place stage graph" in m and "its plan could not be sent" in m
+                   for m in said), said
+        assert [p.exitcode for p in procs] == [1]
     else:
         expected = "a stage worker's error" if how == "raises" else "exit code 3"
         assert any("did not place stage graph" in m and expected in m for m in said), said
@@ -148,3 +158,36 @@ def test_a_worker_starts_its_next_stage_before_the_planner_reads_the_last(monkey
     # while the planner had not read the middle one's plan, which came whole
     assert (tmp_path / "waited").read_text() == "True"
     assert len(forked.pipeline.stages[1].solver["padding"]) == 4_000_000
+
+
+@_NEEDS_FORK
+def test_the_planner_takes_a_stage_its_worker_has_not_begun(monkeypatch, tmp_path):
+    # one worker holds the middle and last stage graphs (stages 1 and 3); its middle one waits
+    # (a minute at most) for the planner to place the last one itself, which it does only if
+    # it takes the job the worker has not begun instead of waiting for the worker
+    alone = _alone(monkeypatch)
+    parent = os.getpid()
+    real = pipeline.solve_candidate
+
+    def wait_for(name: str) -> None:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / name).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def solve(*args, **kwargs):
+        who = "planner" if os.getpid() == parent else "worker"
+        if who == "worker" and kwargs["stage"] == 1:
+            (tmp_path / "began1").write_text("")
+            wait_for("planner3")
+        plan = real(*args, **kwargs)
+        if who == "planner" and kwargs["stage"] == 0:  # (the worker has begun its first job)
+            wait_for("began1")
+        (tmp_path / f"{who}{kwargs['stage']}").write_text("")
+        return plan
+
+    monkeypatch.setattr(pipeline, "solve_candidate", solve)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # (no worker may have failed)
+        forked = _plan(monkeypatch, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["began1", "planner0", "planner3", "worker1"]
+    assert_same_pipeline_plan(forked, alone)
