@@ -492,7 +492,7 @@ def _short(target: str) -> str:
 
 
 def node_layers(gm: fx.GraphModule, params: Sequence[ParamInfo], prefix: str | None = None
-            ) -> tuple[dict[str, str], tuple[Layer, ...]]:
+                ) -> tuple[dict[str, str], tuple[Layer, ...]]:
     """Assign every node to a layer (``prefix.N`` of the repeated module, or ``""``)."""
     prefix = prefix or block_prefix([p.name for p in params])
     pat = re.compile(rf"^{re.escape(prefix)}\.(\d+)(\.|$)") if prefix else None

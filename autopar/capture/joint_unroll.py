@@ -58,10 +58,12 @@ def _block_nodes(gm: fx.GraphModule, unit_of: dict[str, int], units: Sequence[in
     return out
 
 
-def _signature(nodes: list[fx.Node], prev: list[fx.Node], attr_block: re.Pattern) -> tuple:
-    """A block's forward program by role: each node's op, constants, output shape and inputs
-    (its own nodes and the previous block's by position, its parameters by name within the
-    block, anything else as itself)."""
+def _signature(gm: fx.GraphModule, unit: int, nodes: list[fx.Node], prev: list[fx.Node],
+               attr_block: re.Pattern) -> tuple:
+    """Block ``unit``'s forward program by role: each node's op, constants, output shape and
+    inputs (its own nodes and the previous block's by position, its own parameters and buffers
+    by name within the block with their shape and dtype, anything else, another block's weight
+    included, as itself)."""
     own = {n: i for i, n in enumerate(nodes)}
     before = {n: i for i, n in enumerate(prev)}
 
@@ -71,7 +73,11 @@ def _signature(nodes: list[fx.Node], prev: list[fx.Node], attr_block: re.Pattern
         if a in before:
             return ("prev", before[a])
         m = attr_block.match(str(a.target)) if a.op == "get_attr" else None
-        return ("attr", m.group(2)) if m else ("same", a)
+        if m is None or int(m.group(1)) + 1 != unit:
+            return ("same", a)
+        value = attribute(gm, a.target)
+        return ("attr", m.group(2), tuple(getattr(value, "shape", ())),
+                getattr(value, "dtype", type(value)))
 
     out = []
     for n in nodes:
@@ -95,7 +101,8 @@ def alike_run(stage: Any, unit_of: dict[str, int], prefix: str) -> list[int]:
     run: list[int] = []
     sig = None
     for u in units:
-        mine = _signature(nodes[u], nodes.get(u - 1, []), attr_block) if u - 1 in nodes else None
+        mine = _signature(stage.gm, u, nodes[u], nodes[u - 1], attr_block) if u - 1 in nodes \
+            else None
         if run and u == run[-1] + 1 and (len(run) == 1 or mine == sig) and mine is not None \
                 and [n.target for n in nodes[u]] == [n.target for n in nodes[run[0]]]:
             run.append(u)
@@ -109,7 +116,9 @@ def alike_run(stage: Any, unit_of: dict[str, int], prefix: str) -> list[int]:
 
 def short_stage(stage: Any, unit_of: dict[str, int], run: Sequence[int], prefix: str) -> Any:
     """``stage`` with the blocks of ``run`` after its first two left out: what read the last
-    block reads the second, by position; ``None`` when something else reads a left-out block."""
+    block reads the second, by position; ``None`` when a node outside the run reads another
+    block of it (a loss over every block's router logits, a value of an earlier block carried
+    to the next stage)."""
     drop = set(run[2:])
     nodes = _block_nodes(stage.gm, unit_of, run)
     last = {n: i for i, n in enumerate(nodes[run[-1]])}
@@ -118,6 +127,11 @@ def short_stage(stage: Any, unit_of: dict[str, int], run: Sequence[int], prefix:
     dropped_attr = {n for n in stage.gm.graph.nodes if n.op == "get_attr"
                     and (m := attr_block.match(n.target)) and int(m.group(1)) + 1 in drop}
     dropped = {n for u in drop for n in nodes[u]} | dropped_attr
+    in_run = {n: u for u in run for n in nodes[u]}
+    for n in stage.gm.graph.nodes:  # (outside the run, a block read is the last one's: the
+        # copies stand in for it; a tap on an earlier block, carried out or summed, is not)
+        if n not in in_run and any(in_run.get(a, run[-1]) != run[-1] for a in n.all_input_nodes):
+            return None
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     root = nn.Module()
@@ -125,8 +139,6 @@ def short_stage(stage: Any, unit_of: dict[str, int], run: Sequence[int], prefix:
     for n in stage.gm.graph.nodes:
         if n in dropped:
             continue
-        if any(a in dropped and a not in last for a in n.all_input_nodes):
-            return None  # (say, a loss over every block's router logits)
         if n.op == "get_attr":
             value = attribute(stage.gm, n.target)
             set_module_attr(root, n.target, value)
@@ -212,7 +224,7 @@ def _roles(r: _Runs, run: Sequence[int], attr_block: re.Pattern
             return ("param", by[1]) if bx == (run[0], by[1]) or const else None
         if ax is ay and outside(ay):
             return ("same", None)
-        if backward and ax in bb and outside(ay) and (ay.op == "placeholder" or r.index[
+        if backward and ax in bb and outside(ay) and (_kind(ay) == "TangentAOTInput" or r.index[
                 r.fb[-1]] < r.index[ay] < r.index[r.bb[0]]):
             return ("next", bb[ax])  # the gradient the next block (or what follows) sends
         return None
@@ -311,6 +323,10 @@ def unroll_joint(gm: fx.GraphModule, stage: Any, prefix: str, run: Sequence[int]
         model = b_inputs.get(m.group(2)) if m else None
         if model is None:
             return f"the stage's {name} is neither in the short trace nor a copied block's"
+        mine, like = attribute(stage.gm, name), model.meta["val"]
+        if tuple(mine.shape) != tuple(like.shape) or mine.dtype != like.dtype:
+            return (f"the stage's {name} is {tuple(mine.shape)} {mine.dtype}, the second "
+                    f"block's {tuple(like.shape)} {like.dtype}")
         new.meta = dict(model.meta, desc=dataclasses.replace(model.meta["desc"], target=name))
         copies[(int(m.group(1)) + 1, m.group(2))] = new
         sources.append((int(m.group(1)) + 1, m.group(2)))
@@ -397,6 +413,10 @@ def _output(gm: fx.GraphModule, g: fx.Graph, env: dict[fx.Node, fx.Node],
     if nf < 0 or len(descs) != len(vals):
         return f"the short trace has {len(vals)} outputs for {len(primal)} inputs"
     slot = {p: (vals[nf + j], descs[nf + j]) for j, p in enumerate(primal)}
+    for p, (_, d) in slot.items():
+        of = getattr(d, "grad_of", None)
+        if of is not None and of != p.meta.get("desc"):
+            return f"the short trace's output for {p.name} is the gradient of {of}"
     fb_pos, bb_pos = r.pos("fb"), r.pos("bb")
     new_vals = [fwd[run[-1]][fb_pos[v]] if v in fb_pos else None if v is None else env[v]
                 for v in vals[:nf]]

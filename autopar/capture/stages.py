@@ -272,13 +272,16 @@ def _trace_stage(st: StageGraph, args: tuple, fwd: ForwardGraph, ctx: Any, cast:
     start = time.perf_counter()
     run = alike_run(st, fwd.unit_of, prefix) if is_fake and prefix else []
     short = short_stage(st, fwd.unit_of, run, prefix) if run else None
-    gm, outs = _joint(short or st, args, ctx, cast)
+    joint = None
     if short is not None:
-        unrolled = unroll_joint(gm, st, prefix, run)
-        if isinstance(unrolled, str):  # (the blocks differ where the check can see it)
-            gm, outs = _joint(st, args, ctx, cast)
-        else:
-            gm = unrolled
+        try:
+            gm, outs = _joint(short, args, ctx, cast)
+        except CaptureError:  # (the whole stage is traced: a real error is raised there)
+            gm = None
+        unrolled = unroll_joint(gm, st, prefix, run) if gm is not None else None
+        # (a refusal, a string: the blocks differ where the check can see it)
+        joint = None if unrolled is None or isinstance(unrolled, str) else (unrolled, outs)
+    gm, outs = joint if joint is not None else _joint(st, args, ctx, cast)
     # a stage of one block cannot show which module list repeats: the model's tells it
     traced = build_traced(gm, st.gm, fwd.in_spec, is_fake, time.perf_counter() - start,
                           stage=st, prefix=prefix)

@@ -15,13 +15,13 @@ Workers are forked where :func:`~autopar.planning.ahead.fork_is_safe` allows it,
 :data:`~autopar.planning.search.AHEAD_MIN_PARAMS` parameters or more (forking costs tens of
 milliseconds, a small stage's solve less), at most :func:`~autopar.planning.ahead.
 default_workers` of them, each taking every so many of the stages in turn; a job no worker
-has begun when the planner comes to wait for one is taken by the planner (marked in a shared
+has begun when the planner would wait for one is taken by the planner (marked in a shared
 array, so that exactly one process solves it), which is otherwise idle then: on two CPUs,
 DeepSeek-V3's last stage is placed by the planner while its worker places the middle one. A
-worker that fails
-(an error, a plan that does not pickle, its death, silence past its solves' time limits) leaves
-its stages to the planner, which solves them itself (a real error is raised there, with its
-traceback) and warns with the worker's message. A stage's strategy space is not sent back (it
+worker that fails (an error, a plan that does not pickle, its death, silence past its solves'
+time limits) leaves the stages it had begun or finished unsent to the planner, which solves
+them itself (a real error is raised there, with its traceback) and warns with the worker's
+message; those it had not begun the planner takes as above. A stage's strategy space is not sent back (it
 does not pickle): the plan's explanation (``plan.explain``) makes it again when asked.
 """
 
@@ -132,14 +132,21 @@ class StageWorkers:
         """``key``'s plan and what its worker sends with it (:func:`_work`), or ``(solve(),
         None)`` when no worker has it, its worker failed (told with a warning) or had not
         begun it (the planner takes it then). The warnings the worker's solve raised are
-        raised here. While it waits for a worker, the planner solves the jobs no worker has
-        begun (which it would otherwise solve after waiting)."""
+        raised here. While it would wait for a worker, the planner solves, one at a time, the
+        jobs no worker has begun (which it would otherwise solve after waiting); their
+        warnings and errors are raised when their turn comes, as a worker's are."""
         if key in self._mine:
-            return self._mine.pop(key), None
+            (plan, error), caught = self._mine.pop(key)
+            for message, category in caught:
+                warnings.warn(message, category, stacklevel=2)
+            if error is not None:
+                raise error
+            return plan, None
         if key in self._where and self._take(key):
             return solve(), None
         if key in self._where:
-            self._take_the_rest()
+            while not self._arrived(key) and self._take_one():
+                pass
             self._wait(key)
             if key in self._ready:
                 plan, extra, caught = self._ready.pop(key)
@@ -156,12 +163,26 @@ class StageWorkers:
         j = next(j for j, (k, _) in enumerate(self._jobs) if k == key)
         return _take(self._taken, j, _PLANNER)
 
-    def _take_the_rest(self) -> None:
-        """Solve here, in order, the jobs no worker has begun."""
+    def _arrived(self, key: Hashable) -> bool:
+        """Whether ``key``'s worker has a message waiting (or ended), so reading costs nothing."""
+        conn = self._conns.get(self._where[key])
+        return key in self._ready or key in self._lost or conn is None or conn.poll(0)
+
+    def _take_one(self) -> bool:
+        """Solve here the first job no worker has begun, keeping its plan or error and its
+        warnings for its turn; whether there was one."""
         for key, job in self._jobs:
             if key in self._where and key not in self._mine and key not in self._ready \
-                    and self._take(key):
-                self._mine[key] = job()
+                    and key not in self._lost and self._take(key):
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    try:
+                        done: tuple = (job(), None)
+                    except Exception as e:  # (raised at its turn: plan)
+                        done = (None, e)
+                self._mine[key] = (done, [(str(w.message), w.category) for w in caught])
+                return True
+        return False
 
     def close(self) -> None:
         """Stop the workers still running."""
@@ -205,19 +226,30 @@ class StageWorkers:
 _PLANNER, _WORKER = 1, 2
 
 
+# how long the planner waits for the claims' lock (held for a few instructions; a worker killed
+# while holding it would hold it for ever): past it, the planner does not take the job
+_LOCK_S = 60.0
+
+
 def _take(taken: Any, j: int, who: int) -> bool:
     """Whether ``who`` takes job ``j`` (nobody had): marked in the shared array ``taken``."""
-    with taken.get_lock():
+    lock = taken.get_lock()
+    if not lock.acquire(timeout=_LOCK_S):
+        return False  # (the job's worker, or the planner after it, solves it)
+    try:
         if taken[j]:
             return False
         taken[j] = who
         return True
+    finally:
+        lock.release()
 
 
 def _work(jobs: list[tuple[int, Hashable, Callable[[], Any]]], taken: Any, writer: Any,
           others: list[Any]) -> None:
-    """A worker: compute each job (index, key, function) the planner has not taken, and send ``(key, "ok", plan, extra, warnings)`` (``extra``:
-    the ILP's choice and each node's strategy count, for the explanation; ``warnings``: those
+    """A worker: compute each job (index, key, function) the planner has not taken, and send
+    ``(key, "ok", plan, extra, warnings)`` (``extra``: the ILP's choice and each node's
+    strategy count, for the explanation; ``warnings``: those
     the solve raised, as message and category) or ``(key, "failed", message)``, each pickled
     here and written by a thread (:func:`~autopar.planning.ahead.sending`), so that the next
     job starts while the planner has not read the last (a pipe holds 64 KiB on Linux, a plan

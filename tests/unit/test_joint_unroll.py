@@ -107,52 +107,58 @@ def test_a_stage_unrolled_from_a_short_trace_is_its_whole_trace_node_for_node(ki
 
 
 class _Block(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, scale: int = 0) -> None:
         super().__init__()
         self.lin = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.ones(scale)) if scale else None
 
     def forward(self, x, bias=None):
-        y = self.lin(x)
+        y = self.lin(x) if self.scale is None else self.lin(x) * self.scale
         return torch.tanh(y if bias is None else y + bias)
 
 
-class _Shared(nn.Module):
-    """Blocks after a linear input layer; ``shared``: each adds one bias the model holds (its
-    gradient is summed over the blocks); ``before_last``: the loss reads the block before the
-    last too."""
+class _Blocks(nn.Module):
+    """Five blocks after a linear input layer. ``case``: ``shared``, each adds one bias the model
+    holds (its gradient is summed over the blocks); ``before_last``, the loss reads the block
+    before the last too; ``tap``, the loss reads block 2 too; ``scales``, blocks 0 and 1 scale
+    by a weight of 8 values, the others by one of 1 (broadcast: the same ops and shapes)."""
 
-    def __init__(self, shared: bool = False, before_last: bool = False) -> None:
+    def __init__(self, case: str) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(_Block() for _ in range(5))
+        self.blocks = nn.ModuleList(_Block(8 if case == "scales" and i < 2 else 1 if
+                                           case == "scales" else 0) for i in range(5))
         self.bias = nn.Parameter(torch.zeros(8))
         self.inp, self.head = nn.Linear(8, 8), nn.Linear(8, 8)
-        self.shared, self.before_last = shared, before_last
+        self.case = case
 
     def forward(self, x, y):
         outs, x = [], self.inp(x)  # (so the first block's input has a gradient, as the others')
         for b in self.blocks:
-            x = b(x, self.bias if self.shared else None)
+            x = b(x, self.bias if self.case == "shared" else None)
             outs.append(x)
-        aux = self.head(outs[-2]).pow(2).mean() if self.before_last else 0.0
+        tap = {"before_last": -2, "tap": 2}.get(self.case)
+        aux = self.head(outs[tap]).pow(2).mean() if tap is not None else 0.0
         return (self.head(x) - y).pow(2).mean() + aux
 
 
-@pytest.mark.parametrize("case", ["shared", "before_last", "plain"])
+@pytest.mark.parametrize("case", ["shared", "before_last", "tap", "scales", "plain"])
 def test_blocks_the_copies_cannot_stand_for_are_traced_whole(case, monkeypatch):
     torch.manual_seed(0)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model = _Shared(shared=case == "shared", before_last=case == "before_last")
+        model = _Blocks(case)
     inputs = (torch.randn(4, 8), torch.randn(4, 8))
-    cut = (0,) * 6 + (1,)  # pre + the five blocks | the head and the loss
+    # pre + the five blocks | the head and the loss; "tap": pre + block 0 | blocks 1-4 | the rest
+    cut = (0, 0, 1, 1, 1, 1, 2) if case == "tap" else (0,) * 6 + (1,)
     short, whole, _, unrolled = _trace_both(model, inputs, cut, None, monkeypatch)
-    if case == "plain":
+    if case in ("plain", "scales"):  # ("scales": blocks 2-4 alike, copied with their own shape)
         assert len(unrolled) == 1 and isinstance(unrolled[0], fx.GraphModule)
     elif case == "shared":  # traced short, refused (the bias's gradient sums over the blocks)
         assert len(unrolled) == 1 and isinstance(unrolled[0], str), unrolled
-    else:  # the loss reads a block left out of the short copy: no short copy at all
+    else:  # the loss reads a block of the run but the last: no short copy at all
         assert unrolled == []
     for (_, ta), (_, tb) in zip(short, whole):
         assert _canonical(ta.gm) == _canonical(tb.gm)
+        assert [(p.name, p.shape) for p in ta.params] == [(p.name, p.shape) for p in tb.params]
 
 
 def test_a_fake_models_pipeline_plan_is_the_same_from_short_traces(monkeypatch):

@@ -111,6 +111,11 @@ def test_a_failed_worker_leaves_its_stages_to_the_planner(monkeypatch, how, tmp_
         plan = real(*args, **kwargs)
         if worker and how == "does-not-pickle":
             plan.solver["callback"] = lambda: None
+        if not worker and kwargs["stage"] == 0:  # (the worker has begun its first stage, a
+            # minute at most, so that the planner does not take both)
+            deadline = time.monotonic() + 60
+            while not (tmp_path / "worker1").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
         return plan
 
     monkeypatch.setattr(pipeline, "solve_candidate", failing)
@@ -161,10 +166,12 @@ def test_a_worker_starts_its_next_stage_before_the_planner_reads_the_last(monkey
 
 
 @_NEEDS_FORK
-def test_the_planner_takes_a_stage_its_worker_has_not_begun(monkeypatch, tmp_path):
+@pytest.mark.parametrize("how", ["places", "raises"])
+def test_the_planner_takes_a_stage_its_worker_has_not_begun(monkeypatch, tmp_path, how):
     # one worker holds the middle and last stage graphs (stages 1 and 3); its middle one waits
     # (a minute at most) for the planner to place the last one itself, which it does only if
-    # it takes the job the worker has not begun instead of waiting for the worker
+    # it takes the job the worker has not begun instead of waiting for the worker; the
+    # planner's warning there comes with the plan, its error when the last stage's turn comes
     alone = _alone(monkeypatch)
     parent = os.getpid()
     real = pipeline.solve_candidate
@@ -179,6 +186,11 @@ def test_the_planner_takes_a_stage_its_worker_has_not_begun(monkeypatch, tmp_pat
         if who == "worker" and kwargs["stage"] == 1:
             (tmp_path / "began1").write_text("")
             wait_for("planner3")
+        if who == "planner" and kwargs["stage"] == 3:
+            (tmp_path / "planner3").write_text("")
+            warnings.warn("the planner's stage 3", UserWarning)
+            if how == "raises":
+                raise ValueError("the planner's stage 3 failed")
         plan = real(*args, **kwargs)
         if who == "planner" and kwargs["stage"] == 0:  # (the worker has begun its first job)
             wait_for("began1")
@@ -186,8 +198,17 @@ def test_the_planner_takes_a_stage_its_worker_has_not_begun(monkeypatch, tmp_pat
         return plan
 
     monkeypatch.setattr(pipeline, "solve_candidate", solve)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # (no worker may have failed)
-        forked = _plan(monkeypatch, 1)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["began1", "planner0", "planner3", "worker1"]
-    assert_same_pipeline_plan(forked, alone)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if how == "raises":
+            with pytest.raises(ValueError, match="stage 3 failed"):
+                _plan(monkeypatch, 1)
+        else:
+            forked = _plan(monkeypatch, 1)
+    said = [str(w.message) for w in caught]
+    assert said.count("the planner's stage 3") == 1
+    assert not [m for m in said if "stage worker" in m], said  # (no worker failed)
+    expected = ["began1", "planner0", "planner3", "worker1"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == expected
+    if how == "places":
+        assert_same_pipeline_plan(forked, alone)
