@@ -129,8 +129,10 @@ def short_stage(stage: Any, unit_of: dict[str, int], run: Sequence[int], prefix:
     dropped = {n for u in drop for n in nodes[u]} | dropped_attr
     in_run = {n: u for u in run for n in nodes[u]}
     for n in stage.gm.graph.nodes:  # (outside the run, a block read is the last one's: the
-        # copies stand in for it; a tap on an earlier block, carried out or summed, is not)
-        if n not in in_run and any(in_run.get(a, run[-1]) != run[-1] for a in n.all_input_nodes):
+        # copies stand in for it; a tap on an earlier block, carried out or summed, is not;
+        # nor is a left-out block's weight read from outside it, as a regulariser on it)
+        if n not in in_run and n not in dropped_attr and any(
+                in_run.get(a, run[-1]) != run[-1] or a in dropped_attr for a in n.all_input_nodes):
             return None
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}

@@ -120,8 +120,9 @@ class _Block(nn.Module):
 class _Blocks(nn.Module):
     """Five blocks after a linear input layer. ``case``: ``shared``, each adds one bias the model
     holds (its gradient is summed over the blocks); ``before_last``, the loss reads the block
-    before the last too; ``tap``, the loss reads block 2 too; ``scales``, blocks 0 and 1 scale
-    by a weight of 8 values, the others by one of 1 (broadcast: the same ops and shapes)."""
+    before the last too; ``tap``, the loss reads block 2 too; ``weight``, the loss reads the
+    last block's weight too; ``scales``, blocks 0 and 1 scale by a weight of 8 values, the
+    others by one of 1 (broadcast: the same ops and shapes)."""
 
     def __init__(self, case: str) -> None:
         super().__init__()
@@ -138,23 +139,27 @@ class _Blocks(nn.Module):
             outs.append(x)
         tap = {"before_last": -2, "tap": 2}.get(self.case)
         aux = self.head(outs[tap]).pow(2).mean() if tap is not None else 0.0
+        if self.case == "weight":  # (a regulariser on a block's weight, outside the block)
+            aux = self.blocks[-1].lin.weight.pow(2).sum()
         return (self.head(x) - y).pow(2).mean() + aux
 
 
-@pytest.mark.parametrize("case", ["shared", "before_last", "tap", "scales", "plain"])
+@pytest.mark.parametrize("case", ["shared", "before_last", "tap", "weight", "scales", "plain"])
 def test_blocks_the_copies_cannot_stand_for_are_traced_whole(case, monkeypatch):
     torch.manual_seed(0)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = _Blocks(case)
     inputs = (torch.randn(4, 8), torch.randn(4, 8))
-    # pre + the five blocks | the head and the loss; "tap": pre + block 0 | blocks 1-4 | the rest
-    cut = (0, 0, 1, 1, 1, 1, 2) if case == "tap" else (0,) * 6 + (1,)
+    # pre + the five blocks | the head and the loss; "tap": pre + block 0 | blocks 1-4 | the
+    # rest; "weight": pre + block 0 | blocks 1-4 and the rest (the weight read beside them)
+    cut = {"tap": (0, 0, 1, 1, 1, 1, 2), "weight": (0, 0, 1, 1, 1, 1, 1)}.get(case, (0,) * 6 + (1,))
     short, whole, _, unrolled = _trace_both(model, inputs, cut, None, monkeypatch)
     if case in ("plain", "scales"):  # ("scales": blocks 2-4 alike, copied with their own shape)
         assert len(unrolled) == 1 and isinstance(unrolled[0], fx.GraphModule)
     elif case == "shared":  # traced short, refused (the bias's gradient sums over the blocks)
         assert len(unrolled) == 1 and isinstance(unrolled[0], str), unrolled
-    else:  # the loss reads a block of the run but the last: no short copy at all
+    else:  # the loss reads a block of the run but the last, or a weight of one left out: no
+        # short copy at all
         assert unrolled == []
     for (_, ta), (_, tb) in zip(short, whole):
         assert _canonical(ta.gm) == _canonical(tb.gm)
