@@ -130,9 +130,9 @@ def short_stage(stage: Any, unit_of: dict[str, int], run: Sequence[int], prefix:
     in_run = {n: u for u in run for n in nodes[u]}
     for n in stage.gm.graph.nodes:  # (outside the run, a block read is the last one's: the
         # copies stand in for it; a tap on an earlier block, carried out or summed, is not;
-        # nor is a left-out block's weight read from outside it, as a regulariser on it)
-        if n not in in_run and n not in dropped_attr and any(
-                in_run.get(a, run[-1]) != run[-1] or a in dropped_attr for a in n.all_input_nodes):
+        # nor is a left-out block's weight read by a node kept, as a regulariser on it)
+        if n not in dropped and any(a in dropped_attr or n not in in_run and in_run.get(
+                a, run[-1]) != run[-1] for a in n.all_input_nodes):
             return None
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}

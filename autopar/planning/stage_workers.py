@@ -21,8 +21,9 @@ DeepSeek-V3's last stage is placed by the planner while its worker places the mi
 worker that fails (an error, a plan that does not pickle, its death, silence past its solves'
 time limits) leaves the stages it had begun or finished unsent to the planner, which solves
 them itself (a real error is raised there, with its traceback) and warns with the worker's
-message; those it had not begun the planner takes as above. A stage's strategy space is not sent back (it
-does not pickle): the plan's explanation (``plan.explain``) makes it again when asked.
+message; those it had not begun the planner takes at their turn, without a warning. A stage's
+strategy space is not sent back (it does not pickle): the plan's explanation
+(``plan.explain``) makes it again when asked.
 """
 
 from __future__ import annotations
@@ -249,12 +250,11 @@ def _work(jobs: list[tuple[int, Hashable, Callable[[], Any]]], taken: Any, write
           others: list[Any]) -> None:
     """A worker: compute each job (index, key, function) the planner has not taken, and send
     ``(key, "ok", plan, extra, warnings)`` (``extra``: the ILP's choice and each node's
-    strategy count, for the explanation; ``warnings``: those
-    the solve raised, as message and category) or ``(key, "failed", message)``, each pickled
-    here and written by a thread (:func:`~autopar.planning.ahead.sending`), so that the next
-    job starts while the planner has not read the last (a pipe holds 64 KiB on Linux, a plan
-    more); the reading ends it inherited are closed (a planner that died leaves no pipe held
-    open by its worker)."""
+    strategy count, for the explanation; ``warnings``: those the solve raised, as message and
+    category) or ``(key, "failed", message)``, each pickled here and written by a thread
+    (:func:`~autopar.planning.ahead.sending`), so that the next job starts while the planner
+    has not read the last (a pipe holds 64 KiB on Linux, a plan more); the reading ends it
+    inherited are closed (a planner that died leaves no pipe held open by its worker)."""
     import torch
 
     # (no OpenMP team here: the parent's pool of threads is not in the fork)

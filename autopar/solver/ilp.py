@@ -352,8 +352,8 @@ def _solve_lp(red: _Reduced, slack: float | None, time_limit_s: float) -> _LPRes
 
 
 # of the time left, for the MIP over a rounding's unsettled groups: DeepSeek-V3's stage-1 ILP
-# (2,048 GPUs) solves its neighbourhood in 8 s alone, and with a third (about 8 s left it) ran
-# past it when another ILP ran beside it (the whole MIP then hit the limit: 2% above the
+# (2,048 GPUs) solves its neighbourhood in 8 s alone; given a third of the time left (about
+# 8 s), it ran past it when another ILP ran beside it (the whole MIP then hit the limit: 2% above the
 # optimum, a plan that depends on the machine's load); with two thirds, optimal beside one or
 # two others (docs/validation.md). The whole MIP, which follows when the neighbourhood does not
 # prove its rounding, has the rest (on that stage it found nothing better than the rounding
