@@ -4,7 +4,7 @@ Compute: roofline on the *local* (per-rank) shapes a strategy gives, so a matmul
 axis of size n costs 1/n of the replicated one and a ``Partial`` output costs the full size
 (:func:`autopar.cost_models.node_compute.compute_time`).
 Communication: the collectives :func:`autopar.strategies.reshard.reshard_steps` emits, priced per
-mesh axis with the alpha-beta model (:func:`axis_collective_time`). Memory (DESIGN §5): parameter,
+mesh axis with the alpha-beta model (:mod:`autopar.cost_models.reshard_prices`). Memory (DESIGN §5): parameter,
 gradient and optimizer state of each parameter shard, plus every forward activation saved for the
 backward, at its local size.
 """
@@ -21,15 +21,15 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from autopar.cost_models.comm import axis_collective_time, axis_strides
 from autopar.cost_models.experts import expert_weight_params
 from autopar.cost_models.node_compute import compute_time, is_free, numel, val_list
+from autopar.cost_models.reshard_prices import edge_matrix, pricer, reshard_time
 from autopar.cost_models.topology import Topology
 from autopar.capture.layers import aten_ops, is_op
 from autopar.capture.remat import gather_dtype
 from autopar.graph import TracedGraph
 from autopar.placements import from_str, to_str
-from autopar.strategies.reshard import local_shape, reshard_steps
+from autopar.strategies.reshard import local_shape
 from autopar.strategies.space import (
     Placements, Strategy, StrategySpace, tensor_inputs, boundary_placements,
 )
@@ -37,7 +37,7 @@ from autopar.strategies.space import (
 __all__ = ["REGATHERED_LAYERS", "SpaceCosts", "StepEndBucket", "alias_root", "deferred_gradient_matrix",
            "deferred_placement", "price_space",
            "fused_edges",
-           "recomputed_bytes", "reshard_time", "state_bytes_per_element", "step_end_buckets",
+           "recomputed_bytes", "state_bytes_per_element", "step_end_buckets",
            "stored_dim", "stored_placement", "zero_once_placement", "zero_placement"]
 
 @dataclass(frozen=True)
@@ -71,44 +71,6 @@ def state_bytes_per_element(optimizer: str, itemsize: int = 4) -> int:
     if itemsize >= 4:
         return 16 if optimizer == "adam" else 8
     return 18 if optimizer == "adam" else 10
-
-
-def reshard_time(src: Placements, dst: Placements, shape: tuple[int, ...], itemsize: int,
-                 mesh_shape: tuple[int, ...], topology: Topology) -> float:
-    """Seconds to move a tensor from ``src`` to ``dst`` placements (sum of its collectives)."""
-    return _pricer(mesh_shape, topology)(src, dst, shape, itemsize)
-
-
-def _reshard_time(src: Placements, dst: Placements, shape: tuple[int, ...], itemsize: int,
-                  mesh_shape: tuple[int, ...], topology: Topology) -> float:
-    strides = axis_strides(mesh_shape)
-    total = 0.0
-    for step in reshard_steps(src, dst, shape, itemsize, mesh_shape):
-        if step.kind != "local":
-            total += axis_collective_time(step.kind, step.nbytes, mesh_shape[step.axis],
-                                          strides[step.axis], topology)
-    return total
-
-
-_PRICERS: dict[tuple[tuple[int, ...], int], Any] = {}
-
-
-def _pricer(mesh_shape: tuple[int, ...], topo: Topology) -> Any:
-    """A memoised ``(src, dst, shape, itemsize) -> seconds`` for one mesh and topology."""
-    key = (mesh_shape, id(topo))
-    hit = _PRICERS.get(key)
-    if hit is None or hit[0] is not topo:
-        cache: dict[tuple, float] = {}
-
-        def price(src: Placements, dst: Placements, shape: tuple[int, ...], item: int) -> float:
-            k = (src, dst, shape, item)
-            v = cache.get(k)
-            if v is None:
-                v = cache[k] = _reshard_time(src, dst, shape, item, mesh_shape, topo)
-            return v
-
-        hit = _PRICERS[key] = (topo, price)
-    return hit[1]
 
 
 # layers whose gathered parameters ZeRO-3 holds at once: the one computing and the one whose
@@ -193,7 +155,7 @@ def price_space(traced: TracedGraph, space: StrategySpace, topology: Topology,
             ekey = ("e", id(space.nodes[src].strategies), idx, id(ns.strategies), k, tuple(val.shape),
                     val.element_size())
             if ekey not in cache:
-                cache[ekey] = _edge_matrix(space.nodes[src].strategies, idx, ns.strategies, k,
+                cache[ekey] = edge_matrix(space.nodes[src].strategies, idx, ns.strategies, k,
                                            val, mesh_shape, topology)
                 cache[ekey].flags.writeable = False
             edges[(name, k)] = cache[ekey]
@@ -265,21 +227,6 @@ def _fused_key(n: fx.Node, fused: frozenset) -> tuple:
 def _signature(n: fx.Node) -> tuple:
     vals = val_list(n.meta.get("val"))
     return (str(n.target), tuple(tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in vals))
-
-
-def _edge_matrix(src: Sequence[Strategy], idx: int, dst: Sequence[Strategy], k: int,
-                 val: torch.Tensor, mesh_shape: tuple[int, ...], topo: Topology) -> np.ndarray:
-    """[producer strategy, consumer strategy] resharding seconds; priced once per distinct pair
-    of placements (many strategies share an output or input placement)."""
-    shape, item = tuple(val.shape), val.element_size()
-    src_u: dict[Any, int] = {}  # distinct placements, in order of first use
-    dst_u: dict[Any, int] = {}
-    si = [src_u.setdefault(s.outputs[idx], len(src_u)) for s in src]
-    di = [dst_u.setdefault(t.inputs[k], len(dst_u)) for t in dst]
-    price = _pricer(mesh_shape, topo)
-    small = np.array([[price(a, b, shape, item) for b in dst_u] for a in src_u]
-                     ).reshape(len(src_u), len(dst_u))
-    return small[np.ix_(si, di)]
 
 
 def deferred_placement(grad: Placements, param: Placements, dp_axes: Sequence[int]
@@ -461,7 +408,7 @@ def deferred_gradient_matrix(src: Sequence[Strategy], idx: int, params: Sequence
     there), every run, and from there to the parameter's placement once every ``1 / share``
     runs (a pipeline stage's microbatches), priced at ``share`` of its time."""
     shape, item = tuple(val.shape), val.element_size()
-    price = _pricer(mesh_shape, topo)
+    price = pricer(mesh_shape, topo)
     cache: dict[tuple, float] = {}
     out = np.zeros((len(src), len(params)))
     for a, s in enumerate(src):
@@ -585,7 +532,7 @@ def _output_costs(traced: TracedGraph, space: StrategySpace, mesh_shape: tuple[i
         value = space.value_of(g.name)
         gv = g.meta["val"]
         target = [(s.outputs[0],) for s in space.nodes[p.node].strategies]
-        m = _edge_matrix(space.nodes[value[0]].strategies, value[1],
+        m = edge_matrix(space.nodes[value[0]].strategies, value[1],
                          [Strategy((), t) for t in target], 0, gv, mesh_shape, topo)
         res[p.grad_output_index] = (value, p.node, m)
     return res

@@ -30,6 +30,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autopar._torch_private import MIXED_PARTIALS_DROPPED, MeshExpansion, _StridedShard
 from autopar.errors import AutoparError
+from autopar.placements import is_kind
 
 __all__ = ["ExpansionError", "even_split", "expand", "is_even", "mixes_partials"]
 
@@ -46,11 +47,11 @@ def even_split(sizes: tuple[int, ...], p: Placement, axis_size: int,
     placement autopar does not plan over)."""
     if type(p) in (Replicate, Partial):
         return sizes
-    if not isinstance(p, (Shard, _StridedShard)):
+    if not is_kind(p, (Shard, _StridedShard)):
         return None  # other exotic placements are not planned over
     d = p.dim + len(sizes) if p.dim < 0 else p.dim
     factor = 1
-    if isinstance(p, _StridedShard):
+    if is_kind(p, _StridedShard):
         if p.split_factor not in strided_ok:
             return None  # strided layouts from views (e.g. flattening a sharded seq dim)
         factor = p.split_factor
@@ -144,6 +145,6 @@ def mixes_partials(placements: Iterable[Placement | None]) -> bool:
     """Whether these placements of one tensor (over the strategies, or over the axes of one
     combination) hold more than one partial kind, sum with avg of one type excepted: torch
     2.13's expansion drops such a combination, 2.11's keeps it."""
-    kinds = {(type(p), p.reduce_op) for p in placements if isinstance(p, Partial)}
+    kinds = {(type(p), p.reduce_op) for p in placements if is_kind(p, Partial)}
     return len(kinds) > 1 and not (len({t for t, _ in kinds}) == 1
                                    and {op for _, op in kinds} == {"sum", "avg"})

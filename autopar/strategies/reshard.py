@@ -18,8 +18,11 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from autopar._torch_private import _StridedShard
+from autopar.placements import is_kind
 
 __all__ = ["Step", "reshard_steps", "local_shape", "COMM_KINDS"]
+
+_SHARDS = (Shard, _StridedShard)
 
 Placements = tuple[Placement, ...]
 COMM_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -44,7 +47,7 @@ def local_shape(shape: Sequence[int], placements: Sequence[Placement], mesh_shap
     """Per-rank shape of a tensor of global ``shape`` under ``placements`` (even shards)."""
     out = list(shape)
     for axis, p in enumerate(placements):
-        if isinstance(p, (Shard, _StridedShard)):
+        if is_kind(p, _SHARDS):
             out[p.dim] //= mesh_shape[axis]
     return tuple(out)
 
@@ -57,12 +60,12 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def _shard_dim(p: Placement) -> int | None:
-    return p.dim if isinstance(p, (Shard, _StridedShard)) else None
+    return p.dim if is_kind(p, _SHARDS) else None
 
 
 def _axes_to_undo(cur: list[Placement], dst: Sequence[Placement]) -> set[int]:
     ndim = len(cur)
-    undo = {a for a in range(ndim) if cur[a] != dst[a] and not isinstance(cur[a], Replicate)}
+    undo = {a for a in range(ndim) if cur[a] != dst[a] and not is_kind(cur[a], Replicate)}
     # a later axis sharding the same dim as one we change (before or after) must unwind first
     changed = True
     while changed:
@@ -119,7 +122,7 @@ def _moves(src: Placements, dst: Placements, mesh_shape: tuple[int, ...]
     undo = _axes_to_undo(cur, dst)
     for a in sorted(undo, reverse=True):
         before = tuple(cur)
-        if isinstance(cur[a], Partial):
+        if is_kind(cur[a], Partial):
             if _can_reduce_scatter(cur, dst, a, undo):
                 cur[a] = dst[a]
                 moves.append((a, "reduce_scatter", before, tuple(cur)))

@@ -30,6 +30,7 @@ from autopar._torch_private import (
 )
 from autopar.errors import PlanError, UnsupportedOpError
 from autopar.graph import TracedGraph
+from autopar.placements import is_kind
 from autopar.strategies import fused
 from autopar.strategies.expansion import ExpansionError, expand, is_even
 from autopar.strategies.nested_views import VIEW_OPS, nested_view_strategies
@@ -167,8 +168,8 @@ def _mixes_strided(strategy: Strategy) -> bool:
     for pl in (*strategy.outputs, *strategy.inputs):
         if pl is None:
             continue
-        strided = {p.dim for p in pl if isinstance(p, _StridedShard)}
-        if strided & {p.dim for p in pl if isinstance(p, Shard)}:
+        strided = {p.dim for p in pl if is_kind(p, _StridedShard)}
+        if strided and strided & {p.dim for p in pl if is_kind(p, Shard)}:
             return True
     return False
 
@@ -390,7 +391,7 @@ class _Builder:
         for a in inputs:
             for c in self.candidates(self.value(a)):
                 for p in c:
-                    if isinstance(p, _StridedShard):
+                    if is_kind(p, _StridedShard):
                         # a plain shard next to the strided one, so that a rule expanding the
                         # shard types it sees also pairs a batch-sharded axis with a strided one
                         rest = (p,) * (len(self.mesh_shape) - 1)

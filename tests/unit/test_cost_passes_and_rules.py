@@ -176,3 +176,32 @@ def test_custom_op_rule_is_used_by_the_planner():
     for n in nodes:
         assert after.nodes[n].outputs != (("R",),), after.nodes[n]
     assert after.predicted["step_time_s"] < before.predicted["step_time_s"]
+
+
+@pytest.mark.parametrize("before", [True, False])
+def test_planning_pauses_the_garbage_collector_and_restores_it(megatron, before):
+    """The planner turns Python's cyclic collector off while it plans (its structures are
+    many and live until it ends) and leaves it as it found it, on or off, also when planning
+    fails."""
+    import gc
+
+    model, inputs, mesh, _ = megatron
+    seen = []
+
+    def spy(costs, space, topology):
+        seen.append(gc.isenabled())
+        return costs
+
+    def fail(costs, space, topology):
+        raise RuntimeError("a failing pass")
+
+    (gc.enable if before else gc.disable)()
+    try:
+        autopar.plan(model, mesh, inputs, config=autopar.Config(tp=2), cost_passes=[spy])
+        assert seen and not any(seen)
+        assert gc.isenabled() is before
+        with pytest.raises(RuntimeError, match="a failing pass"):
+            autopar.plan(model, mesh, inputs, config=autopar.Config(tp=2), cost_passes=[fail])
+        assert gc.isenabled() is before
+    finally:
+        gc.enable()

@@ -412,3 +412,87 @@ def test_pinned_identical_layers_share_their_prices_and_keep_their_values():
         assert np.array_equal(shared.memory[name], unshared.memory[name]), name
     for key, m in shared.edges.items():
         assert np.array_equal(m, unshared.edges[key]), key
+
+
+# ---- what makes enumeration and pricing cheaper keeps their answers ----------------------------
+
+def test_is_kind_answers_as_isinstance():
+    """``placements.is_kind`` caches ``isinstance`` by type; a strided shard is not a shard."""
+    from autopar.placements import is_kind
+
+    kinds = (Shard, _StridedShard, Replicate, Partial, (Shard, _StridedShard))
+    for p in (S0, Shard(2), _StridedShard(0, split_factor=2), R, P, Partial("avg")):
+        for cls in kinds:
+            assert is_kind(p, cls) is isinstance(p, cls), (p, cls)
+    assert not is_kind(_StridedShard(1, split_factor=3), Shard)
+
+
+def test_no_redistribute_costs_replaces_dtensors_cost_rows_and_restores_them():
+    """Inside ``no_redistribute_costs`` every DTensor rule module that imported
+    ``generate_redistribute_costs`` gets a zero per source strategy; after, its own again."""
+    import sys
+
+    import torch.distributed.tensor._ops.utils as op_utils
+    from autopar._torch_private import DTensorSpec, OpSpec, OpStrategy, no_redistribute_costs
+
+    real = op_utils.generate_redistribute_costs
+    holders = [m for n, m in sys.modules.items() if n.startswith("torch.distributed.tensor.")
+               and getattr(m, "generate_redistribute_costs", None) is real]
+    assert len(holders) >= 3  # (utils and the rule modules that import it by name)
+    with planning_device_mesh((2, 2), ("a", "b")) as dm:
+        strategy = OpStrategy([OpSpec(DTensorSpec(dm, (p, q))) for p in (R, S0) for q in (R, S1)])
+        dst = DTensorSpec(dm, (R, R))
+        with no_redistribute_costs():
+            assert all(m.generate_redistribute_costs is not real for m in holders)
+            assert op_utils.generate_redistribute_costs(strategy, dst) == [0.0] * 4
+        assert all(m.generate_redistribute_costs is real for m in holders)
+
+
+def test_edge_matrices_are_priced_pair_by_pair_and_kept_per_topology():
+    """An edge's matrix equals each pair's own resharding price, and is kept by its
+    placements, shape, element size, mesh and topology: the same lists again give the same
+    prices; another topology (other links), mesh or dtype its own."""
+    from autopar.cost_models.reshard_prices import edge_matrix, reshard_time
+    from autopar.cost_models.topology import custom, get_preset
+    from autopar.strategies.space import Strategy
+
+    mesh = (2, 4)
+    outs = [(R, R), (S0, R), (R, S1), (P, R), (S0, S1)]
+    ins = [(R, R), (R, S1), (S0, R)]
+    src = [Strategy((o,), ()) for o in outs + outs[:2]]  # (repeated placements: one price each)
+    dst = [Strategy((None,), (i,)) for i in ins]
+    val = torch.empty(64, 32)
+    base = get_preset("a100-dgx")
+    slow = custom("slow-links", base=base, intra_node=dataclasses.replace(
+        base.intra_node, bandwidth_Bps=base.intra_node.bandwidth_Bps / 100))
+    seen = []
+    cases = [(get_preset("a100-dgx"), mesh, val), (slow, mesh, val), (get_preset("a100-dgx"), mesh, val),
+             (get_preset("a100-dgx"), (4, 2), val), (get_preset("a100-dgx"), mesh, val.bfloat16())]
+    for topo, m, v in cases:
+        got = edge_matrix(src, 0, dst, 0, v, m, topo)
+        want = [[reshard_time(s.outputs[0], t.inputs[0], (64, 32), v.element_size(), m, topo)
+                 for t in dst] for s in src]
+        assert got.tolist() == want
+        seen.append(got.tolist())
+    assert seen[0] == seen[2] and seen[1] != seen[0] and seen[3] != seen[0] and seen[4] != seen[0]
+
+
+def test_the_kept_edge_matrices_stay_within_their_bytes(monkeypatch):
+    """The edge matrices kept for the process hold at most ``_MATRICES_BYTES``, the oldest
+    dropped first, their count of bytes exact; a dropped one is priced again, the same."""
+    import autopar.cost_models.reshard_prices as rp
+    from autopar.cost_models.topology import get_preset
+    from autopar.strategies.space import Strategy
+
+    monkeypatch.setattr(rp, "_MATRICES", {})
+    monkeypatch.setattr(rp, "_matrices_held", 0)
+    monkeypatch.setattr(rp, "_MATRICES_BYTES", 1000)  # (room for 5 of these 2 x 12 matrices)
+    topo, mesh = get_preset("a100-dgx"), (2, 4)
+    src = [Strategy(((R, R),), ()), Strategy(((S0, R),), ())]
+    dst = [Strategy((None,), ((a, b),)) for a in (R, S0, S1, P) for b in (R, S0, S1)]
+    first = rp.edge_matrix(src, 0, dst, 0, torch.empty(16, 8), mesh, topo)
+    for rows in range(17, 40):
+        rp.edge_matrix(src, 0, dst, 0, torch.empty(rows, 8), mesh, topo)
+        assert rp._matrices_held == sum(m.nbytes for _, m in rp._MATRICES.values()) <= 1000
+    assert len(rp._MATRICES) == 5 and not any(k[2] == (16, 8) for k in rp._MATRICES)
+    assert rp.edge_matrix(src, 0, dst, 0, torch.empty(16, 8), mesh, topo).tolist() == first.tolist()
